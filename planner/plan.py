@@ -1,0 +1,127 @@
+"""Plans: frozen, inspectable lists of one-sided byte-range reads for one destination rank.
+
+A plan stores its reads column-wise (numpy ``int64`` arrays, one group per source rank) because a
+trillion-parameter job has millions of them; ``Plan.ops()`` yields them as ``ReadOp`` values.
+Offsets are byte offsets inside the named regions of the source and destination ranks.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .errors import PlanError
+
+COLUMNS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes")
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Copy ``nbytes`` from ``src_offset`` of region ``src_region`` of rank ``src_rank`` to
+    ``dst_offset`` of the destination's region ``dst_region``."""
+
+    src_rank: int
+    src_region: int
+    src_offset: int
+    dst_region: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class SourceOps:
+    """All reads a plan makes from one source rank, as read-only ``int64`` columns."""
+
+    src_rank: int
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = None
+        for c in COLUMNS:
+            arr = np.ascontiguousarray(getattr(self, c), dtype=np.int64)
+            arr.setflags(write=False)
+            object.__setattr__(self, c, arr)
+            if n is None:
+                n = len(arr)
+            elif len(arr) != n:
+                raise PlanError(f"source rank {self.src_rank}: columns of different lengths")
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SourceOps) and self.src_rank == other.src_rank and all(
+            np.array_equal(getattr(self, c), getattr(other, c)) for c in COLUMNS)
+
+    def __hash__(self) -> int:
+        return hash((self.src_rank, len(self)))
+
+
+@dataclass(frozen=True, eq=True)
+class Plan:
+    """The reads destination rank ``dst_rank`` performs, grouped by source rank (sorted).
+
+    ``needed_bytes`` is the number of destination bytes that map to canonical data; a valid plan
+    reads exactly that many bytes.
+    """
+
+    dst_rank: int
+    sources: tuple[SourceOps, ...]
+    needed_bytes: int
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.total_bytes for s in self.sources)
+
+    def bytes_per_source(self) -> dict[int, int]:
+        return {s.src_rank: s.total_bytes for s in self.sources}
+
+    def ops(self) -> Iterator[ReadOp]:
+        for s in self.sources:
+            cols = [getattr(s, c).tolist() for c in COLUMNS]
+            for row in zip(*cols):
+                yield ReadOp(s.src_rank, *row)
+
+    def summary(self) -> dict:
+        per = self.bytes_per_source()
+        loads = list(per.values()) or [0]
+        mean = sum(loads) / len(loads)
+        return {
+            "dst_rank": self.dst_rank,
+            "ops": len(self),
+            "bytes": self.total_bytes,
+            "needed_bytes": self.needed_bytes,
+            "bytes_per_source": per,
+            "balance_max_over_mean": (max(loads) / mean) if mean else 1.0,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "dst_rank": self.dst_rank,
+            "needed_bytes": self.needed_bytes,
+            "sources": [{"src_rank": s.src_rank, **{c: getattr(s, c).tolist() for c in COLUMNS}}
+                        for s in self.sources],
+        }, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Plan":
+        try:
+            d = json.loads(text)
+            return cls(int(d["dst_rank"]),
+                       tuple(SourceOps(int(s["src_rank"]), *(s[c] for c in COLUMNS)) for s in d["sources"]),
+                       int(d["needed_bytes"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed plan record: {e}") from e

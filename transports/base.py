@@ -1,0 +1,203 @@
+"""The transport interface: register memory, exchange descriptors, post batches of one-sided reads.
+
+Transports move bytes between memory regions of processes. They know nothing of layouts, plans or
+versions: a read is "``nbytes`` from offset ``a`` of remote region ``i`` to offset ``b`` of local
+region ``j``".
+
+Call protocol
+-------------
+Serving side (a publisher rank)::
+
+    t = TcpTransport(token=b"secret", host="10.0.0.5")
+    region = t.register(addr, nbytes)           # once per buffer; region.descriptor is bytes
+    endpoint = t.endpoint()                     # bytes; publish endpoint + region descriptors
+    ...                                         # reads are served in the background
+    t.deregister(region); t.close()             # close() is idempotent
+
+Reading side (a subscriber)::
+
+    t = TcpTransport(token=b"secret")
+    dst = t.register(addr, nbytes)              # destination memory, once
+    peer = t.connect(endpoint, timeout=30.0)    # once per remote endpoint
+    prep = t.prepare(peer, [desc0, desc1], [dst], batch)   # once per plan: validates bounds
+    t.read(prep, timeout=60.0)                  # every pull: post all reads, wait, or raise
+    t.release(prep); t.disconnect(peer); t.close()
+
+``batch`` indexes ``remote_regions`` and ``local_regions`` by position. ``prepare`` checks every
+read against the sizes in the descriptors and the local regions and raises ``TransportError``
+before anything moves; the serving side checks again and refuses reads outside a registered region.
+``read`` either completes every read of the batch or raises ``TransportError`` (``AuthError`` for
+a failed handshake); after an error the destination bytes of that batch are unspecified.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+from .errors import TransportError
+
+BATCH_COLUMNS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes")
+
+
+@dataclass(frozen=True, eq=False)
+class ReadBatch:
+    """Reads from one peer, column-wise ``int64`` arrays of equal length."""
+
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+
+    def __post_init__(self) -> None:
+        lengths = set()
+        for c in BATCH_COLUMNS:
+            arr = np.ascontiguousarray(getattr(self, c), dtype=np.int64)
+            arr.setflags(write=False)
+            object.__setattr__(self, c, arr)
+            lengths.add(len(arr))
+        if len(lengths) > 1:
+            raise TransportError(f"read batch columns differ in length: {sorted(lengths)}")
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    @classmethod
+    def of(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> "ReadBatch":
+        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        return cls(*(arr[:, i] for i in range(5)))
+
+
+@dataclass(eq=False)
+class Region:
+    """A local registration: a handle, never sent anywhere. ``descriptor`` is what peers get."""
+
+    id: int
+    addr: int
+    nbytes: int
+    device: str
+    descriptor: bytes
+    handle: Any = field(default=None, repr=False)
+
+
+def encode_descriptor(kind: str, **fields: Any) -> bytes:
+    return json.dumps({"transport": kind, **fields}, separators=(",", ":"), sort_keys=True).encode()
+
+
+def decode_descriptor(kind: str, data: bytes, required: Sequence[str]) -> dict:
+    """Parses and validates a descriptor that came from a peer (through an untrusted store)."""
+    try:
+        d = json.loads(bytes(data))
+    except (ValueError, TypeError) as e:
+        raise TransportError(f"{kind}: malformed descriptor: {e}") from None
+    if not isinstance(d, dict) or d.get("transport") != kind:
+        raise TransportError(f"{kind}: descriptor is for transport {d.get('transport') if isinstance(d, dict) else d!r}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise TransportError(f"{kind}: descriptor lacks {missing}")
+    return d
+
+
+def check_batch_bounds(kind: str, batch: ReadBatch, remote_sizes: Sequence[int],
+                       local_sizes: Sequence[int], peer: str) -> None:
+    """Raises ``TransportError`` if any read of ``batch`` falls outside its regions."""
+    if len(batch) == 0:
+        return
+    rs = np.asarray(remote_sizes, dtype=np.int64)
+    ls = np.asarray(local_sizes, dtype=np.int64)
+    bad = ((batch.src_region < 0) | (batch.src_region >= len(rs)) | (batch.dst_region < 0)
+           | (batch.dst_region >= len(ls)) | (batch.nbytes <= 0) | (batch.src_offset < 0)
+           | (batch.dst_offset < 0))
+    if not bad.any():
+        bad = ((batch.src_offset + batch.nbytes > rs[batch.src_region])
+               | (batch.dst_offset + batch.nbytes > ls[batch.dst_region]))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise TransportError(
+            f"{kind}: read {i} to peer {peer} out of bounds: src region {int(batch.src_region[i])} "
+            f"offset {int(batch.src_offset[i])} dst region {int(batch.dst_region[i])} offset "
+            f"{int(batch.dst_offset[i])} nbytes {int(batch.nbytes[i])} (remote sizes {list(rs)}, "
+            f"local sizes {list(ls)})")
+
+
+class Transport(ABC):
+    """Base class; see the module docstring for the call protocol.
+
+    Constructor keywords shared by every transport: ``token`` (bytes or None) authenticates peers
+    where the transport supports it, ``host`` is the address a serving side binds or advertises
+    (``127.0.0.1`` by default: nothing listens on all interfaces unless asked).
+    """
+
+    name: ClassVar[str] = "base"
+    #: Whether this transport can serve CUDA memory without a host bounce.
+    supports_cuda: ClassVar[bool] = False
+
+    def __init__(self, *, token: bytes | None = None, host: str = "127.0.0.1") -> None:
+        self.token = token
+        self.host = host
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- serving and registration ------------------------------------------------------------
+    @abstractmethod
+    def register(self, addr: int, nbytes: int, *, device: str = "cpu") -> Region:
+        """Registers ``nbytes`` at ``addr`` (``device`` ``cpu`` or ``cuda:N``) for local or remote use."""
+
+    def host_buffer(self, nbytes: int) -> Any | None:
+        """A writable host buffer of ``nbytes`` that this transport serves best (shared memory, say),
+        for a publisher to stage into; ``None`` means any memory will do. Register it as usual."""
+        return None
+
+    @abstractmethod
+    def deregister(self, region: Region) -> None:
+        """Stops serving ``region``; reads of it are refused from now on."""
+
+    @abstractmethod
+    def endpoint(self) -> bytes:
+        """This process's serializable address for peers (listening address, agent metadata)."""
+
+    # -- reading -----------------------------------------------------------------------------
+    @abstractmethod
+    def connect(self, endpoint: bytes, *, timeout: float) -> Any:
+        """Opens a peer from its endpoint; authenticates where the transport does."""
+
+    @abstractmethod
+    def prepare(self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
+                batch: ReadBatch) -> Any:
+        """Validates ``batch`` and builds whatever can be reused by every ``read``."""
+
+    @abstractmethod
+    def read(self, prepared: Any, *, timeout: float) -> None:
+        """Posts every read of a prepared batch and waits for all of them, or raises."""
+
+    def release(self, prepared: Any) -> None:
+        """Frees what ``prepare`` built. Default: nothing to free."""
+
+    def disconnect(self, peer: Any) -> None:
+        """Closes a peer opened by ``connect``. Default: nothing to close."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases everything; idempotent."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(host={self.host!r}, closed={self._closed})"

@@ -1,0 +1,289 @@
+"""The metadata store: a small key-value service shared by publishers and subscribers.
+
+``open_store(url, ...)`` returns a ``Store``. ``tcp://host:port`` is torch's TCPStore (the embedded
+default, hosted by one publisher); ``etcd://host:port[,host:port]`` is etcd v3 for clusters.
+
+Call protocol: open, then any of get/set/compare_set/add/delete/wait/wait_change from any thread,
+``lease``/``is_alive`` for liveness, ``close()`` (idempotent). Every blocking call takes a timeout
+and raises ``WaitTimeout`` (a ``WBridgeError``) when it expires; a lost connection is ``StoreError``.
+Values are bytes. The store is not trusted: wbridge signs what it writes (see ``records``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Callable
+from urllib.parse import urlparse
+
+from .errors import StoreError, WaitTimeout
+
+DEFAULT_CONNECT_TIMEOUT = 30.0
+
+
+class Lease:
+    """A liveness record kept fresh by a background thread until ``revoke()``."""
+
+    def __init__(self, key: str, ttl: float, refresh: Callable[[], None], revoke: Callable[[], None]) -> None:
+        self.key = key
+        self.ttl = ttl
+        self._refresh = refresh
+        self._revoke = revoke
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"wbridge-lease:{key}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl / 4):
+            try:
+                self._refresh()
+            except Exception:  # noqa: BLE001 - a store hiccup must not kill the lease thread
+                pass
+
+    def revoke(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.ttl)
+        try:
+            self._revoke()
+        except Exception:  # noqa: BLE001 - best effort: the lease lapses on its own
+            pass
+
+    def __repr__(self) -> str:
+        return f"Lease({self.key!r}, ttl={self.ttl}, active={not self._stop.is_set()})"
+
+
+class Store(ABC):
+    """Base class; see the module docstring."""
+
+    url: str
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value of ``key`` or ``None``; never blocks on a missing key."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None: ...
+
+    @abstractmethod
+    def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        """Sets ``key`` to ``value`` if it holds ``expected`` (``None``: absent); True on success."""
+
+    @abstractmethod
+    def add(self, key: str, delta: int) -> int:
+        """Atomically adds ``delta`` to the integer at ``key`` (absent is 0); returns the new value."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def lease(self, key: str, ttl: float) -> Lease:
+        """Marks ``key`` alive for as long as the returned lease is refreshed (every ``ttl/4``)."""
+
+    @abstractmethod
+    def is_alive(self, key: str, ttl: float) -> bool:
+        """Whether the lease at ``key`` was refreshed within the last ``ttl`` seconds (as seen here)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def get_int(self, key: str, default: int = 0) -> int:
+        raw = self.get(key)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise StoreError(f"store key {key!r} holds {raw[:40]!r}, not an integer") from None
+
+    def wait(self, key: str, timeout: float) -> bytes:
+        """Blocks until ``key`` exists; returns its value."""
+        value = self.wait_until(lambda: self.get(key), timeout, f"store key {key!r}")
+        return value
+
+    def wait_change(self, key: str, old: bytes | None, timeout: float) -> bytes | None:
+        """Blocks until ``key`` holds something other than ``old``; returns it (a watch)."""
+        sentinel = object()
+
+        def changed():
+            v = self.get(key)
+            return sentinel if v == old else (v, )
+
+        out = self.wait_until(lambda: None if (r := changed()) is sentinel else r, timeout, f"change of {key!r}")
+        return out[0]
+
+    @staticmethod
+    def wait_until(probe: Callable[[], object], timeout: float, what: str,
+                   poll: float = 0.0005, max_poll: float = 0.02) -> object:
+        """Polls ``probe`` with backoff until it returns something other than None."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = probe()
+            if value is not None:
+                return value
+            now = time.monotonic()
+            if now >= deadline:
+                raise WaitTimeout(f"timed out after {timeout:.1f}s waiting for {what}")
+            time.sleep(min(poll, deadline - now))
+            poll = min(poll * 2, max_poll)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TcpStore(Store):
+    """``torch.distributed.TCPStore``. The host binds only ``host`` (never all interfaces)."""
+
+    def __init__(self, host: str, port: int, *, is_host: bool, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+        import torch.distributed as dist
+
+        self.host, self.port, self.is_host = host, int(port), is_host
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[bytes | None, float]] = {}
+        self._closed = False
+        self._listen: socket.socket | None = None
+        self._connect_timeout = connect_timeout
+        td = datetime.timedelta(seconds=connect_timeout)
+        try:
+            if is_host:
+                # torch's server binds every interface; hand it a socket bound to `host` instead.
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, self.port))
+                sock.listen(1024)
+                self._listen = sock
+                self.port = sock.getsockname()[1]
+                self._store = dist.TCPStore(host, self.port, None, True, timeout=td,
+                                            wait_for_workers=False, master_listen_fd=sock.fileno(),
+                                            use_libuv=True)
+            else:
+                self._store = self._connect(host, self.port, connect_timeout)
+        except (RuntimeError, OSError) as e:
+            raise StoreError(f"cannot {'host' if is_host else 'reach'} store tcp://{host}:{port}: {e}") from e
+        self.url = f"tcp://{host}:{self.port}"
+        self._timeout = td
+
+    @staticmethod
+    def _connect(host: str, port: int, timeout: float):
+        import torch.distributed as dist
+
+        # TCPStore retries connecting until its timeout; probe first so a dead address fails fast
+        # with a clear message instead of torch's retry log.
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                    pass
+                left = max(1.0, deadline - time.monotonic())
+                return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=left))
+            except (OSError, RuntimeError) as e:
+                last = e
+                time.sleep(0.1)
+        raise StoreError(f"store tcp://{host}:{port} unreachable after {timeout:.1f}s: {last}")
+
+    def _call(self, fn: Callable, *args):
+        if self._closed:
+            raise StoreError(f"store {self.url} is closed")
+        try:
+            with self._lock:
+                return fn(*args)
+        except (RuntimeError, OSError, ValueError) as e:
+            raise StoreError(f"store {self.url}: {e}") from e
+
+    def get(self, key: str) -> bytes | None:
+        def op():
+            if not self._store.check([key]):
+                return None
+            return self._store.get(key)
+        return self._call(op)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(self._store.set, key, value)
+
+    def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        # TCPStore's compare_set sets when the key is absent and expected is empty.
+        def op():
+            if expected is None:
+                if self._store.check([key]):
+                    return False
+                return self._store.compare_set(key, b"", value) == value
+            return self._store.compare_set(key, expected, value) == value
+        return bool(self._call(op))
+
+    def add(self, key: str, delta: int) -> int:
+        return int(self._call(self._store.add, key, int(delta)))
+
+    def delete(self, key: str) -> None:
+        self._call(self._store.delete_key, key)
+
+    def lease(self, key: str, ttl: float) -> Lease:
+        self.add(key, 1)
+        return Lease(key, ttl, refresh=lambda: self.add(key, 1), revoke=lambda: self.set(key, b"-1"))
+
+    def is_alive(self, key: str, ttl: float) -> bool:
+        # TCPStore has no server-side expiry: a lease is a counter that its holder bumps; it is
+        # alive while we see it change within ttl (by our own clock, so no clock skew matters).
+        value = self.get(key)
+        now = time.monotonic()
+        if value is None or value == b"-1":
+            self._seen.pop(key, None)
+            return False
+        prev = self._seen.get(key)
+        if prev is None or prev[0] != value:
+            self._seen[key] = (value, now)
+            return True
+        return now - prev[1] <= ttl
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        store, self._store = self._store, None
+        del store
+        if self._listen is not None:
+            self._listen.close()
+            self._listen = None
+
+    def __repr__(self) -> str:
+        return f"TcpStore({self.url!r}, host={self.is_host}, closed={self._closed})"
+
+
+def open_store(url: str, *, host_store: bool = False,
+               connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Store:
+    """Opens (or, with ``host_store=True``, hosts) the store at ``url``."""
+    if isinstance(url, Store):
+        return url
+    parsed = urlparse(url)
+    if parsed.scheme == "tcp":
+        if not parsed.hostname or parsed.port is None:
+            raise StoreError(f"store url {url!r} needs tcp://host:port")
+        return TcpStore(parsed.hostname, parsed.port, is_host=host_store, connect_timeout=connect_timeout)
+    if parsed.scheme == "etcd":
+        if host_store:
+            raise StoreError("an etcd store is run by etcd itself; host_store=True applies to tcp:// only")
+        from .etcd_store import EtcdStore
+
+        return EtcdStore(url, connect_timeout=connect_timeout)
+    raise StoreError(f"unknown store url {url!r}; use tcp://host:port or etcd://host:port")
+
+
+def host_identity() -> str:
+    """Identifies this host and network namespace, for choosing same-host transports."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"
