@@ -45,6 +45,14 @@ class StoreError(WBridgeError):
     """The metadata store is unreachable, timed out, or holds malformed data."""
 
 
+class UsageError(WBridgeError):
+    """An API call out of order or with bad arguments (``publish()`` before ``register()``...)."""
+
+
+class IntegrityError(WBridgeError):
+    """Bytes read do not match the publisher's checksums; nothing of that version was committed."""
+
+
 class TimeoutError_(WBridgeError, TimeoutError):
     """A blocking call ran past its timeout (exported as ``wbridge.WaitTimeout``)."""
 

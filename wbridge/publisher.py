@@ -1,0 +1,315 @@
+"""Publisher: a trainer rank's side of a channel.
+
+Call protocol (every publisher rank of the channel, ``world_size`` of them)::
+
+    pub = Publisher("policy", store="tcp://127.0.0.1:29700", rank=r, world_size=n, host_store=(r == 0))
+    pub.register({"layers.0.q": (tensor, Shard(...)), ...})   # once (again when the layout changes)
+    for step in ...:
+        train_step()
+        v = pub.publish(timeout=60.0)      # every rank calls it; returns the same v on every rank
+    pub.close()                            # idempotent; also a context manager
+
+``publish()`` copies the live tensors into the next staging slot (the trainer's stall in the
+asynchronous modes), waits as the sync mode says, and the last rank to finish commits ``v``.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import transports as _transports
+from planner.layout import Declaration, LayoutBuilder, RankLayout
+
+from . import checksum as _checksum
+from .channel import Keys, SubscriberTracker, VersionRecord, now
+from .errors import UsageError, WaitTimeout, WBridgeError, translated
+from .records import seal
+from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
+from .tensors import address, alloc_bytes, byte_view, describe
+
+MODES = ("sync", "one_step_off", "async")
+
+
+def served_transports(transport: str | Sequence[str]) -> list[str]:
+    """Transports a publisher serves: ``auto`` is every installed one but the two-sided nccl."""
+    if isinstance(transport, str):
+        if transport == "auto":
+            return [t for t in _transports.available() if t != "nccl"]
+        return [transport]
+    return list(transport)
+
+
+@dataclass
+class PublishStats:
+    version: int
+    stall_s: float      # snapshot copy: the time the trainer's own memory was busy
+    wait_s: float       # time blocked on subscribers (mode semantics and slot leases)
+    total_s: float
+    nbytes: int
+
+
+@dataclass
+class _Registration:
+    layout: RankLayout
+    tensors: dict[str, Any]
+    slots: list[Any]                   # staging buffers (torch uint8), or live tensors (zero copy)
+    regions: dict[str, list[list[Any]]] = field(default_factory=dict)  # transport -> slot -> regions
+    epoch: int = 0
+
+
+class Publisher:
+    def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *, rank: int = 0,
+                 world_size: int = 1, host_store: bool = False, token: str | bytes | None = None,
+                 transport: str | Sequence[str] = "auto", mode: str = "one_step_off",
+                 max_staleness: int | None = None, slots: int = 2, zero_copy: bool = False,
+                 host: str = "127.0.0.1", connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 checksums: bool = False, transport_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        if mode not in MODES:
+            raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "async" and (max_staleness is None or max_staleness < 0):
+            raise UsageError("mode='async' needs max_staleness=k >= 0")
+        if not 0 <= rank < world_size:
+            raise UsageError(f"rank {rank} outside world_size {world_size}")
+        if slots < 1:
+            raise UsageError("slots must be >= 1")
+        self.channel, self.rank, self.world_size = channel, rank, world_size
+        self.mode, self.max_staleness = mode, max_staleness
+        self.slots = 1 if zero_copy else slots
+        self.zero_copy, self.host, self.checksums = zero_copy, host, checksums
+        self.token = token.encode() if isinstance(token, str) else token
+        self.keys = Keys(channel)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._reg: _Registration | None = None
+        self.stats: list[PublishStats] = []
+        self._store = open_store(store, host_store=host_store, connect_timeout=connect_timeout)
+        self._tracker = SubscriberTracker(self._store, self.keys, self.token)
+        self._next_version = 0
+        names = served_transports(transport)
+        opts = transport_options or {}
+        self._transports: dict[str, _transports.Transport] = {}
+        try:
+            with translated():
+                for name in names:
+                    cls = _transports.get(name)
+                    self._transports[name] = cls(token=self.token, host=host, **dict(opts.get(name, {})))
+        except BaseException:
+            self.close()
+            raise
+        if not self._transports:
+            self.close()
+            raise UsageError(f"publisher rank {rank}: no transport to serve (asked for {transport!r})")
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def store_url(self) -> str:
+        return self._store.url
+
+    @property
+    def version(self) -> int:
+        """The last version this rank published (0 before the first)."""
+        return self._next_version - 1 if self._next_version else 0
+
+    def register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> int:
+        """Registers this rank's live tensors with their declarations; returns the epoch.
+
+        Collective: every rank registers before any rank's ``publish()`` can commit.
+        """
+        self._check_open()
+        if not tensors:
+            raise UsageError(f"publisher rank {self.rank}: register() needs at least one tensor")
+        builder = LayoutBuilder(self.rank, pack=not self.zero_copy)
+        devices = set()
+        live: dict[str, Any] = {}
+        with translated():
+            for name, entry in tensors.items():
+                try:
+                    tensor, decl = entry
+                except (TypeError, ValueError):
+                    raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
+                shape, dtype, device = describe(name, tensor)
+                builder.add(name, shape, dtype, decl)
+                devices.add(device)
+                live[name] = tensor
+            layout = builder.build()
+        if len(devices) > 1:
+            raise UsageError(f"publisher rank {self.rank}: tensors on several devices {sorted(devices)}")
+        device = devices.pop()
+        self._release_registration()
+        if self.zero_copy:
+            slots = [[byte_view(t) for t in live.values()]]
+        else:
+            size = layout.region_sizes[0] if layout.region_sizes else 0
+            slots = [[self._staging_buffer(size, device)] for _ in range(self.slots)]
+        reg = _Registration(layout, live, slots)
+        with translated():
+            for name, t in self._transports.items():
+                reg.regions[name] = [[t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
+                                     for slot in slots]
+        count = self._store.add(self.keys.reg, 1)
+        reg.epoch = (count - 1) // self.world_size + 1
+        latest = VersionRecord.read(self._store, self.keys, self.token)
+        self._next_version = (latest.v if latest else 0) + 1
+        record = {
+            "rank": self.rank, "world_size": self.world_size, "epoch": reg.epoch,
+            "layout": layout.to_dict(), "host": host_identity(), "pid": os.getpid(),
+            "slots": self.slots, "zero_copy": self.zero_copy, "device": device,
+            "transports": {
+                name: {"endpoint": _b64(t.endpoint()),
+                       "regions": [[_b64(r.descriptor) for r in slot] for slot in reg.regions[name]]}
+                for name, t in self._transports.items()},
+        }
+        key = self.keys.rank(reg.epoch, self.rank)
+        self._store.set(key, seal(self.token, key, record))
+        self._reg = reg
+        return reg.epoch
+
+    def _staging_buffer(self, size: int, device: str):
+        if device == "cpu":
+            import torch
+
+            for t in self._transports.values():
+                buf = t.host_buffer(size)
+                if buf is not None:
+                    return torch.frombuffer(buf, dtype=torch.uint8, count=size) if size else alloc_bytes(0, device)
+        return alloc_bytes(size, device)
+
+    # ------------------------------------------------------------------------------------------
+    def publish(self, timeout: float = 60.0) -> int:
+        """Snapshots the live tensors as the next version; see the class docstring for who waits."""
+        self._check_open()
+        reg = self._reg
+        if reg is None:
+            raise UsageError(f"publisher rank {self.rank}: publish() before register()")
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        v = self._next_version
+        slot = v % self.slots
+        self._wait_before_snapshot(v, slot, deadline)
+        t1 = time.perf_counter()
+        self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
+        sums = self._snapshot(reg, slot)
+        t2 = time.perf_counter()
+        if sums is not None:
+            key = self.keys.sums(v, self.rank)
+            self._store.set(key, seal(self.token, key, sums))
+        if self._store.add(self.keys.snap(v), 1) == self.world_size:
+            VersionRecord(v=v, epoch=reg.epoch, slot=slot, fence=self._store.get_int(self.keys.fence(slot)),
+                          world_size=self.world_size, zero_copy=self.zero_copy,
+                          checksums=self.checksums, committed_at=now()).write(self._store, self.keys, self.token)
+        self._next_version = v + 1
+        if self.mode == "sync" or self.zero_copy:
+            self._wait_acked(v, deadline, f"publisher rank {self.rank}: acks of version {v}")
+        if self.zero_copy:
+            # The trainer mutates the live tensors as soon as we return: fence v off.
+            self._store.add(self.keys.fence(slot), 1)
+        t3 = time.perf_counter()
+        nbytes = 0 if self.zero_copy else reg.layout.nbytes
+        self.stats.append(PublishStats(v, t2 - t1, (t1 - t0) + (t3 - t2), t3 - t0, nbytes))
+        return v
+
+    def wait_acked(self, version: int, timeout: float = 60.0) -> None:
+        """Blocks until every live subscriber acked ``version`` or later."""
+        self._check_open()
+        self._wait_acked(version, time.monotonic() + timeout, f"acks of version {version}")
+
+    def live_subscribers(self) -> int:
+        return len(self._tracker.live())
+
+    def _wait_acked(self, version: int, deadline: float, what: str) -> None:
+        self._tracker.wait(lambda s: self._tracker.acked(s) >= version, _left(deadline, what), what)
+
+    def _wait_before_snapshot(self, v: int, slot: int, deadline: float) -> None:
+        if self.mode == "one_step_off" and v > 1:
+            what = f"publisher rank {self.rank}: acks of version {v - 1} before publishing {v}"
+            self._wait_acked(v - 1, deadline, what)
+        elif self.mode == "async" and v - self.max_staleness > 0:
+            what = (f"publisher rank {self.rank}: subscribers within {self.max_staleness} versions "
+                    f"of {v}")
+            self._wait_acked(v - self.max_staleness, deadline, what)
+        if self.mode != "async" and not self.zero_copy:
+            # Do not pull a slot from under a reader; async readers get StaleVersionError instead.
+            def free(s) -> bool:
+                r = self._tracker.reading(s)
+                return r <= 0 or r % self.slots != slot or r >= v
+            what = f"publisher rank {self.rank}: readers of slot {slot}"
+            self._tracker.wait(free, _left(deadline, what), what)
+
+    def _snapshot(self, reg: _Registration, slot: int) -> list | None:
+        if self.zero_copy:
+            bufs = reg.slots[0]
+            return _checksum.chunk_sums(bufs) if self.checksums else None
+        (buf,) = reg.slots[slot]
+        for t, lt in zip(reg.tensors.values(), reg.layout.tensors):
+            src = byte_view(t)
+            buf[lt.offset:lt.offset + lt.nbytes].copy_(src, non_blocking=False)
+        return _checksum.chunk_sums([buf]) if self.checksums else None
+
+    # ------------------------------------------------------------------------------------------
+    def _release_registration(self) -> None:
+        reg, self._reg = self._reg, None
+        if reg is None:
+            return
+        for name, per_slot in reg.regions.items():
+            t = self._transports.get(name)
+            for regions in per_slot:
+                for r in regions:
+                    try:
+                        t.deregister(r)
+                    except Exception:  # noqa: BLE001 - teardown continues
+                        pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"publisher rank {self.rank} of channel {self.channel!r} is closed")
+
+    def close(self) -> None:
+        """Stops serving and releases memory registrations; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._release_registration()
+        for t in getattr(self, "_transports", {}).values():
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001
+                pass
+        store = getattr(self, "_store", None)
+        if store is not None:
+            store.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("registered" if self._reg else "new")
+        return (f"Publisher({self.channel!r}, rank={self.rank}/{self.world_size}, mode={self.mode}, "
+                f"version={self.version}, transports={list(getattr(self, '_transports', {}))}, {state})")
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(bytes(b)).decode()
+
+
+def _left(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise WaitTimeout(f"timed out waiting for {what}")
+    return left
+
+
+__all__ = ["Publisher", "PublishStats", "WBridgeError"]

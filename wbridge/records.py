@@ -1,0 +1,41 @@
+"""Signed records. The store is untrusted: everything wbridge writes there is a JSON payload bound
+to its key and signed with HMAC-SHA256 under the channel token; readers reject anything else."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Any
+
+from .errors import AuthError, StoreError
+
+_VERSION = 1
+
+
+def _mac(token: bytes | None, key: str, body: bytes) -> str:
+    return hmac.new(token or b"", key.encode() + b"\x00" + body, hashlib.sha256).hexdigest()
+
+
+def seal(token: bytes | None, key: str, payload: Any) -> bytes:
+    """The bytes to store at ``key``: payload and a MAC over key and payload."""
+    body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps({"w": _VERSION, "body": body.decode(), "mac": _mac(token, key, body)},
+                      separators=(",", ":")).encode()
+
+
+def open_sealed(token: bytes | None, key: str, raw: bytes) -> Any:
+    """The payload sealed at ``key``; ``AuthError`` if unsigned or forged, ``StoreError`` if malformed."""
+    try:
+        outer = json.loads(raw)
+        body = outer["body"].encode()
+        mac = outer["mac"]
+        if outer.get("w") != _VERSION or not isinstance(mac, str):
+            raise ValueError("unknown record version")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StoreError(f"malformed record at store key {key!r}: {e}") from None
+    if not hmac.compare_digest(mac, _mac(token, key, body)):
+        raise AuthError(f"record at store key {key!r} has a bad signature (wrong token or forged record)")
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise StoreError(f"malformed record body at store key {key!r}: {e}") from None

@@ -1,0 +1,474 @@
+"""Subscriber: a rollout worker's side of a channel.
+
+Call protocol::
+
+    sub = Subscriber("policy", store="tcp://127.0.0.1:29700", token="secret")
+    sub.register({"qkv": (buf, Fused(0, [...])), ...})   # joins the channel; counts as live from here
+    v = sub.pull(timeout=60.0)          # newest committed version, applied to the registered tensors
+    v = await sub.pull_async()          # the same from an asyncio loop
+    sub.close()                         # idempotent; also a context manager
+
+A pull plans once per publisher epoch (layouts change only when publishers re-register) and then
+replays the plan: one batch of one-sided reads per publisher rank, all ranks in parallel. Reads land
+straight in the registered tensors, or with ``staged=True`` in a private buffer that is copied in
+only after every read succeeded. A failed pull leaves ``version`` as ``None`` (live tensors hold no
+complete version) unless staged, where the live tensors keep the last complete version.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+import transports as _transports
+from planner.builder import build_plan
+from planner.layout import Declaration, LayoutBuilder, RankLayout
+from planner.plan import Plan
+from transports.base import ReadBatch
+
+from . import checksum as _checksum
+from .channel import Keys, VersionRecord
+from .errors import (IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
+                     WaitTimeout, WBridgeError, translated)
+from .records import open_sealed, seal
+from .selection import choose_transport
+from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
+from .tensors import address, alloc_bytes, byte_view, describe
+
+
+@dataclass
+class PullStats:
+    version: int
+    seconds: float
+    nbytes: int
+    ops: int
+    retries: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class SubscriberStats:
+    transports: dict[int, tuple[str, str]] = field(default_factory=dict)  # src rank -> (name, reason)
+    pulls: list[PullStats] = field(default_factory=list)
+    plans: int = 0
+
+    @property
+    def last(self) -> PullStats | None:
+        return self.pulls[-1] if self.pulls else None
+
+
+@dataclass
+class _Source:
+    rank: int
+    transport: str
+    endpoint: bytes
+    regions: list[list[bytes]]          # slot -> region descriptors
+    batch: ReadBatch
+    peer: Any = None
+    prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared read
+
+
+@dataclass
+class _Session:
+    """Everything planned for one publisher epoch; replayed by every pull of that epoch."""
+
+    epoch: int
+    world_size: int
+    plan: Plan
+    sources: list[_Source]
+    layouts: list[RankLayout]
+
+
+class Subscriber:
+    def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *,
+                 token: str | bytes | None = None, transport: str = "auto", staged: bool = False,
+                 verify: bool = False, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 lease_ttl: float = 10.0, name: str | None = None, host: str = "127.0.0.1",
+                 transport_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+        self.channel, self.staged, self.verify = channel, staged, verify
+        self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
+        self.name = name or f"{host_identity().split('/')[0]}:{os.getpid()}"
+        self.token = token.encode() if isinstance(token, str) else token
+        self.keys = Keys(channel)
+        self.version: int | None = None
+        self.stats = SubscriberStats()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._pull_lock = threading.Lock()
+        self._transport_options = transport_options or {}
+        self._transports: dict[str, _transports.Transport] = {}
+        self._local_regions: dict[str, list[Any]] = {}
+        self._session: _Session | None = None
+        self._layout: RankLayout | None = None
+        self._live: dict[str, Any] = {}
+        self._dest: list[Any] = []             # destination buffers (uint8 views), one per region
+        self._commit: list[tuple[Any, int, int, int]] = []  # staged: (live view, live off, priv off, n)
+        self._id: int | None = None
+        self._lease = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._store = open_store(store, connect_timeout=connect_timeout)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def id(self) -> int | None:
+        """This subscriber's id in the channel (assigned by ``register``)."""
+        return self._id
+
+    def register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> None:
+        """Declares the tensors to fill; joins the channel as a live subscriber."""
+        self._check_open()
+        if not tensors:
+            raise UsageError("subscriber register() needs at least one tensor")
+        if self._id is None:
+            self._id = self._store.add(self.keys.subs, 1)
+        builder = LayoutBuilder(self._id, pack=self.staged)
+        live: dict[str, Any] = {}
+        devices = set()
+        with translated():
+            for name, entry in tensors.items():
+                try:
+                    tensor, decl = entry
+                except (TypeError, ValueError):
+                    raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
+                shape, dtype, device = describe(name, tensor)
+                builder.add(name, shape, dtype, decl)
+                devices.add(device)
+                live[name] = tensor
+            layout = builder.build()
+        if len(devices) > 1:
+            raise UsageError(f"subscriber {self.name}: tensors on several devices {sorted(devices)}")
+        self._drop_session()
+        self._deregister_local()
+        self._layout, self._live = layout, live
+        device = devices.pop()
+        if self.staged:
+            self._dest = [alloc_bytes(layout.region_sizes[0] if layout.region_sizes else 0, device)]
+        else:
+            self._dest = [byte_view(t) for t in live.values()]
+        self._device = device
+        self.version = None
+        if self._lease is None:
+            key = self.keys.sub(self._id)
+            self._store.set(key, seal(self.token, key, {"name": self.name, "ttl": self.lease_ttl,
+                                                        "host": host_identity(), "pid": os.getpid()}))
+            self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
+
+    def latest(self) -> int | None:
+        """The newest committed version in the store (``None`` before the first); never blocks."""
+        self._check_open()
+        rec = VersionRecord.read(self._store, self.keys, self.token)
+        return rec.v if rec else None
+
+    async def pull_async(self, min_version: int | None = None, timeout: float = 60.0) -> int:
+        """``pull`` for asyncio loops: runs in a worker thread, the event loop stays free."""
+        return await asyncio.to_thread(self.pull, min_version, timeout)
+
+    def pull(self, min_version: int | None = None, timeout: float = 60.0) -> int:
+        """Applies the newest committed version (at least ``min_version``) and returns it."""
+        self._check_open()
+        if self._layout is None:
+            raise UsageError(f"subscriber {self.name}: pull() before register()")
+        with self._pull_lock:
+            return self._pull(min_version, time.monotonic() + timeout, timeout)
+
+    # ------------------------------------------------------------------------------------------
+    def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
+        want = max(1, min_version or 1)
+        retries = 0
+        while True:
+            rec = self._wait_version(want, deadline, timeout)
+            if rec.v == self.version:
+                return rec.v
+            t0 = time.perf_counter()
+            try:
+                nbytes, ops = self._apply(rec, deadline)
+            except StaleVersionError:
+                retries += 1
+                want = rec.v + 1
+                if time.monotonic() >= deadline:
+                    raise StaleVersionError(
+                        f"subscriber {self.name}: version {rec.v} was overwritten while being read "
+                        f"and no newer version arrived within {timeout:.1f}s") from None
+                continue
+            self.stats.pulls.append(PullStats(rec.v, time.perf_counter() - t0, nbytes, ops, retries))
+            return rec.v
+
+    def _wait_version(self, want: int, deadline: float, timeout: float) -> VersionRecord:
+        def probe():
+            rec = VersionRecord.read(self._store, self.keys, self.token)
+            if rec is None or rec.v < want:
+                return None
+            if rec.zero_copy and self._store.get_int(self.keys.fence(rec.slot)) != rec.fence:
+                return None  # zero-copy versions are readable only while their publish() runs
+            return rec
+        try:
+            return Store.wait_until(probe, max(0.0, deadline - time.monotonic()),
+                                    f"version >= {want} on channel {self.channel!r}")
+        except WaitTimeout:
+            raise WaitTimeout(f"subscriber {self.name}: no version >= {want} on channel "
+                              f"{self.channel!r} within {timeout:.1f}s (is a publisher running?)") from None
+
+    def _apply(self, rec: VersionRecord, deadline: float) -> tuple[int, int]:
+        session = self._session
+        if session is None or session.epoch != rec.epoch:
+            session = self._setup(rec, deadline)
+        fence_key = self.keys.fence(rec.slot)
+        reading_key = self.keys.sub(self._id, "reading")
+        self._store.set(reading_key, str(rec.v).encode())
+        try:
+            if self._store.get_int(fence_key) != rec.fence:
+                raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
+            if not self.staged:
+                self.version = None  # the live tensors are about to hold a mix until we finish
+            self._read_all(session, rec.slot, deadline)
+            if self._store.get_int(fence_key) != rec.fence:
+                raise StaleVersionError(f"version {rec.v} was overwritten during the read")
+            if self.verify and rec.checksums:
+                self._verify(session, rec, deadline)
+        finally:
+            self._store.set(reading_key, b"0")
+        if self.staged:
+            for live, loff, poff, n in self._commit:
+                live[loff:loff + n].copy_(self._dest[0][poff:poff + n])
+        self.version = rec.v
+        self._store.set(self.keys.sub(self._id, "acked"), str(rec.v).encode())
+        return session.plan.total_bytes, len(session.plan)
+
+    def _read_all(self, session: _Session, slot: int, deadline: float) -> None:
+        def one(src: _Source) -> None:
+            prep = src.prepared.get(slot)
+            t = self._transports[src.transport]
+            if prep is None:
+                with translated():
+                    prep = t.prepare(src.peer, src.regions[slot], self._local_regions[src.transport], src.batch)
+                src.prepared[slot] = prep
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(f"subscriber {self.name}: pull timed out before reading rank {src.rank}")
+            with translated():
+                t.read(prep, timeout=left)
+
+        work = [s for s in session.sources if len(s.batch)]
+        if len(work) == 1:
+            one(work[0])
+            return
+        futures = [self._pool.submit(one, s) for s in work]
+        errors = []
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - collect, then raise the first
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------------------------------
+    def _setup(self, rec: VersionRecord, deadline: float) -> _Session:
+        """Fetches the epoch's publisher records, plans, chooses transports and connects."""
+        self._drop_session()
+        records = []
+        for r in range(rec.world_size):
+            key = self.keys.rank(rec.epoch, r)
+            try:
+                raw = self._store.wait(key, max(0.0, deadline - time.monotonic()))
+            except WaitTimeout:
+                raise WaitTimeout(f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} "
+                                  "never registered") from None
+            records.append(open_sealed(self.token, key, raw))
+        with translated():
+            layouts = [RankLayout.from_dict(d["layout"]) for d in records]
+            plan = build_plan(layouts, self._layout)
+        self.stats.plans += 1
+        sources = []
+        me = host_identity()
+        for src_ops in plan.sources:
+            d = records[src_ops.src_rank]
+            name, reason = choose_transport(self.preference, d["transports"], d["host"] == me)
+            self.stats.transports[src_ops.src_rank] = (name, reason)
+            served = d["transports"][name]
+            sources.append(_Source(
+                rank=src_ops.src_rank, transport=name, endpoint=_unb64(served["endpoint"]),
+                regions=[[_unb64(x) for x in slot] for slot in served["regions"]],
+                batch=ReadBatch(src_ops.src_region, src_ops.src_offset, src_ops.dst_region,
+                                src_ops.dst_offset, src_ops.nbytes)))
+        for src in sources:
+            t = self._transport(src.transport)
+            left = max(0.1, deadline - time.monotonic())
+            with translated():
+                src.peer = t.connect(src.endpoint, timeout=left)
+        if self._pool is None or self._pool._max_workers < len(sources):  # noqa: SLF001
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=max(1, len(sources)),
+                                            thread_name_prefix="wbridge-pull")
+        if self.staged:
+            self._commit = _commit_ranges(plan, self._layout, self._live)
+        self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
+        return self._session
+
+    def _transport(self, name: str) -> _transports.Transport:
+        t = self._transports.get(name)
+        if t is None:
+            with translated():
+                cls = _transports.get(name)
+                t = cls(token=self.token, host=self.host, **dict(self._transport_options.get(name, {})))
+                self._transports[name] = t
+                self._local_regions[name] = [t.register(address(b), int(b.numel()), device=self._device)
+                                             for b in self._dest]
+        return t
+
+    def _verify(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
+        """Checks every chunk the plan read from each source against the publisher's sums."""
+        for src in session.sources:
+            key = self.keys.sums(rec.v, src.rank)
+            sums = open_sealed(self.token, key, self._store.wait(key, max(0.0, deadline - time.monotonic())))
+            if sums.get("algo") != _checksum.ALGO:
+                raise IntegrityError(f"publisher rank {src.rank} uses checksum {sums.get('algo')}, "
+                                     f"this subscriber {_checksum.ALGO}")
+            _checksum.verify_reads(src.batch, sums, self._dest, self._fetch_chunk(src, rec.slot, deadline),
+                                   where=f"publisher rank {src.rank}, version {rec.v}")
+
+    def _fetch_chunk(self, src: _Source, slot: int, deadline: float):
+        t = self._transports[src.transport]
+
+        def fetch(region: int, offset: int, n: int) -> np.ndarray:
+            scratch = alloc_bytes(n, "cpu")
+            local = t.register(address(scratch), n)
+            try:
+                with translated():
+                    prep = t.prepare(src.peer, src.regions[slot], [local], ReadBatch.of([(region, offset, 0, 0, n)]))
+                    try:
+                        t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+                    finally:
+                        t.release(prep)
+            finally:
+                t.deregister(local)
+            return scratch.numpy()
+        return fetch
+
+    # ------------------------------------------------------------------------------------------
+    def _drop_session(self) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        for src in session.sources:
+            t = self._transports.get(src.transport)
+            if t is None:
+                continue
+            for prep in src.prepared.values():
+                try:
+                    t.release(prep)
+                except Exception:  # noqa: BLE001 - teardown continues
+                    pass
+            if src.peer is not None:
+                try:
+                    t.disconnect(src.peer)
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _deregister_local(self) -> None:
+        for name, regions in self._local_regions.items():
+            t = self._transports[name]
+            for r in regions:
+                try:
+                    t.deregister(r)
+                except Exception:  # noqa: BLE001
+                    pass
+        self._local_regions = {}
+        for t in self._transports.values():
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._transports = {}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"subscriber {self.name} of channel {self.channel!r} is closed")
+
+    def close(self) -> None:
+        """Leaves the channel (publishers stop waiting for it) and releases everything; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._lease is not None:
+            self._lease.revoke()
+            self._lease = None
+        self._drop_session()
+        self._deregister_local()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        store = getattr(self, "_store", None)
+        if store is not None:
+            try:
+                store.close()
+            except StoreError:
+                pass
+
+    def __enter__(self) -> "Subscriber":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("registered" if self._layout else "new")
+        return (f"Subscriber({self.channel!r}, id={self._id}, version={self.version}, "
+                f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})")
+
+
+def _commit_ranges(plan: Plan, layout: RankLayout, live: Mapping[str, Any]) -> list[tuple[Any, int, int, int]]:
+    """Staged mode: the mapped byte ranges to copy from the private buffer into each live tensor."""
+    if len(plan) == 0:
+        return []
+    offs = np.concatenate([s.dst_offset for s in plan.sources])
+    lens = np.concatenate([s.nbytes for s in plan.sources])
+    order = np.argsort(offs, kind="stable")
+    offs, lens = offs[order], lens[order]
+    ends = offs + lens
+    # merge touching ranges
+    starts_new = np.ones(len(offs), dtype=bool)
+    starts_new[1:] = offs[1:] != ends[:-1]
+    idx = np.flatnonzero(starts_new)
+    m_off = offs[idx]
+    m_end = np.maximum.reduceat(ends, idx)
+    out = []
+    tensors = sorted(((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors))
+    bounds = np.array([t[0] for t in tensors])
+    views = {name: byte_view(t) for name, t in live.items()}
+    for a, b in zip(m_off.tolist(), m_end.tolist()):
+        while a < b:
+            k = int(np.searchsorted(bounds, a, side="right")) - 1
+            lo, hi, name = tensors[k]
+            n = min(b, hi) - a
+            out.append((views[name], a - lo, a, n))
+            a += n
+    return out
+
+
+def _unb64(s: str) -> bytes:
+    try:
+        return base64.b64decode(s, validate=True)
+    except (ValueError, TypeError) as e:
+        raise StoreError(f"malformed descriptor in publisher record: {e}") from None
+
+
+__all__ = ["Subscriber", "SubscriberStats", "PullStats", "WBridgeError", "TransportError"]

@@ -1,0 +1,67 @@
+"""Helpers to treat torch tensors and numpy arrays as raw memory."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from planner.dtypes import ITEMSIZE
+
+from .errors import LayoutError
+
+
+def describe(name: str, t: Any) -> tuple[tuple[int, ...], str, str]:
+    """``(shape, dtype name, device)`` of a contiguous tensor; ``LayoutError`` names it otherwise."""
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise LayoutError(f"tensor {name!r} is not contiguous (numpy strides {t.strides}); "
+                              "register a contiguous array")
+        dtype = str(t.dtype)
+        device = "cpu"
+    else:
+        try:
+            import torch
+        except ImportError:  # pragma: no cover
+            raise LayoutError(f"tensor {name!r}: unsupported type {type(t).__name__}") from None
+        if not isinstance(t, torch.Tensor):
+            raise LayoutError(f"tensor {name!r}: expected a torch.Tensor or numpy array, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise LayoutError(f"tensor {name!r} is not contiguous (strides {tuple(t.stride())}); "
+                              "call .contiguous() or register the underlying storage")
+        dtype = str(t.dtype).removeprefix("torch.")
+        device = str(t.device)
+        if device != "cpu" and not device.startswith("cuda"):
+            raise LayoutError(f"tensor {name!r} lives on {device}; only cpu and cuda are supported")
+    if dtype not in ITEMSIZE:
+        raise LayoutError(f"tensor {name!r} has unsupported dtype {dtype}")
+    return tuple(int(s) for s in t.shape), dtype, device
+
+
+def address(t: Any) -> int:
+    if isinstance(t, np.ndarray):
+        return int(t.ctypes.data)
+    return int(t.data_ptr())
+
+
+def nbytes(t: Any) -> int:
+    if isinstance(t, np.ndarray):
+        return int(t.nbytes)
+    return int(t.numel() * t.element_size())
+
+
+def byte_view(t: Any):
+    """A flat ``torch.uint8`` view of a contiguous tensor or numpy array (no copy)."""
+    import torch
+
+    if isinstance(t, np.ndarray):
+        return torch.from_numpy(t.reshape(-1).view(np.uint8))
+    return t.reshape(-1).view(torch.uint8)
+
+
+def alloc_bytes(n: int, device: str):
+    """A ``torch.uint8`` buffer of ``n`` bytes on ``device`` (page-aligned on the host)."""
+    import torch
+
+    if device == "cpu":
+        return torch.empty(max(n, 1), dtype=torch.uint8)
+    return torch.empty(max(n, 1), dtype=torch.uint8, device=device)
