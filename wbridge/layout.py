@@ -1,0 +1,212 @@
+"""Layout adapters: where a framework's local tensors sit inside the canonical (Hugging Face) tensors.
+
+Each adapter returns ``{local_name: (local_tensor, declaration)}``, the argument that
+``Publisher.register`` and ``Subscriber.register`` take. Declarations are the planner's
+``Shard`` / ``Fused`` / ``Stack`` / ``Flat`` (see ``planner.layout``).
+
+- ``from_dtensor``: DTensor state dicts (FSDP2 ``Shard(0)``, TP ``Shard(0)``/``Shard(1)``,
+  ``Replicate``, 2-D meshes, FSDP2-over-TP ``_StridedShard``, uneven last shards).
+- ``wbridge.megatron``: Megatron-style TP/PP/EP declarations (column/row-parallel, vocab-parallel,
+  interleaved QKV, fused ``linear_fc1``).
+- ``trace_load_weights``: the layout an engine's own ``load_weights`` produces, found by running
+  it on index-encoded placeholders (``wbridge.trace``).
+- ``from_module``: a plain, unsharded module whose parameter names are the canonical names
+  (Hugging Face transformers models as trainers or rollout workers).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from planner.layout import Declaration, Flat, Fused, Shard, Stack
+
+from .errors import LayoutError
+
+__all__ = [
+    "from_dtensor", "from_module", "index_runs", "decl_to_dict", "decl_from_dict",
+    "trace_load_weights", "Declaration", "Shard", "Fused", "Stack", "Flat",
+]
+
+Entry = tuple[Any, Declaration]
+
+
+def index_runs(index: Sequence[int]) -> list[tuple[int, int]]:
+    """Cuts a list of global indices into maximal runs of consecutive values: ``[(start, length)]``."""
+    runs: list[tuple[int, int]] = []
+    for i in index:
+        i = int(i)
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _dtensor_indices(name: str, dt: Any) -> list[list[int] | None]:
+    """Global indices along each tensor dim held by this rank (``None``: the whole dim).
+
+    Applies the placements left to right as DTensor does, including ``_StridedShard`` (FSDP2 over a
+    TP-sharded dim), whose local rows are not one contiguous range.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard as DShard
+    from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise LayoutError(f"{name}: this rank is not part of the DTensor's device mesh")
+    shape = tuple(dt.shape)
+    index: list[list[int] | None] = [None] * len(shape)
+    for mesh_dim, pl in enumerate(dt.placements):
+        if isinstance(pl, Replicate):
+            continue
+        if isinstance(pl, Partial):
+            raise LayoutError(f"{name}: placement Partial on mesh dim {mesh_dim} holds an unreduced "
+                              f"partial sum, not a slice; reduce it (redistribute to Replicate/Shard) first")
+        if not isinstance(pl, (DShard, _StridedShard)):
+            raise LayoutError(f"{name}: unsupported placement {pl!r} on mesh dim {mesh_dim}")
+        d = pl.dim
+        cur = index[d] if index[d] is not None else list(range(shape[d]))
+        n, r = mesh.size(mesh_dim), coord[mesh_dim]
+        if isinstance(pl, _StridedShard):
+            size, offs = pl._local_shard_size_and_offset(len(cur), n, r, _StridedShardOffsetMode.ALL)
+            picked = list(offs or [])[:size]
+        else:
+            size, off = pl._local_shard_size_and_offset(len(cur), n, r)
+            picked = list(range(int(off), int(off) + int(size)))
+        index[d] = [cur[i] for i in picked]
+    return index
+
+
+def _dtensor_decl(name: str, dt: Any, local_shape: tuple[int, ...]) -> Declaration:
+    shape = tuple(int(s) for s in dt.shape)
+    index = _dtensor_indices(name, dt)
+    runs = {d: index_runs(ix) for d, ix in enumerate(index) if ix is not None}
+    for d, ix in enumerate(index):
+        if ix is not None and len(ix) != local_shape[d]:
+            raise LayoutError(f"{name}: local shape {local_shape} does not match the {len(ix)} "
+                              f"indices DTensor placements {dt.placements} give dim {d}")
+    multi = [d for d, r in runs.items() if len(r) > 1]
+    offsets = tuple(runs[d][0][0] if d in runs and runs[d] else 0 for d in range(len(shape)))
+    if not multi:
+        return Shard(name, shape, offsets)
+    if len(multi) > 1:
+        raise LayoutError(f"{name}: placements {dt.placements} give non-contiguous indices along dims "
+                          f"{multi}; only one such dim is supported")
+    d = multi[0]
+    parts = []
+    for start, length in runs[d]:
+        offs = tuple(start if i == d else o for i, o in enumerate(offsets))
+        sizes = tuple(length if i == d else s for i, s in enumerate(local_shape))
+        parts.append(Shard(name, shape, offs, sizes))
+    return Fused(d, tuple(parts))
+
+
+def from_dtensor(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
+                 rename: Mapping[str, str] | None = None,
+                 skip_empty: bool = True) -> dict[str, Entry]:
+    """The calling rank's layout of a state dict of DTensors (plain tensors are taken as whole).
+
+    Returns ``{name: (local_tensor, decl)}`` where ``local_tensor`` is ``dt.to_local()`` (the live
+    shard, not a copy) and ``decl`` places it in the canonical tensor ``rename.get(name, name)``.
+    Ranks that hold an empty shard (uneven sharding: the last ranks may get nothing) leave the
+    tensor out when ``skip_empty``. Raises ``LayoutError`` naming the tensor for ``Partial``
+    placements and non-contiguous local shards.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    rename = dict(rename or {})
+    out: dict[str, Entry] = {}
+    for name, t in items:
+        canon = rename.get(name, name)
+        if isinstance(t, torch.nn.Parameter):
+            t = t.data
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            if isinstance(local, torch.nn.Parameter):
+                local = local.data
+            if not local.is_contiguous():
+                raise LayoutError(f"{name}: the local shard is not contiguous (strides {local.stride()})")
+            if skip_empty and local.numel() == 0:
+                continue
+            decl = _dtensor_decl(canon, t, tuple(local.shape))
+        elif isinstance(t, torch.Tensor):
+            if not t.is_contiguous():
+                raise LayoutError(f"{name}: tensor is not contiguous (strides {t.stride()})")
+            local, decl = t, Shard(canon, tuple(t.shape))
+        else:
+            raise LayoutError(f"{name}: expected a DTensor or tensor, got {type(t).__name__}")
+        out[name] = (local, decl)
+    return out
+
+
+def from_module(module: Any, *, prefix: str = "", rename: Mapping[str, str] | None = None,
+                include_buffers: bool = False) -> dict[str, Entry]:
+    """A module whose parameter names are canonical names, unsharded (TP=1, no fusion).
+
+    This is how a Hugging Face transformers model is registered as a trainer or as a rollout
+    worker. Tied parameters are registered once (under their first name). DTensor parameters are
+    delegated to ``from_dtensor``.
+    """
+    seen: set[int] = set()
+    named = list(module.named_parameters(prefix=prefix, remove_duplicate=False))
+    if include_buffers:
+        named += list(module.named_buffers(prefix=prefix, remove_duplicate=False))
+    picked = []
+    for name, p in named:
+        key = id(p)
+        if key in seen:
+            continue
+        seen.add(key)
+        picked.append((name, p))
+    return from_dtensor(picked, rename=rename, skip_empty=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON form of declarations (trace caches, logs).
+# ---------------------------------------------------------------------------------------------
+
+def _shard_to_list(s: Shard) -> list:
+    return [s.name, list(s.global_shape), None if s.offsets is None else list(s.offsets),
+            None if s.sizes is None else list(s.sizes), bool(s.padded)]
+
+
+def _shard_from_list(x: Sequence) -> Shard:
+    name, g, o, sz, pad = x
+    return Shard(name, tuple(g), None if o is None else tuple(o), None if sz is None else tuple(sz), bool(pad))
+
+
+def decl_to_dict(decl: Declaration) -> dict:
+    """A JSON-ready form of a declaration (inverse: ``decl_from_dict``)."""
+    if isinstance(decl, Shard):
+        return {"shard": _shard_to_list(decl)}
+    if isinstance(decl, Fused):
+        return {"fused": decl.dim, "parts": [_shard_to_list(p) for p in decl.parts]}
+    if isinstance(decl, Stack):
+        return {"stack": [_shard_to_list(p) for p in decl.parts]}
+    if isinstance(decl, Flat):
+        return {"flat": [[n, list(s), a, b] for n, s, a, b in decl.segments]}
+    raise LayoutError(f"unknown declaration {decl!r}")
+
+
+def decl_from_dict(d: Mapping) -> Declaration:
+    try:
+        if "shard" in d:
+            return _shard_from_list(d["shard"])
+        if "fused" in d:
+            return Fused(int(d["fused"]), tuple(_shard_from_list(p) for p in d["parts"]))
+        if "stack" in d:
+            return Stack(tuple(_shard_from_list(p) for p in d["stack"]))
+        if "flat" in d:
+            return Flat(tuple((n, tuple(s), int(a), int(b)) for n, s, a, b in d["flat"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise LayoutError(f"malformed declaration record {d!r}: {e}") from e
+    raise LayoutError(f"malformed declaration record {d!r}")
+
+
+def trace_load_weights(module: Any, load_weights: Any, canonical: Any, **kwargs: Any) -> Any:
+    """See ``wbridge.trace.trace_load_weights`` (imported lazily: it needs torch)."""
+    from .trace import trace_load_weights as _trace
+
+    return _trace(module, load_weights, canonical, **kwargs)
