@@ -1,12 +1,351 @@
-"""Plan builder: intersects source and destination layouts into balanced, validated read plans."""
+"""Plan builder: intersects source and destination layouts into balanced, validated read plans.
+
+How it works
+------------
+1. *Source index.* Source pieces are grouped per canonical tensor by identical box: a group is one
+   box and every rank holding it (DP replicas), each with its address (region, byte base, element
+   strides). If distinct boxes of one tensor partially overlap, that tensor's boxes are cut along
+   all their boundaries into disjoint cells first, each cell held by the union of its covers.
+2. *Chunks.* Each destination piece is intersected with the groups of its tensor; an intersection
+   is a chunk (a box with its destination address and its candidate source ranks). Chunks turn
+   into byte runs with ``runs.box_runs`` (whole rows collapse into one run).
+3. *Symmetry.* Destinations with identical layouts (rollout replicas) are planned once; sources
+   with identical layouts (DP replicas) form classes. Every copy of a destination layout gets the
+   base plan with its source ranks permuted inside their classes (a rotation per class, chosen
+   greedily to lower the busiest source's load), which is valid because permuted ranks hold the
+   same bytes at the same addresses; the copies share the base plan's read-only columns.
+4. *Balance.* ``balance.assign``: longest-first to the least-loaded candidate, then split parts
+   only where that lowers the busiest source, never below ``min_split_bytes``.
+5. *Validation.* Each base plan goes through ``validate.validate_plan`` before it is returned;
+   a copy differs from its base only by the class permutation described above.
+"""
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .layout import RankLayout
-from .plan import Plan
+import numpy as np
+
+from .balance import assign
+from .dtypes import itemsize as _itemsize
+from .errors import PlanError
+from .layout import LocalTensor, RankLayout, TensorSpec
+from .plan import Plan, SourceOps
+from .runs import box_runs, coalesce
 
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
+
+Addr = tuple[int, int, tuple[int, ...]]  # (region, byte offset of the box origin, element strides)
+
+
+@dataclass
+class _Group:
+    """One disjoint box of a canonical tensor and the source ranks holding exactly its bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    addrs: list[Addr] = field(default_factory=list)
+    rank_addr: dict[int, int] = field(default_factory=dict)
+    ranks: tuple[int, ...] = ()
+
+    def add(self, rank: int, addr: Addr) -> None:
+        if rank in self.rank_addr:
+            return  # a rank holding the same box twice: either copy will do
+        try:
+            k = self.addrs.index(addr)
+        except ValueError:
+            k = len(self.addrs)
+            self.addrs.append(addr)
+        self.rank_addr[rank] = k
+
+
+@dataclass
+class _TensorIndex:
+    spec: TensorSpec
+    owner: int  # a source rank that declared the spec (for error messages)
+    itemsize: int
+    groups: list[_Group]
+    lo: np.ndarray  # (groups, ndim) box starts
+    hi: np.ndarray  # (groups, ndim) box ends
+
+
+def _local_spec(side: str, rank: int, smap: Mapping[str, TensorSpec], t: LocalTensor, name: str) -> TensorSpec:
+    sp = smap.get(name)
+    if sp is None:
+        raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} holds {name!r} but the layout has no "
+                        f"spec for it")
+    if sp.dtype != t.dtype:
+        raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} is {t.dtype} but holds {name!r} of "
+                        f"dtype {sp.dtype}")
+    return sp
+
+
+class _SourceIndex:
+    def __init__(self, sources: Sequence[RankLayout]) -> None:
+        self.layouts = {s.rank: s for s in sources}
+        specs: dict[str, tuple[TensorSpec, int]] = {}
+        boxes: dict[str, dict[tuple, _Group]] = {}
+        for lay in sources:
+            for sp in lay.specs:
+                prev = specs.get(sp.name)
+                if prev is None:
+                    specs[sp.name] = (sp, lay.rank)
+                elif prev[0] != sp:
+                    raise PlanError(f"canonical {sp.name!r} is {prev[0].shape}/{prev[0].dtype} on source "
+                                    f"rank {prev[1]} but {sp.shape}/{sp.dtype} on source rank {lay.rank}")
+            smap = lay.spec_map()
+            for t in lay.tensors:
+                isz = _itemsize(t.dtype)
+                for p in t.pieces:
+                    _local_spec("source", lay.rank, smap, t, p.tensor)
+                    if p.box.numel == 0:
+                        continue
+                    key = (p.box.offsets, p.box.sizes)
+                    g = boxes.setdefault(p.tensor, {}).get(key)
+                    if g is None:
+                        g = boxes[p.tensor][key] = _Group(p.box.offsets, p.box.sizes)
+                    g.add(lay.rank, (t.region, t.offset + p.offset * isz, p.strides))
+        self.tensors: dict[str, _TensorIndex] = {}
+        for name, (sp, owner) in specs.items():
+            groups = sorted(boxes.get(name, {}).values(), key=lambda g: (g.offsets, g.sizes))
+            isz = _itemsize(sp.dtype)
+            nd = len(sp.shape)
+            lo = np.array([g.offsets for g in groups], dtype=np.int64).reshape(len(groups), nd)
+            hi = lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
+            if len(groups) > 1 and _any_overlap(lo, hi):
+                groups = _refine(groups, lo, hi, isz)
+                lo = np.array([g.offsets for g in groups], dtype=np.int64).reshape(len(groups), nd)
+                hi = lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
+            for g in groups:
+                g.ranks = tuple(sorted(g.rank_addr))
+            self.tensors[name] = _TensorIndex(sp, owner, isz, groups, lo, hi)
+
+
+def _any_overlap(lo: np.ndarray, hi: np.ndarray) -> bool:
+    n = len(lo)
+    if n > 4096:  # sweep on dim 0 keeps this linear-ish for very many boxes
+        order = np.argsort(lo[:, 0], kind="stable")
+        lo, hi = lo[order], hi[order]
+        for i in range(n):
+            j = i + 1
+            while j < n and lo[j, 0] < hi[i, 0]:
+                if np.all(np.maximum(lo[i], lo[j]) < np.minimum(hi[i], hi[j])):
+                    return True
+                j += 1
+        return False
+    inter = np.all(np.maximum(lo[:, None, :], lo[None, :, :]) < np.minimum(hi[:, None, :], hi[None, :, :]),
+                   axis=2)
+    np.fill_diagonal(inter, False)
+    return bool(inter.any())
+
+
+def _refine(groups: list[_Group], lo: np.ndarray, hi: np.ndarray, isz: int) -> list[_Group]:
+    """Cuts partially overlapping boxes along all their boundaries into disjoint cells."""
+    nd = lo.shape[1]
+    cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d]])) for d in range(nd)]
+    out: list[_Group] = []
+    for cell in itertools.product(*[range(len(c) - 1) for c in cuts]):
+        c_lo = np.array([cuts[d][k] for d, k in enumerate(cell)], dtype=np.int64)
+        c_hi = np.array([cuts[d][k + 1] for d, k in enumerate(cell)], dtype=np.int64)
+        covers = np.flatnonzero(np.all((lo <= c_lo) & (hi >= c_hi), axis=1))
+        if not len(covers):
+            continue
+        ng = _Group(tuple(int(x) for x in c_lo), tuple(int(x) for x in c_hi - c_lo))
+        for gi in covers:
+            g = groups[gi]
+            delta = c_lo - lo[gi]
+            for rank in sorted(g.rank_addr):
+                region, base, strides = g.addrs[g.rank_addr[rank]]
+                ng.add(rank, (region, base + int(np.dot(delta, strides)) * isz, strides))
+        out.append(ng)
+    return out
+
+
+@dataclass
+class _Chunks:
+    """The intersections of one destination layout with the source groups, column-wise."""
+
+    nbytes: list[int] = field(default_factory=list)
+    group: list[_Group] = field(default_factory=list)
+    delta: list[tuple[int, ...]] = field(default_factory=list)   # chunk origin - group origin
+    sizes: list[tuple[int, ...]] = field(default_factory=list)
+    dst_region: list[int] = field(default_factory=list)
+    dst_base: list[int] = field(default_factory=list)
+    dst_strides: list[tuple[int, ...]] = field(default_factory=list)
+    itemsize: list[int] = field(default_factory=list)
+    needed: int = 0
+
+
+def _check_dest_spec(index: _SourceIndex, dest: RankLayout, sp: TensorSpec,
+                     transforms: Mapping[str, str], missing: dict[str, list[int]]) -> _TensorIndex | None:
+    ti = index.tensors.get(sp.name)
+    if ti is None or not ti.groups:
+        missing.setdefault(sp.name, []).append(dest.rank)
+        return None
+    if ti.spec.shape != sp.shape:
+        raise PlanError(f"{sp.name!r}: shape {sp.shape} on destination rank {dest.rank} but "
+                        f"{ti.spec.shape} on source rank {ti.owner}")
+    if ti.spec.dtype != sp.dtype:
+        if sp.name in transforms:
+            raise PlanError(f"{sp.name!r}: transform {transforms[sp.name]!r} ({ti.spec.dtype} on source rank "
+                            f"{ti.owner} -> {sp.dtype} on destination rank {dest.rank}) is named, but the "
+                            f"planner cannot execute dtype transforms yet")
+        raise PlanError(f"{sp.name!r}: dtype {ti.spec.dtype} on source rank {ti.owner} but {sp.dtype} on "
+                        f"destination rank {dest.rank}; a dtype change must be a named transform")
+    return ti
+
+
+def _chunks_for(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, str],
+                missing: dict[str, list[int]], partial: list[str]) -> _Chunks:
+    ch = _Chunks()
+    smap = dest.spec_map()
+    checked: dict[str, _TensorIndex | None] = {}
+    for t in dest.tensors:
+        isz = _itemsize(t.dtype)
+        for p in t.pieces:
+            if p.box.numel == 0:
+                continue
+            sp = _local_spec("destination", dest.rank, smap, t, p.tensor)
+            if p.tensor not in checked:
+                checked[p.tensor] = _check_dest_spec(index, dest, sp, transforms, missing)
+            ti = checked[p.tensor]
+            if ti is None:
+                continue
+            ch.needed += p.box.numel * isz
+            bo, bs = p.box.offsets, p.box.sizes
+            if len(ti.groups) == 1:
+                hits = [0]
+            else:
+                dlo = np.asarray(bo, dtype=np.int64)
+                dhi = dlo + np.asarray(bs, dtype=np.int64)
+                hits = np.flatnonzero(np.all((ti.lo < dhi) & (ti.hi > dlo), axis=1)).tolist()
+            covered = 0
+            for gi in hits:
+                g = ti.groups[gi]
+                ilo = tuple(max(a, b) for a, b in zip(bo, g.offsets))
+                ihi = tuple(min(a + s, b + z) for a, s, b, z in zip(bo, bs, g.offsets, g.sizes))
+                sizes = tuple(h - l for l, h in zip(ilo, ihi))
+                if any(s <= 0 for s in sizes):
+                    continue
+                n = math.prod(sizes)
+                covered += n
+                ch.nbytes.append(n * isz)
+                ch.group.append(g)
+                ch.delta.append(tuple(a - b for a, b in zip(ilo, g.offsets)))
+                ch.sizes.append(sizes)
+                ch.dst_region.append(t.region)
+                ch.dst_base.append(t.offset + (p.offset + sum((a - b) * s for a, b, s in
+                                                             zip(ilo, bo, p.strides))) * isz)
+                ch.dst_strides.append(p.strides)
+                ch.itemsize.append(isz)
+            if covered != p.box.numel:
+                partial.append(f"{p.tensor!r} box offsets={bo} sizes={bs} on destination rank {dest.rank} "
+                               f"(local {t.name!r}): {p.box.numel - covered} of {p.box.numel} elements "
+                               f"held by no source")
+    return ch
+
+
+class _Emitter:
+    """Collects runs per source rank and turns them into coalesced ``SourceOps``."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[int, list[list[int]]] = {}
+        self.arrays: dict[int, list[tuple[np.ndarray, ...]]] = {}
+
+    def add(self, rank: int, src_region: int, so: np.ndarray, dst_region: int, do: np.ndarray,
+            nb: np.ndarray | int) -> None:
+        if len(so) == 1:
+            cols = self.scalars.setdefault(rank, [[], [], [], [], []])
+            cols[0].append(src_region)
+            cols[1].append(int(so[0]))
+            cols[2].append(dst_region)
+            cols[3].append(int(do[0]))
+            cols[4].append(int(nb if isinstance(nb, int) else nb[0]))
+            return
+        n = len(so)
+        nba = np.full(n, nb, dtype=np.int64) if isinstance(nb, int) else nb
+        self.arrays.setdefault(rank, []).append(
+            (np.full(n, src_region, dtype=np.int64), so, np.full(n, dst_region, dtype=np.int64), do, nba))
+
+    def finish(self) -> tuple[SourceOps, ...]:
+        out = []
+        for rank in sorted(set(self.scalars) | set(self.arrays)):
+            parts = list(self.arrays.get(rank, []))
+            sc = self.scalars.get(rank)
+            if sc is not None:
+                parts.append(tuple(np.asarray(c, dtype=np.int64) for c in sc))
+            cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
+            out.append(SourceOps(rank, *coalesce(*cols)))
+        return tuple(out)
+
+
+def _emit(ch: _Chunks, parts: list[list[list[int]]]) -> tuple[SourceOps, ...]:
+    em = _Emitter()
+    for i, plist in enumerate(parts):
+        g = ch.group[i]
+        isz = ch.itemsize[i]
+        w = ch.nbytes[i]
+        for rank, a, b in plist:
+            if b <= a:
+                continue
+            region, base, strides = g.addrs[g.rank_addr[rank]]
+            src_base = base + sum(d * s for d, s in zip(ch.delta[i], strides)) * isz
+            rs, rd, run = box_runs(ch.sizes[i], strides, ch.dst_strides[i], isz)
+            if a == 0 and b == w:
+                em.add(rank, region, rs + src_base, ch.dst_region[i], rd + ch.dst_base[i], run)
+                continue
+            js = np.arange(a // run, -(-b // run), dtype=np.int64)
+            st = np.maximum(js * run, a)
+            en = np.minimum(js * run + run, b)
+            shift = st - js * run
+            em.add(rank, region, rs[js] + src_base + shift, ch.dst_region[i], rd[js] + ch.dst_base[i] + shift,
+                   en - st)
+    return em.finish()
+
+
+def _layout_key(lay: RankLayout) -> tuple:
+    return (lay.tensors, lay.region_sizes, tuple(sorted(lay.specs, key=lambda s: s.name)))
+
+
+def _source_classes(sources: Sequence[RankLayout]) -> dict[int, tuple[int, ...]]:
+    """Maps each source rank to the sorted ranks whose layouts are identical to its own."""
+    by_key: dict[tuple, list[int]] = {}
+    for s in sources:
+        by_key.setdefault(_layout_key(s), []).append(s.rank)
+    out: dict[int, tuple[int, ...]] = {}
+    for ranks in by_key.values():
+        cls = tuple(sorted(ranks))
+        for r in cls:
+            out[r] = cls
+    return out
+
+
+def _rotation(base_loads: Mapping[int, int], loads: dict[int, int], classes: Mapping[int, tuple[int, ...]],
+              copy: int) -> dict[int, int]:
+    """Rank permutation for one copy: rotate each class so its busiest source stays lowest."""
+    perm: dict[int, int] = {}
+    seen: set[tuple[int, ...]] = set()
+    for r in sorted(base_loads):
+        cls = classes[r]
+        if cls in seen:
+            continue
+        seen.add(cls)
+        m = len(cls)
+        vals = [base_loads.get(x, 0) for x in cls]
+        best, best_key = 0, None
+        for j in range(m):
+            o = (copy + j) % m
+            key = max(loads.get(cls[(i + o) % m], 0) + vals[i] for i in range(m) if vals[i])
+            if best_key is None or key < best_key:
+                best, best_key = o, key
+        for i, x in enumerate(cls):
+            if vals[i]:
+                y = cls[(i + best) % m]
+                perm[x] = y
+                loads[y] = loads.get(y, 0) + vals[i]
+    return perm
 
 
 def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
@@ -19,7 +358,63 @@ def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
     any source serves across all ``dests``. Raises ``PlanError`` (naming tensors and ranks) if the
     result would not validate. ``transforms`` names, per canonical tensor, an allowed dtype change.
     """
-    raise NotImplementedError
+    from .validate import validate_plan  # validate imports runs/plan only; keep the module graph flat
+
+    transforms = dict(transforms or {})
+    if min_split_bytes < 1:
+        raise PlanError(f"min_split_bytes must be positive, got {min_split_bytes}")
+    sources = sorted(sources, key=lambda s: s.rank)
+    for a, b in zip(sources, sources[1:]):
+        if a.rank == b.rank:
+            raise PlanError(f"source rank {a.rank} given twice")
+    dests = list(dests)
+    seen_dst: set[int] = set()
+    for d in dests:
+        if d.rank in seen_dst:
+            raise PlanError(f"destination rank {d.rank} given twice")
+        seen_dst.add(d.rank)
+
+    index = _SourceIndex(sources)
+    classes = _source_classes(sources)
+    align = 4096 if min_split_bytes >= 4096 else 16
+
+    groups: dict[tuple, list[RankLayout]] = {}
+    for d in sorted(dests, key=lambda d: d.rank):
+        groups.setdefault(_layout_key(d), []).append(d)
+
+    missing: dict[str, list[int]] = {}
+    partial: list[str] = []
+    chunked = []
+    for copies in groups.values():
+        ch = _chunks_for(index, copies[0], transforms, missing, partial)
+        chunked.append((copies, ch))
+    if missing or partial:
+        same = {copies[0].rank: [d.rank for d in copies] for copies, _ in chunked}
+        lines = [f"{name!r} (destination ranks {sorted(x for r in ranks for x in same[r])}; "
+                 f"no source rank holds it)" for name, ranks in sorted(missing.items())]
+        lines += partial[:20] + ([f"... and {len(partial) - 20} more"] if len(partial) > 20 else [])
+        raise PlanError("destination bytes without a source: " + "; ".join(lines))
+
+    loads: dict[int, int] = {}
+    out: dict[int, Plan] = {}
+    vcache: dict = {}
+    for copies, ch in chunked:
+        k = len(copies)
+        base_loads = {r: v // k for r, v in loads.items()}
+        before = dict(base_loads)
+        parts = assign(ch.nbytes, [g.ranks for g in ch.group], base_loads, min_split=min_split_bytes,
+                       align=align, rotate=copies[0].rank)
+        own = {r: v - before.get(r, 0) for r, v in base_loads.items() if v != before.get(r, 0)}
+        srcs = _emit(ch, parts)
+        base = Plan(copies[0].rank, srcs, ch.needed)
+        validate_plan(base, sources, copies[0], cache=vcache)
+        for j, d in enumerate(copies):
+            perm = _rotation(own, loads, classes, j)
+            ops = sorted((SourceOps(perm.get(s.src_rank, s.src_rank), s.src_region, s.src_offset,
+                                    s.dst_region, s.dst_offset, s.nbytes) for s in srcs),
+                         key=lambda s: s.src_rank)
+            out[d.rank] = Plan(d.rank, tuple(ops), ch.needed)
+    return {r: out[r] for r in sorted(out)}
 
 
 def build_plan(sources: Sequence[RankLayout], dest: RankLayout, **kwargs) -> Plan:

@@ -257,9 +257,12 @@ class Fused:
 @dataclass(frozen=True)
 class Stack:
     """The local tensor stacks whole canonical tensors along a new leading dimension:
-    ``local[i] == canonical(parts[i])`` (MoE experts held as one ``[E, ...]`` tensor)."""
+    ``local[i] == canonical(parts[i])`` (MoE experts held as one ``[E, ...]`` tensor).
 
-    parts: tuple[Shard, ...]
+    A part may itself be ``Fused`` (vLLM's ``w13_weight[e] = [gate_e; up_e]``).
+    """
+
+    parts: tuple["Shard | Fused", ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))
@@ -360,6 +363,10 @@ def pieces_for(name: str, decl: Declaration, local_shape: Sequence[int]) -> tupl
         step = math.prod(inner)
         pieces = []
         for i, p in enumerate(decl.parts):
+            if isinstance(p, Fused):
+                pieces += [Piece(q.tensor, q.box, q.offset + i * step, q.strides)
+                           for q in _fused_pieces(name, p, inner)]
+                continue
             part = Shard(p.name, p.global_shape, p.offsets, p.sizes if p.sizes is not None else inner)
             pieces += _shard_pieces(name, part, inner, i * step, row_major_strides(inner))
     elif isinstance(decl, Flat):
@@ -461,7 +468,7 @@ def specs_of(decl: Declaration, dtype: str) -> list[TensorSpec]:
     if isinstance(decl, Shard):
         return [TensorSpec(decl.name, decl.global_shape, dtype)]
     if isinstance(decl, (Fused, Stack)):
-        return [TensorSpec(p.name, p.global_shape, dtype) for p in decl.parts]
+        return [s for p in decl.parts for s in specs_of(p, dtype)]
     if isinstance(decl, Flat):
         return [TensorSpec(n, s, dtype) for n, s, _, _ in decl.segments]
     raise LayoutError(f"unknown declaration {decl!r}")

@@ -1,0 +1,103 @@
+"""Byte runs: the contiguous byte ranges that copy a box between two strided layouts.
+
+A box of a canonical tensor sits in a source local tensor and in a destination local tensor, each
+through element strides (see ``planner.layout``). ``box_runs`` turns it into runs of equal length,
+row-major over the box: the innermost dimensions that are contiguous on *both* sides collapse
+into one run, so an intersection of whole rows is one run, not one run per row.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.setflags(write=False)
+
+
+@lru_cache(maxsize=1 << 16)
+def box_runs(sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...],
+             itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(src_offsets, dst_offsets, run_bytes)``: byte offsets of each run relative to the box's
+    first element on each side, in row-major order of the box, and the common run length.
+
+    Results are cached (every layer of a model repeats the same few geometries) and read-only.
+    """
+    dims = [(n, s, d) for n, s, d in zip(sizes, src_strides, dst_strides) if n != 1]
+    if any(n == 0 for n, _, _ in dims):
+        return _EMPTY, _EMPTY, 0
+    block = 1
+    k = len(dims)
+    if dims and dims[-1][1] == 1 and dims[-1][2] == 1:
+        block = dims[-1][0]
+        k -= 1
+        while k > 0 and dims[k - 1][1] == block and dims[k - 1][2] == block:
+            block *= dims[k - 1][0]
+            k -= 1
+    src = np.zeros(1, dtype=np.int64)
+    dst = np.zeros(1, dtype=np.int64)
+    for n, s, d in dims[:k]:
+        idx = np.arange(n, dtype=np.int64)
+        src = (src[:, None] + idx * s).ravel()
+        dst = (dst[:, None] + idx * d).ravel()
+    src *= itemsize
+    dst *= itemsize
+    src.setflags(write=False)
+    dst.setflags(write=False)
+    return src, dst, block * itemsize
+
+
+def coalesce(src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray,
+             dst_offset: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sorts runs by source address and merges neighbours contiguous on both sides.
+
+    Returns the five columns, sorted by ``(src_region, src_offset)``.
+    """
+    if len(nbytes) == 0:
+        return src_region, src_offset, dst_region, dst_offset, nbytes
+    order = np.lexsort((src_offset, src_region))
+    sr, so, dr, do, nb = (a[order] for a in (src_region, src_offset, dst_region, dst_offset, nbytes))
+    if len(nb) > 1:
+        cont = np.empty(len(nb), dtype=bool)
+        cont[0] = False
+        cont[1:] = ((sr[1:] == sr[:-1]) & (so[1:] == so[:-1] + nb[:-1])
+                    & (dr[1:] == dr[:-1]) & (do[1:] == do[:-1] + nb[:-1]))
+        if cont.any():
+            starts = np.flatnonzero(~cont)
+            nb = np.add.reduceat(nb, starts)
+            sr, so, dr, do = sr[starts], so[starts], dr[starts], do[starts]
+    return sr, so, dr, do, nb
+
+
+def merge_intervals(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted, merged ``(region, start, stop)`` of possibly touching (not overlapping) intervals."""
+    if len(nbytes) == 0:
+        return region, offset, offset
+    order = np.lexsort((offset, region))
+    r, a = region[order], offset[order]
+    b = a + nbytes[order]
+    if len(r) > 1:
+        new = np.ones(len(r), dtype=bool)
+        new[1:] = (r[1:] != r[:-1]) | (a[1:] > np.maximum.accumulate(b)[:-1])
+        starts = np.flatnonzero(new)
+        stops = np.maximum.reduceat(b, starts)
+        r, a, b = r[starts], a[starts], stops
+    return r, a, b
+
+
+def piece_intervals(pieces: Sequence[tuple[int, int, tuple[int, ...], tuple[int, ...], int]]
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merged byte intervals covered by pieces given as ``(region, base_byte, sizes, strides, itemsize)``."""
+    regs, offs, lens = [], [], []
+    for region, base, sizes, strides, isz in pieces:
+        rel, _, run = box_runs(tuple(sizes), tuple(strides), tuple(strides), isz)
+        if run == 0:
+            continue
+        regs.append(np.full(len(rel), region, dtype=np.int64))
+        offs.append(rel + base)
+        lens.append(np.full(len(rel), run, dtype=np.int64))
+    if not regs:
+        return _EMPTY, _EMPTY, _EMPTY
+    return merge_intervals(np.concatenate(regs), np.concatenate(offs), np.concatenate(lens))

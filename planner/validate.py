@@ -1,0 +1,220 @@
+"""Plan validation: run before any byte moves. Every failure is a ``PlanError`` naming ranks/tensors.
+
+Checks, for one destination's plan:
+
+* every source rank exists, every op is non-empty and in bounds of its source and destination
+  regions;
+* no two ops write the same destination byte, every op writes only mapped destination bytes
+  (never padding) and the ops write exactly ``needed_bytes``, which must equal the bytes the
+  destination's pieces map: so every mapped byte is written exactly once;
+* every op reads only mapped source bytes;
+* (``check_data``) on a deterministic sample of ops, the first and last byte of the source range
+  and of the destination range are the same byte of the same element of the same canonical tensor.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .dtypes import itemsize as _itemsize
+from .errors import PlanError
+from .layout import LocalTensor, Piece, RankLayout
+from .plan import Plan
+from .runs import piece_intervals
+
+_SHIFT = 48  # interval keys: region << 48 | byte offset (regions up to 256 TiB)
+
+
+def mapped_intervals(layout: RankLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted, merged ``(start_key, stop_key)`` of the bytes a layout's pieces map."""
+    items = []
+    for t in layout.tensors:
+        isz = _itemsize(t.dtype)
+        for p in t.pieces:
+            items.append((t.region, t.offset + p.offset * isz, p.box.sizes, p.strides, isz))
+    r, a, b = piece_intervals(items)
+    return (r << _SHIFT) + a, (r << _SHIFT) + b
+
+
+def _uncovered(keys: np.ndarray, nbytes: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """Indices of intervals ``[key, key+n)`` not inside one of the merged ``[starts, stops)``."""
+    idx = np.searchsorted(starts, keys, side="right") - 1
+    ok = idx >= 0
+    ok[ok] &= keys[ok] + nbytes[ok] <= stops[idx[ok]]
+    return np.flatnonzero(~ok)
+
+
+class _Info:
+    """Per-layout lookups, built once per validation run."""
+
+    def __init__(self, layout: RankLayout) -> None:
+        self.layout = layout
+        self._mapped: tuple[np.ndarray, np.ndarray] | None = None
+        ts = sorted((t for t in layout.tensors if t.nbytes), key=lambda t: (t.region, t.offset))
+        self.tensors = ts
+        self.keys = np.array([(t.region << _SHIFT) + t.offset for t in ts], dtype=np.int64)
+        self.specs = layout.spec_map()
+
+    @property
+    def mapped(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._mapped is None:
+            self._mapped = mapped_intervals(self.layout)
+        return self._mapped
+
+    def tensor_at(self, region: int, offset: int) -> LocalTensor | None:
+        i = int(np.searchsorted(self.keys, (region << _SHIFT) + offset, side="right")) - 1
+        if i < 0:
+            return None
+        t = self.tensors[i]
+        return t if t.region == region and offset < t.offset + t.nbytes else None
+
+
+def _info(layout: RankLayout, cache: dict | None) -> _Info:
+    if cache is None:
+        return _Info(layout)
+    got = cache.get(id(layout))
+    if got is None or got.layout is not layout:
+        got = cache[id(layout)] = _Info(layout)
+    return got
+
+
+def _describe(info: _Info, region: int, offset: int) -> str:
+    t = info.tensor_at(region, offset)
+    return f"region {region} offset {offset}" + (f" (local tensor {t.name!r})" if t else "")
+
+
+def _decode(p: Piece, elem: int) -> tuple[int, ...] | None:
+    """Canonical index of local element ``elem`` if piece ``p`` maps it."""
+    rel = elem - p.offset
+    if rel < 0:
+        return None
+    coords = list(p.box.offsets)
+    for d in sorted((d for d in range(p.box.ndim) if p.box.sizes[d] > 1), key=lambda d: -p.strides[d]):
+        q, rel = divmod(rel, p.strides[d])
+        if q >= p.box.sizes[d]:
+            return None
+        coords[d] += q
+    return tuple(coords) if rel == 0 else None
+
+
+def canonical_byte(layout: RankLayout | _Info, region: int, offset: int) -> tuple[str, int, int] | None:
+    """``(tensor, flat canonical element, byte within element)`` held at a byte of a layout."""
+    info = layout if isinstance(layout, _Info) else _Info(layout)
+    t = info.tensor_at(region, offset)
+    if t is None:
+        return None
+    isz = t.itemsize
+    elem, byte = divmod(offset - t.offset, isz)
+    specs = info.specs
+    for p in t.pieces:
+        c = _decode(p, elem)
+        if c is not None:
+            shape = specs[p.tensor].shape
+            flat = sum(ci * si for ci, si in zip(c, _row_major(shape)))
+            return p.tensor, flat, byte
+    return None
+
+
+def _row_major(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[i + 1:]) for i in range(len(shape))]
+
+
+def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankLayout], dest: RankLayout, *,
+                  check_data: bool = True, samples: int = 256, cache: dict | None = None) -> None:
+    """Raises ``PlanError`` unless ``plan`` correctly fills ``dest`` from ``sources`` (see module doc).
+
+    ``cache`` (a dict the caller keeps while its layouts live) reuses per-layout lookups across
+    calls that validate many plans against the same layouts.
+    """
+    src_map = dict(sources) if isinstance(sources, Mapping) else {s.rank: s for s in sources}
+    d = dest.rank
+    if plan.dst_rank != d:
+        raise PlanError(f"plan is for destination rank {plan.dst_rank}, validated against rank {d}")
+    ranks = [s.src_rank for s in plan.sources]
+    if ranks != sorted(set(ranks)):
+        raise PlanError(f"destination rank {d}: source groups not sorted/unique: {ranks}")
+    dst_sizes = np.asarray(dest.region_sizes, dtype=np.int64)
+    dkeys, dlens = [], []
+    for s in plan.sources:
+        lay = src_map.get(s.src_rank)
+        if lay is None:
+            raise PlanError(f"destination rank {d}: plan reads from unknown source rank {s.src_rank}")
+        if not len(s):
+            continue
+        if (s.nbytes <= 0).any():
+            raise PlanError(f"destination rank {d}: empty read from source rank {s.src_rank}")
+        _check_bounds(f"destination rank {d} reading source rank {s.src_rank}: source",
+                      s.src_region, s.src_offset, s.nbytes, np.asarray(lay.region_sizes, dtype=np.int64))
+        _check_bounds(f"destination rank {d} reading source rank {s.src_rank}: destination",
+                      s.dst_region, s.dst_offset, s.nbytes, dst_sizes)
+        info = _info(lay, cache)
+        starts, stops = info.mapped
+        skeys = (s.src_region << _SHIFT) + s.src_offset
+        bad = _uncovered(skeys, s.nbytes, starts, stops)
+        if len(bad):
+            i = int(bad[0])
+            raise PlanError(f"destination rank {d}: {len(bad)} reads from source rank {s.src_rank} touch "
+                            f"unmapped source bytes, e.g. {int(s.nbytes[i])} bytes at "
+                            f"{_describe(info, int(s.src_region[i]), int(s.src_offset[i]))}")
+        dkeys.append((s.dst_region << _SHIFT) + s.dst_offset)
+        dlens.append(s.nbytes)
+    total = plan.total_bytes
+    dinfo = _info(dest, cache)
+    starts, stops = dinfo.mapped
+    mapped = int((stops - starts).sum())
+    if plan.needed_bytes != mapped:
+        raise PlanError(f"destination rank {d}: plan says {plan.needed_bytes} bytes needed, layout maps {mapped}")
+    if total != mapped:
+        raise PlanError(f"destination rank {d}: plan reads {total} bytes but {mapped} are needed")
+    if not dkeys:
+        return
+    keys = np.concatenate(dkeys)
+    lens = np.concatenate(dlens)
+    order = np.argsort(keys, kind="stable")
+    k, n = keys[order], lens[order]
+    over = np.flatnonzero(k[1:] < k[:-1] + n[:-1])
+    if len(over):
+        i = int(order[over[0] + 1])
+        key = int(keys[i])
+        raise PlanError(f"destination rank {d}: {len(over)} reads overlap in the destination, e.g. at "
+                        f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}")
+    bad = _uncovered(keys, lens, starts, stops)
+    if len(bad):
+        key = int(keys[bad[0]])
+        raise PlanError(f"destination rank {d}: {len(bad)} reads write unmapped destination bytes, e.g. at "
+                        f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}")
+    if check_data:
+        _check_sample(plan, {r: _info(lay, cache) for r, lay in src_map.items()
+                             if r in plan.bytes_per_source()}, dinfo, samples)
+
+
+def _check_bounds(what: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
+                  sizes: np.ndarray) -> None:
+    bad_region = (region < 0) | (region >= len(sizes))
+    if bad_region.any():
+        raise PlanError(f"{what} region {int(region[bad_region][0])} does not exist ({len(sizes)} regions)")
+    bad = (offset < 0) | (offset + nbytes > sizes[region])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"{what} bytes [{int(offset[i])}, {int(offset[i] + nbytes[i])}) outside region "
+                        f"{int(region[i])} of {int(sizes[region[i]])} bytes")
+
+
+def _check_sample(plan: Plan, src_map: Mapping[int, _Info], dest: _Info, samples: int) -> None:
+    n = len(plan)
+    if not n:
+        return
+    picks = set(np.linspace(0, n - 1, min(n, samples)).astype(np.int64).tolist())
+    pos = 0
+    for s in plan.sources:
+        lay = src_map[s.src_rank]
+        for i in [p - pos for p in sorted(picks) if pos <= p < pos + len(s)]:
+            for delta in (0, int(s.nbytes[i]) - 1):
+                a = canonical_byte(lay, int(s.src_region[i]), int(s.src_offset[i]) + delta)
+                b = canonical_byte(dest, int(s.dst_region[i]), int(s.dst_offset[i]) + delta)
+                if a is None or a != b:
+                    raise PlanError(f"destination rank {plan.dst_rank}: read from source rank {s.src_rank} "
+                                    f"copies {a} into {b}")
+        pos += len(s)
