@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -59,6 +59,7 @@ class PullStats:
 @dataclass
 class SubscriberStats:
     transports: dict[int, tuple[str, str]] = field(default_factory=dict)  # src rank -> (name, reason)
+    bytes_per_source: dict[int, int] = field(default_factory=dict)      # of the current plan
     pulls: list[PullStats] = field(default_factory=list)
     plans: int = 0
 
@@ -94,7 +95,8 @@ class Subscriber:
                  token: str | bytes | None = None, transport: str = "auto", staged: bool = False,
                  verify: bool = False, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  lease_ttl: float = 10.0, name: str | None = None, host: str = "127.0.0.1",
-                 transport_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 transport_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None) -> None:
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
         self.name = name or f"{host_identity().split('/')[0]}:{os.getpid()}"
@@ -106,6 +108,7 @@ class Subscriber:
         self._lock = threading.Lock()
         self._pull_lock = threading.Lock()
         self._transport_options = transport_options or {}
+        self._wrapper = transport_wrapper  # fault injection and tracing (see wbridge.faults)
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
         self._session: _Session | None = None
@@ -289,6 +292,7 @@ class Subscriber:
             layouts = [RankLayout.from_dict(d["layout"]) for d in records]
             plan = build_plan(layouts, self._layout)
         self.stats.plans += 1
+        self.stats.bytes_per_source = plan.bytes_per_source()
         sources = []
         me = host_identity()
         for src_ops in plan.sources:
@@ -322,6 +326,8 @@ class Subscriber:
             with translated():
                 cls = _transports.get(name)
                 t = cls(token=self.token, host=self.host, **dict(self._transport_options.get(name, {})))
+                if self._wrapper is not None:
+                    t = self._wrapper(t)
                 self._transports[name] = t
                 self._local_regions[name] = [t.register(address(b), int(b.numel()), device=self._device)
                                              for b in self._dest]

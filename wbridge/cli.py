@@ -1,0 +1,121 @@
+"""The ``wbridge`` command: ``demo``, ``bench``, ``store serve``, ``info``."""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import time
+
+BENCHMARKS = {
+    "update": "update_e2e.py",
+    "stall": "stall.py",
+    "plan": "plan_scale.py",
+    "throughput": "transport_throughput.py",
+    "soak": "soak.py",
+}
+
+
+def _repo_benchmarks() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run
+    from .synthetic import ModelConfig
+
+    model = ModelConfig.demo() if not args.tiny else ModelConfig.tiny()
+    cfg = DemoConfig(versions=args.versions, model=model, transport=args.transport, mode=args.mode,
+                     fault=args.inject_fault, timeout=args.timeout)
+    return run(cfg, as_json=args.json)
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.what == "transport":
+        from transports.bench import main as bench_main
+
+        return int(bench_main(rest) or 0)
+    path = os.path.join(_repo_benchmarks(), BENCHMARKS[args.what])
+    if not os.path.exists(path):
+        print(f"wbridge bench {args.what}: {path} not found (benchmarks ship with the source tree)",
+              file=sys.stderr)
+        return 2
+    sys.argv = [path] + rest
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    from .store import open_store
+
+    store = open_store(f"tcp://{args.host}:{args.port}", host_store=True)
+    print(f"wbridge store serving {store.url} (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import transports
+
+    from .selection import rdma_present
+    from .store import host_identity
+
+    print(f"host identity : {host_identity()}")
+    print(f"transports    : {', '.join(transports.available())}")
+    print(f"rdma devices  : {'yes' if rdma_present() else 'no'}")
+    try:
+        import torch
+
+        print(f"cuda          : {torch.cuda.is_available()}")
+    except ImportError:
+        print("cuda          : torch not installed")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wbridge", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    demo = sub.add_parser("demo", help="local publish/pull demo on the embedded defaults")
+    demo.add_argument("--versions", type=int, default=3)
+    demo.add_argument("--transport", default="auto")
+    demo.add_argument("--mode", default="one_step_off", choices=["sync", "one_step_off"])
+    demo.add_argument("--tiny", action="store_true", help="a 1.5 MiB model instead of ~512 MiB")
+    demo.add_argument("--inject-fault", choices=["flip-bit"], default=None,
+                      help="corrupt one read on rollout 0 to show the bit-exact check failing")
+    demo.add_argument("--timeout", type=float, default=120.0)
+    demo.add_argument("--json", action="store_true")
+
+    bench = sub.add_parser("bench", help="benchmarks (extra arguments go to the benchmark)")
+    bench.add_argument("what", choices=["transport", *BENCHMARKS])
+
+    store = sub.add_parser("store", help="host a standalone TCP metadata store")
+    store.add_argument("action", choices=["serve"])
+    store.add_argument("--host", default="127.0.0.1")
+    store.add_argument("--port", type=int, default=29700)
+
+    sub.add_parser("info", help="what this machine offers: transports, RDMA, CUDA")
+
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "demo":
+        return cmd_demo(args)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if args.cmd == "store":
+        return cmd_store(args)
+    return cmd_info(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""A synthetic Llama/Qwen-style transformer for the demo, tests and benchmarks.
+
+Values are a pure function of (canonical tensor, global element index, version), so any process can
+compute what any of its local tensors must hold after a pull without the other side's help, and a
+version's bytes differ from every other version's.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from planner.layout import Declaration, Fused, Shard, TensorSpec, pieces_for, row_major_strides
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    dtype: str = "bfloat16"
+
+    @classmethod
+    def demo(cls) -> "ModelConfig":
+        """About 512 MiB in bf16."""
+        return cls(hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632, layers=4, vocab=16384)
+
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        """About 1.5 MiB; GQA with 2 kv heads, vocabulary not divisible by 4."""
+        return cls(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=320, layers=2, vocab=1001)
+
+    def specs(self) -> list[TensorSpec]:
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        out = [TensorSpec("model.embed_tokens.weight", (self.vocab, h), self.dtype)]
+        for n in range(self.layers):
+            p = f"model.layers.{n}."
+            out += [
+                TensorSpec(p + "input_layernorm.weight", (h,), self.dtype),
+                TensorSpec(p + "self_attn.q_proj.weight", (q, h), self.dtype),
+                TensorSpec(p + "self_attn.k_proj.weight", (kv, h), self.dtype),
+                TensorSpec(p + "self_attn.v_proj.weight", (kv, h), self.dtype),
+                TensorSpec(p + "self_attn.o_proj.weight", (h, q), self.dtype),
+                TensorSpec(p + "post_attention_layernorm.weight", (h,), self.dtype),
+                TensorSpec(p + "mlp.gate_proj.weight", (i, h), self.dtype),
+                TensorSpec(p + "mlp.up_proj.weight", (i, h), self.dtype),
+                TensorSpec(p + "mlp.down_proj.weight", (h, i), self.dtype),
+            ]
+        out += [TensorSpec("model.norm.weight", (h,), self.dtype),
+                TensorSpec("lm_head.weight", (self.vocab, h), self.dtype)]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs())
+
+
+def _split(n: int, parts: int, k: int) -> tuple[int, int]:
+    """Offset and size of part k of n split as evenly as possible (earlier parts larger)."""
+    base, extra = divmod(n, parts)
+    return k * base + min(k, extra), base + (1 if k < extra else 0)
+
+
+def _row_shard(spec: TensorSpec, tp: int, rank: int) -> tuple[tuple[int, ...], Shard]:
+    off, size = _split(spec.shape[0], tp, rank)
+    shape = (size,) + spec.shape[1:]
+    return shape, Shard(spec.name, spec.shape, (off,) + (0,) * (len(spec.shape) - 1))
+
+
+def _col_shard(spec: TensorSpec, tp: int, rank: int) -> tuple[tuple[int, ...], Shard]:
+    off, size = _split(spec.shape[1], tp, rank)
+    return (spec.shape[0], size), Shard(spec.name, spec.shape, (0, off))
+
+
+def _kv_rows(cfg: ModelConfig, spec: TensorSpec, tp: int, rank: int) -> tuple[int, int]:
+    """Rows of k/v a TP rank holds: a head range, or one replicated head when kv_heads < tp."""
+    if cfg.kv_heads >= tp:
+        off, size = _split(cfg.kv_heads, tp, rank)
+        return off * cfg.head_dim, size * cfg.head_dim
+    head = rank * cfg.kv_heads // tp
+    return head * cfg.head_dim, cfg.head_dim
+
+
+def layout_decls(cfg: ModelConfig, tp: int, rank: int, *, fused: bool) -> dict[str, tuple[tuple[int, ...], Declaration]]:
+    """``{local name: (local shape, declaration)}`` of TP rank ``rank`` of ``tp``.
+
+    ``fused=False`` is a Megatron-like trainer (separate q/k/v and gate/up, column- and row-parallel
+    linears, vocab-parallel embeddings, replicated norms); ``fused=True`` a vLLM-like rollout with
+    ``qkv_proj = [q; k; v]`` and ``gate_up_proj = [gate; up]``.
+    """
+    out: dict[str, tuple[tuple[int, ...], Declaration]] = {}
+    specs = {s.name: s for s in cfg.specs()}
+    for name, spec in specs.items():
+        if name.endswith(("layernorm.weight", "norm.weight")):
+            out[name] = (spec.shape, Shard(name, spec.shape))
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out[name] = _row_shard(spec, tp, rank)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = _col_shard(spec, tp, rank)
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            if not fused:
+                off, size = _kv_rows(cfg, spec, tp, rank)
+                out[name] = ((size, spec.shape[1]), Shard(name, spec.shape, (off, 0)))
+        elif name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+            if not fused:
+                out[name] = _row_shard(spec, tp, rank)
+            elif name.endswith("q_proj.weight"):
+                p = name[: -len("q_proj.weight")]
+                parts, rows = [], 0
+                qoff, qsize = _split(spec.shape[0], tp, rank)
+                parts.append(Shard(name, spec.shape, (qoff, 0), (qsize, cfg.hidden)))
+                rows += qsize
+                for kvn in ("k_proj.weight", "v_proj.weight"):
+                    kspec = specs[p + kvn]
+                    off, size = _kv_rows(cfg, kspec, tp, rank)
+                    parts.append(Shard(kspec.name, kspec.shape, (off, 0), (size, cfg.hidden)))
+                    rows += size
+                out[p + "qkv_proj.weight"] = ((rows, cfg.hidden), Fused(0, tuple(parts)))
+            elif name.endswith("gate_proj.weight"):
+                p = name[: -len("gate_proj.weight")]
+                parts, rows = [], 0
+                for gn in ("gate_proj.weight", "up_proj.weight"):
+                    gspec = specs[p + gn]
+                    off, size = _split(gspec.shape[0], tp, rank)
+                    parts.append(Shard(gspec.name, gspec.shape, (off, 0), (size, cfg.hidden)))
+                    rows += size
+                out[p + "gate_up_proj.weight"] = ((rows, cfg.hidden), Fused(0, tuple(parts)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Values
+# ----------------------------------------------------------------------------------------------
+
+_TORCH_TO_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64, 1: np.uint8}
+
+
+_BITS = {1: (np.uint8, 0x80, 0x3F), 2: (np.uint16, 0x807F, 0x3F00),
+         4: (np.uint32, 0x807FFFFF, 0x3F000000), 8: (np.uint64, 0x800FFFFFFFFFFFFF, 0x3FE0000000000000)}
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x * np.uint64(0x9E3779B97F4A7C15)
+        x ^= x >> np.uint64(29)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(32)
+    return x
+
+
+def canonical_bits(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+                   itemsize: int, version: int) -> np.ndarray:
+    """Bit patterns of the box ``offsets/sizes`` of canonical ``name`` at ``version``.
+
+    Each element is the XOR of a hash of each of its indices (seeded by name, dimension and
+    version), masked to finite values near +-1 for float types: cheap to generate at memory speed,
+    different for every version, every tensor and every row and column.
+    """
+    utype, mask, one = _BITS[itemsize]
+    seed = (zlib.crc32(name.encode()) << 20) ^ (version * 0x9E3779B1)
+    out = None
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        idx = np.arange(o, o + s, dtype=np.uint64) + np.uint64(((seed + d * 0x632BE5AB) & 0xFFFFFFFF) << 24)
+        part = (_mix(idx) & np.uint64(mask)).astype(utype)
+        part = part.reshape([-1 if i == d else 1 for i in range(len(sizes))])
+        out = part if out is None else out ^ part
+    if out is None:  # a 0-d tensor
+        out = (_mix(np.array(seed, dtype=np.uint64)) & np.uint64(mask)).astype(utype)
+    return np.broadcast_to(out | utype(one), sizes)
+
+
+def fill_expected(flat_bits: np.ndarray, name: str, shape: tuple[int, ...], decl: Declaration,
+                  itemsize: int, version: int) -> None:
+    """Writes what local tensor ``name`` (declared ``decl``) holds at ``version`` into ``flat_bits``,
+    a flat unsigned-int view of it. Unmapped elements are left alone."""
+    for piece in pieces_for(name, decl, shape):
+        spec_shape = _global_shape(decl, piece.tensor)
+        vals = canonical_bits(piece.tensor, spec_shape, piece.box.offsets, piece.box.sizes, itemsize, version)
+        dst = np.lib.stride_tricks.as_strided(
+            flat_bits[piece.offset:], shape=piece.box.sizes,
+            strides=tuple(s * itemsize for s in piece.strides), writeable=True)
+        dst[...] = vals
+
+
+def _global_shape(decl: Declaration, tensor: str) -> tuple[int, ...]:
+    if isinstance(decl, Shard):
+        return decl.global_shape
+    for p in getattr(decl, "parts", ()):
+        if p.name == tensor:
+            return p.global_shape
+    for n, s, _, _ in getattr(decl, "segments", ()):
+        if n == tensor:
+            return s
+    raise KeyError(tensor)
+
+
+def bits_view(t: Any) -> np.ndarray:
+    """A flat unsigned-int numpy view of a CPU torch tensor or numpy array (no copy)."""
+    if isinstance(t, np.ndarray):
+        arr = t.reshape(-1)
+    else:
+        import torch
+
+        arr = t.detach().reshape(-1).view(torch.uint8).numpy()
+        isz = t.element_size()
+        return arr.view(_TORCH_TO_BITS[isz])
+    return arr.view(_TORCH_TO_BITS[arr.itemsize])
+
+
+def make_tensors(cfg: ModelConfig, tp: int, rank: int, *, fused: bool, version: int | None = 0,
+                 fill_value: int | None = None) -> dict[str, tuple[Any, Declaration]]:
+    """Allocates the local tensors of a TP rank (torch, CPU) filled for ``version`` (or with the
+    byte ``fill_value``) and returns them ready for ``register``."""
+    import torch
+
+    dtype = getattr(torch, cfg.dtype)
+    out = {}
+    for name, (shape, decl) in layout_decls(cfg, tp, rank, fused=fused).items():
+        t = torch.empty(shape, dtype=dtype)
+        if fill_value is not None:
+            t.view(torch.uint8).fill_(fill_value)
+        elif version is not None:
+            fill_expected(bits_view(t), name, shape, decl, t.element_size(), version)
+        out[name] = (t, decl)
+    return out
+
+
+def set_version(tensors: dict[str, tuple[Any, Declaration]], version: int) -> None:
+    """Overwrites every tensor with its values at ``version`` (a fake training step)."""
+    for name, (t, decl) in tensors.items():
+        fill_expected(bits_view(t), name, tuple(t.shape), decl, t.element_size(), version)
+
+
+def mismatches(tensors: dict[str, tuple[Any, Declaration]], version: int) -> list[str]:
+    """Names of local tensors whose mapped bytes differ from ``version``'s values."""
+    bad = []
+    for name, (t, decl) in tensors.items():
+        got = bits_view(t)
+        want = got.copy()
+        fill_expected(want, name, tuple(t.shape), decl, t.element_size(), version)
+        if not np.array_equal(got, want):
+            bad.append(name)
+    return bad
+
+
+def total_bytes(tensors: dict[str, tuple[Any, Declaration]]) -> int:
+    return sum(int(t.numel()) * t.element_size() for t, _ in tensors.values())
+
+
+__all__ = ["ModelConfig", "layout_decls", "make_tensors", "set_version", "mismatches", "canonical_bits",
+           "fill_expected", "total_bytes"]
