@@ -1,0 +1,364 @@
+"""One conformance suite for every transport that imports here (``transports.available()``).
+
+Each case runs a reading transport in this process against a serving transport in another OS
+process (``peer.Peer``). A transport joins automatically once its module imports and its
+``usable()`` (if any) says yes. Hooks a transport class may define:
+
+- ``conformance_skips``: ``{case: reason}``, to opt out of a case that does not apply to it (the
+  case is skipped with that reason). Cases: ``roundtrip``, ``mixed``, ``edges``, ``bounds``,
+  ``forged``, ``deregister``, ``auth``, ``killed``, ``stopped``, ``close``, ``leaks``, ``process``.
+- ``conformance_variants``: ``{label: constructor keywords}``, to run the suite once per variant
+  (``local`` runs its ``memfd`` and ``vm`` paths).
+- ``two_sided = True``: the serving process's transport takes part in each read; the suite then asks
+  it to call ``serve(timeout=...)`` once before every read it posts.
+- ``num_regions`` (property), where present, must drop back to 0 once everything is deregistered.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import transports
+from transports import AuthError, TransportError
+from transports.base import ReadBatch
+
+from .peer import Peer, region_bytes, run_client
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "conformance-token"
+#: Served regions: odd sizes so no read lines up with a page by accident.
+REGIONS = [{"size": (4 << 20) + 123, "seed": 11}, {"size": (1 << 20) - 7, "seed": 12}]
+TIMEOUT = 20.0
+GARBAGE = 0xC3
+
+
+def _variants() -> list:
+    out = []
+    for name in transports.available():
+        cls = transports.get(name)
+        for label, opts in dict(getattr(cls, "conformance_variants", {"": {}})).items():
+            out.append(pytest.param((name, dict(opts)), id=f"{name}-{label}" if label else name))
+    return out
+
+
+@pytest.fixture(scope="module", params=_variants())
+def variant(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(variant):
+    name, opts = variant
+    with Peer(name, REGIONS, token=TOKEN, options=opts, timeout=TIMEOUT) as peer:
+        yield peer
+        assert peer.stop() == 0, "serving process did not exit cleanly"
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return [region_bytes(r["size"], r["seed"]) for r in REGIONS]
+
+
+def applies(variant, case: str) -> None:
+    name, _ = variant
+    reason = dict(getattr(transports.get(name), "conformance_skips", {})).get(case)
+    if reason:
+        pytest.skip(f"{name} opts out of {case!r}: {reason}")
+
+
+class Reader:
+    """The reading side of one case: a transport, a garbage-filled destination, an open peer."""
+
+    def __init__(self, variant, server: Peer, dst_size: int, token: str | None = TOKEN) -> None:
+        name, opts = variant
+        self.cls = transports.get(name)
+        self.server = server
+        self.t = self.cls(token=token.encode() if token else None, **opts)
+        self.dst = np.empty(dst_size, dtype=np.uint8)
+        self.dst.fill(GARBAGE)
+        self.local = self.t.register(self.dst.ctypes.data, dst_size)
+        self.peer = None
+
+    def connect(self) -> "Reader":
+        self.peer = self.t.connect(self.server.endpoint, timeout=TIMEOUT)
+        return self
+
+    def prepare(self, batch: ReadBatch, descriptors=None):
+        return self.t.prepare(self.peer, descriptors or self.server.descriptors, [self.local], batch)
+
+    def read(self, prep, timeout: float = TIMEOUT) -> None:
+        if getattr(self.cls, "two_sided", False):
+            self.server.post(op="call", method="serve", kwargs={"timeout": timeout})
+        self.t.read(prep, timeout=timeout)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+@pytest.fixture
+def reader_factory(variant, server):
+    made = []
+
+    def make(dst_size: int, token: str | None = TOKEN) -> Reader:
+        r = Reader(variant, server, dst_size, token)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def apply_reference(dst: np.ndarray, batch: ReadBatch, expected) -> np.ndarray:
+    """What ``dst`` must hold after ``batch``: the same reads done by numpy."""
+    want = dst.copy()
+    for s, so, _, do, n in zip(*(c.tolist() for c in (batch.src_region, batch.src_offset, batch.dst_region,
+                                                       batch.dst_offset, batch.nbytes))):
+        want[do:do + n] = expected[s][so:so + n]
+    return want
+
+
+# -- cases ------------------------------------------------------------------------------------
+def test_descriptor_roundtrip(variant, server, reader_factory, expected):
+    """Endpoints and descriptors are plain bytes that survive any byte transport (the store)."""
+    applies(variant, "roundtrip")
+    for blob in [server.endpoint, *server.descriptors]:
+        assert isinstance(blob, bytes) and blob
+    again = [bytes.fromhex(d.hex()) for d in server.descriptors]
+    r = reader_factory(64)
+    r.peer = r.t.connect(bytes(bytearray(server.endpoint)), timeout=TIMEOUT)
+    prep = r.prepare(ReadBatch.of([(1, 5, 0, 0, 64)]), again)
+    r.read(prep)
+    assert np.array_equal(r.dst, expected[1][5:69])
+    with pytest.raises(TransportError):
+        r.t.connect(b"\x00not an endpoint\xff", timeout=TIMEOUT)
+    with pytest.raises(TransportError):
+        r.prepare(ReadBatch.of([(0, 0, 0, 0, 8)]), [b"{not a descriptor"])
+
+
+def test_mixed_batch_bit_exact(variant, server, reader_factory, expected):
+    """Thousands of small reads and a few large ones in one batch; bytes between reads stay as they were."""
+    applies(variant, "mixed")
+    rng = np.random.default_rng(7)
+    small = rng.integers(1, 600, 3000)
+    large = np.array([(1 << 20) + 3, 700_001, 2 << 20])
+    sizes = np.concatenate([small, large])
+    order = rng.permutation(len(sizes))
+    sizes = sizes[order]
+    gaps = rng.integers(0, 40, len(sizes))  # untouched bytes between destinations
+    dst_off = np.cumsum(gaps) + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    src_region = rng.integers(0, 2, len(sizes))
+    src_region[sizes > (1 << 20) - 7] = 0  # the largest read only fits region 0
+    limit = np.array([REGIONS[0]["size"], REGIONS[1]["size"]])[src_region] - sizes
+    src_off = (rng.random(len(sizes)) * (limit + 1)).astype(np.int64)
+    batch = ReadBatch(src_region, src_off, np.zeros(len(sizes)), dst_off, sizes)
+    r = reader_factory(int(dst_off[-1] + sizes[-1] + 100)).connect()
+    want = apply_reference(r.dst, batch, expected)
+    prep = r.prepare(batch)
+    for _ in range(2):  # prepare once, read many; garbage again in between
+        r.dst.fill(GARBAGE)
+        r.read(prep)
+        bad = np.flatnonzero(r.dst != want)
+        assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:5]}"
+
+
+def test_region_edges(variant, server, reader_factory, expected):
+    applies(variant, "edges")
+    s0, s1 = REGIONS[0]["size"], REGIONS[1]["size"]
+    rows = [(0, 0, 0, 0, 1), (0, s0 - 1, 0, 1, 1), (1, s1 - 1, 0, 2, 1), (1, 0, 0, 3, s1),
+            (0, s0 - 4097, 0, 3 + s1, 4097), (0, 0, 0, 3 + s1 + 4097, s0)]
+    batch = ReadBatch.of(rows)
+    r = reader_factory(3 + s1 + 4097 + s0).connect()  # the last read ends on the destination's last byte
+    want = apply_reference(r.dst, batch, expected)
+    r.read(r.prepare(batch))
+    assert np.array_equal(r.dst, want)
+
+
+@pytest.mark.parametrize("row", [
+    (0, REGIONS[0]["size"] - 10, 0, 0, 11),   # one byte past the end of a remote region
+    (1, -1, 0, 0, 4),                         # negative offset
+    (2, 0, 0, 0, 4),                          # no such remote region
+    (0, 0, 0, 1000, 100),                     # past the end of the destination
+    (0, 0, 1, 0, 4),                          # no such destination region
+    (0, 0, 0, 0, 0),                          # empty read
+])
+def test_prepare_refuses_out_of_bounds(variant, server, reader_factory, row):
+    applies(variant, "bounds")
+    r = reader_factory(1024).connect()
+    with pytest.raises(TransportError):
+        r.prepare(ReadBatch.of([(0, 0, 0, 0, 8), row]))
+    assert (r.dst == GARBAGE).all()
+
+
+def _forge(descriptor: bytes, nbytes: int) -> bytes:
+    try:
+        d = json.loads(descriptor)
+    except ValueError:
+        pytest.skip("descriptor is not JSON with an 'nbytes' field; define conformance_skips['forged']")
+    if "nbytes" not in d:
+        pytest.skip("descriptor has no 'nbytes' field; define conformance_skips['forged']")
+    d["nbytes"] = nbytes
+    return json.dumps(d).encode()
+
+
+def test_forged_descriptor_refused(variant, server, reader_factory, expected):
+    """A client that bypasses the bounds check (a descriptor claiming more bytes) gets nothing outside."""
+    applies(variant, "forged")
+    size = REGIONS[1]["size"]
+    forged = [server.descriptors[0], _forge(server.descriptors[1], size + (1 << 20))]
+    r = reader_factory(size + 4096).connect()
+    with pytest.raises(TransportError):
+        r.read(r.prepare(ReadBatch.of([(1, size - 100, 0, 0, 4196)]), forged))
+    assert (r.dst[100:] == GARBAGE).all(), "bytes from beyond the region arrived"
+    r.dst.fill(GARBAGE)  # the same reader still works for honest reads (the connection survived or reopened)
+    r.read(r.prepare(ReadBatch.of([(1, size - 100, 0, 0, 100)])))
+    assert np.array_equal(r.dst[:100], expected[1][-100:]) and (r.dst[100:] == GARBAGE).all()
+
+
+def test_deregistered_region_refused(variant, server, reader_factory):
+    applies(variant, "deregister")
+    desc = bytes.fromhex(server.command(op="register", size=8192, seed=99)["descriptor"])
+    index = len(server.descriptors)
+    r = reader_factory(8192).connect()
+    prep = r.prepare(ReadBatch.of([(0, 0, 0, 0, 8192)]), [desc])
+    r.read(prep)
+    assert np.array_equal(r.dst, region_bytes(8192, 99))
+    server.command(op="deregister", index=index)
+    r.dst.fill(GARBAGE)
+    with pytest.raises(TransportError):
+        r.read(prep)
+    assert (r.dst == GARBAGE).all()
+
+
+def test_wrong_token(variant, server, reader_factory, expected):
+    applies(variant, "auth")
+    r = reader_factory(64, token="not-the-token")
+    with pytest.raises(AuthError):
+        r.connect()
+        r.read(r.prepare(ReadBatch.of([(0, 0, 0, 0, 64)])))
+    assert (r.dst == GARBAGE).all()
+    good = reader_factory(64).connect()  # the server shrugged it off
+    good.read(good.prepare(ReadBatch.of([(0, 0, 0, 0, 64)])))
+    assert np.array_equal(good.dst, expected[0][:64])
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_dead_peer_raises_within_timeout(variant, reader_factory, how):
+    """SIGKILL (or SIGSTOP: a hung peer) the serving process while reads are running."""
+    applies(variant, how)
+    name, opts = variant
+    size = 64 << 20
+    with Peer(name, [{"size": size, "seed": 3}], token=TOKEN, options=opts, fill="pattern", timeout=TIMEOUT) as peer:
+        r = Reader(variant, peer, size)
+        try:
+            r.connect()
+            prep = r.prepare(ReadBatch(np.zeros(16), np.arange(16) * (4 << 20), np.zeros(16),
+                                       np.arange(16) * (4 << 20), np.full(16, 4 << 20)))
+            first, result = threading.Event(), {}
+            timeout = 5.0
+            worker = threading.Thread(target=lambda: _reads_until_error(r, prep, first, result, timeout),
+                                      daemon=True)
+            worker.start()
+            assert first.wait(TIMEOUT), "no read completed"
+            os.kill(peer.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+            t0 = time.monotonic()
+            worker.join(timeout + 10)
+            assert not worker.is_alive(), "read hung past its timeout"
+            assert isinstance(result.get("error"), TransportError), result
+            assert result["at"] - t0 < timeout + 5
+        finally:
+            if how == "stopped":
+                os.kill(peer.pid, signal.SIGKILL)
+            r.close()
+            peer.kill()
+
+
+def _reads_until_error(r: Reader, prep, first: threading.Event, result: dict, timeout: float) -> None:
+    try:
+        while True:
+            r.read(prep, timeout=timeout)
+            first.set()
+    except BaseException as e:  # noqa: BLE001 - inspected by the test
+        result["error"], result["at"] = e, time.monotonic()
+        first.set()
+
+
+def test_close_idempotent(variant, server, reader_factory):
+    applies(variant, "close")
+    r = reader_factory(64).connect()
+    prep = r.prepare(ReadBatch.of([(0, 0, 0, 0, 64)]))
+    r.read(prep)
+    r.t.release(prep)
+    r.t.disconnect(r.peer)
+    r.t.disconnect(r.peer)
+    r.t.deregister(r.local)
+    r.t.deregister(r.local)
+    r.t.close()
+    r.t.close()
+    assert r.t.closed
+    with pytest.raises(TransportError):
+        r.t.connect(server.endpoint, timeout=TIMEOUT)
+    with r.cls(token=TOKEN.encode(), **variant[1]) as t:  # context manager closes too
+        assert not t.closed
+    assert t.closed
+    assert "closed=True" in repr(t)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_leaks_over_100_cycles(variant, server, expected):
+    """open, connect, prepare, read, release, disconnect, close: 100 times, nothing left behind."""
+    applies(variant, "leaks")
+    name, opts = variant
+    cls = transports.get(name)
+    dst = np.empty(4096, dtype=np.uint8)
+
+    def cycle() -> None:
+        with cls(token=TOKEN.encode(), **opts) as t:
+            local = t.register(dst.ctypes.data, dst.nbytes)
+            peer = t.connect(server.endpoint, timeout=TIMEOUT)
+            prep = t.prepare(peer, server.descriptors, [local], ReadBatch.of([(0, 10, 0, 0, 4096)]))
+            dst.fill(GARBAGE)
+            if getattr(cls, "two_sided", False):
+                server.post(op="call", method="serve", kwargs={"timeout": TIMEOUT})
+            t.read(prep, timeout=TIMEOUT)
+            assert np.array_equal(dst, expected[0][10:4106])
+            t.release(prep)
+            t.disconnect(peer)
+            t.deregister(local)
+            if hasattr(t, "num_regions"):
+                assert t.num_regions == 0
+
+    cycle()  # warm-up: lazily created pools, imports
+    base = server.command(op="stats")
+    fds, threads = _fds(), threading.active_count()
+    for _ in range(100):
+        cycle()
+    assert _fds() == fds, f"client file descriptors: {fds} -> {_fds()}"
+    assert threading.active_count() == threads, f"client threads: {threads} -> {threading.active_count()}"
+    deadline = time.monotonic() + TIMEOUT  # the server notices closed connections asynchronously
+    while True:
+        now = server.command(op="stats")
+        settled = all(now[k] == base[k] for k in ("fds", "threads", "regions", "connections"))
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert {k: now[k] for k in base if k != "ok"} == {k: base[k] for k in base if k != "ok"}
+
+
+def test_client_process_exits_zero(variant, server):
+    """A reading process and the serving process are separate OS processes; both exit with status 0."""
+    applies(variant, "process")
+    name, opts = variant
+    done = run_client(name, server.endpoint, server.descriptors, REGIONS, token=TOKEN, options=opts,
+                      timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,86 @@
+"""Small helpers shared by the built-in transports: raw memory views, field checks, stream balancing."""
+from __future__ import annotations
+
+import ctypes
+import heapq
+from typing import Any
+
+import numpy as np
+
+from .errors import TransportError
+
+#: Largest address or size accepted from a descriptor (64-bit user-space addresses fit below 2**63).
+MAX_INT = (1 << 63) - 1
+
+
+def memory_view(addr: int, nbytes: int) -> memoryview:
+    """A writable, flat ``memoryview`` of ``nbytes`` at ``addr`` (no copy; the caller keeps it alive)."""
+    if nbytes <= 0:
+        raise TransportError(f"cannot view {nbytes} bytes at {addr:#x}")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B")
+
+
+def check_host_memory(kind: str, addr: object, nbytes: object, device: str) -> None:
+    """Refuses a registration these host-memory transports cannot serve, naming why."""
+    if device != "cpu":
+        raise TransportError(f"{kind} moves host memory only, not {device!r}: stage the tensor in host memory")
+    if type(addr) is not int or addr <= 0 or type(nbytes) is not int or nbytes <= 0:  # noqa: E721
+        raise TransportError(f"{kind}: cannot register {nbytes!r} bytes at {addr!r}")
+
+
+def int_field(kind: str, d: dict, key: str, lo: int = 0, hi: int = MAX_INT) -> int:
+    """``d[key]`` as an int in ``[lo, hi]``, or ``TransportError`` naming the field."""
+    v = d.get(key)
+    if type(v) is not int or not lo <= v <= hi:  # noqa: E721 - bool is not a valid field value
+        raise TransportError(f"{kind}: descriptor field {key!r} must be an int in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def str_field(kind: str, d: dict, key: str, max_len: int = 256) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not 0 < len(v) <= max_len:
+        raise TransportError(f"{kind}: descriptor field {key!r} must be a non-empty string, got {v!r:.80}")
+    return v
+
+
+def hex_field(kind: str, d: dict, key: str, nbytes: int) -> bytes:
+    v = str_field(kind, d, key, 2 * nbytes)
+    try:
+        out = bytes.fromhex(v)
+    except ValueError:
+        out = b""
+    if len(out) != nbytes:
+        raise TransportError(f"{kind}: descriptor field {key!r} must be {nbytes} hex-encoded bytes")
+    return out
+
+
+def token_key(token: Any) -> bytes:
+    """The HMAC key for ``token`` (``None``: the empty key, i.e. no authentication)."""
+    if token is None:
+        return b""
+    if isinstance(token, str):
+        return token.encode()
+    if isinstance(token, (bytes, bytearray, memoryview)):
+        return bytes(token)
+    raise TransportError(f"token must be bytes, str or None, got {type(token).__name__}")
+
+
+def split_and_balance(nbytes: np.ndarray, streams: int, split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cuts reads longer than ``split`` into pieces and spreads the pieces over ``streams`` by bytes.
+
+    Returns ``(op, start, stream)`` per piece: the index of the read it comes from, the byte offset
+    of the piece within that read, and the stream it goes to (longest-first greedy balancing).
+    """
+    pieces = np.maximum(1, -(-nbytes // split))
+    op = np.repeat(np.arange(len(nbytes), dtype=np.int64), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = (np.arange(len(op), dtype=np.int64) - first) * split
+    size = np.minimum(nbytes[op] - start, split)
+    stream = np.zeros(len(op), dtype=np.int64)
+    if streams > 1:
+        loads = [(0, s) for s in range(streams)]
+        for i in np.argsort(-size, kind="stable").tolist():
+            load, s = heapq.heappop(loads)
+            stream[i] = s
+            heapq.heappush(loads, (load + int(size[i]), s))
+    return op, start, stream

@@ -1,0 +1,586 @@
+"""``tcp``: the built-in transport. Reads served from registered host memory over parallel TCP streams.
+
+Serving side: ``endpoint()`` starts a listener on ``host`` (loopback unless told otherwise; never all
+interfaces by default) with one thread per authenticated connection. Each connection runs the
+protocol of ``transports._wire``: a mutual HMAC challenge-response with the shared token (the token
+never crosses the wire), then READ requests answered with DATA frames sent straight from the
+registered memory (``sendmsg`` over memoryviews, no copies in Python). A read that falls outside a
+registered region is refused with an ERROR frame; malformed frames close the connection.
+
+Reading side: ``connect`` opens ``streams`` authenticated connections to a peer; ``prepare`` checks
+bounds, splits long reads, balances the pieces over the streams by bytes and packs the READ frames
+once; ``read`` posts them (two frames in flight per stream) and receives each DATA frame straight
+into the destination memory (``recv_into``/``recvmsg_into`` on memoryviews of the destination).
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import _wire as w
+from ._util import check_host_memory, hex_field, int_field, memory_view, split_and_balance, str_field, token_key
+from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .errors import AuthError, TransportError
+
+INSTANCE_BYTES = 16
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Served:
+    """A region as the server sees it, with a count of DATA frames being sent from it."""
+
+    nbytes: int
+    view: memoryview
+    users: int = 0
+
+
+class _RegionTable:
+    """Registered regions by id. ``remove`` waits until no DATA frame is being sent from the region."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, _Served] = {}
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def add(self, rid: int, entry: _Served) -> None:
+        with self._cond:
+            self._regions[rid] = entry
+
+    def remove(self, rid: int, timeout: float) -> None:
+        with self._cond:
+            entry = self._regions.pop(rid, None)
+            if entry is not None and not self._cond.wait_for(lambda: entry.users == 0, timeout):
+                raise TransportError(f"tcp: region {rid} still being sent after {timeout}s")
+
+    def acquire(self, ids: np.ndarray) -> tuple[list[_Served] | None, str]:
+        """The regions named by ``ids`` (sorted, unique), each marked in use; or ``None`` and why."""
+        with self._cond:
+            out = []
+            for rid in ids.tolist():
+                entry = self._regions.get(rid)
+                if entry is None:
+                    return None, f"region {rid} is not registered"
+                out.append(entry)
+            for entry in out:
+                entry.users += 1
+            return out, ""
+
+    def release(self, entries: list[_Served]) -> None:
+        with self._cond:
+            for entry in entries:
+                entry.users -= 1
+            self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What one server connection needs; plain data so fuzzers can drive ``serve_connection``."""
+
+    key: bytes
+    instance: bytes
+    regions: _RegionTable
+    handshake_timeout: float = 10.0
+    frame_timeout: float = 30.0
+
+
+def _send_error(sock: socket.socket, message: str) -> None:
+    try:
+        sock.sendall(w.frame(w.FrameType.ERROR, message.encode()[:w.MAX_ERROR_BYTES]))
+    except OSError:
+        pass
+
+
+def _close_gracefully(sock: socket.socket, limit: int = 1 << 20, timeout: float = 1.0) -> None:
+    """Half-closes, then drains (bounded) what the peer still sends, so the kernel does not answer it
+    with a reset that would discard our ERROR frame before the peer reads it."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(timeout)
+        drained = 0
+        while drained < limit:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            drained += len(chunk)
+    except OSError:
+        pass
+
+
+def _server_handshake(sock: socket.socket, cfg: ServerConfig) -> bool:
+    _, client_nonce = w.recv_frame(sock, (w.FrameType.HELLO,))
+    if len(client_nonce) != w.NONCE_BYTES:
+        raise w.ProtocolError(f"HELLO nonce of {len(client_nonce)} bytes")
+    nonce = w.new_nonce()
+    proof = w.mac(cfg.key, b"server", cfg.instance, client_nonce, nonce)
+    sock.sendall(w.frame(w.FrameType.CHALLENGE, nonce + proof))
+    _, answer = w.recv_frame(sock, (w.FrameType.AUTH,))
+    if not w.verify(w.mac(cfg.key, b"client", cfg.instance, nonce, client_nonce), answer):
+        _send_error(sock, "authentication failed")
+        return False
+    sock.sendall(w.frame(w.FrameType.AUTH_OK))
+    return True
+
+
+def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
+    """Validates every entry of a READ, then answers with one DATA frame, or with one ERROR frame."""
+    entries = w.unpack_entries(payload)
+    ids, index = np.unique(entries["region"], return_inverse=True)
+    served, why = cfg.regions.acquire(ids)
+    if served is None:
+        _send_error(sock, f"read refused: {why}")
+        return
+    try:
+        sizes = np.array([e.nbytes for e in served], dtype=np.uint64)[index]
+        off, n = entries["offset"], entries["nbytes"]
+        bad = (n == 0) | (off > sizes) | (n > sizes - np.minimum(off, sizes))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            _send_error(sock, f"read refused: entry {i} (region {int(entries['region'][i])}, offset "
+                              f"{int(off[i])}, nbytes {int(n[i])}) is outside the region of {int(sizes[i])} bytes")
+            return
+        total = int(n.sum(dtype=np.uint64))
+        views = [served[r].view[o:o + k] for r, o, k in zip(index.tolist(), off.tolist(), n.tolist())]
+        sock.settimeout(cfg.frame_timeout)
+        w.send_views(sock, [memoryview(w.pack_header(w.FrameType.DATA, total))] + views)
+    finally:
+        cfg.regions.release(served)
+
+
+def serve_connection(sock: socket.socket, cfg: ServerConfig, stopping: Callable[[], bool] = lambda: False) -> str:
+    """Runs one connection until the peer leaves, misbehaves or the server stops; returns why it ended.
+
+    Never raises for anything the peer sends: every failure ends in closing this connection only.
+    """
+    try:
+        sock.settimeout(cfg.handshake_timeout)
+        if not _server_handshake(sock, cfg):
+            _close_gracefully(sock)
+            return "authentication failed"
+        while not stopping():
+            sock.settimeout(None)  # an authenticated client may idle between pulls
+            if not sock.recv(1, socket.MSG_PEEK):
+                return "peer closed"
+            sock.settimeout(cfg.frame_timeout)  # but a frame, once started, must arrive promptly
+            kind, payload = w.recv_frame(sock, (w.FrameType.READ,))
+            _serve_read(sock, cfg, payload)
+        return "server stopping"
+    except w.ProtocolError as e:
+        _send_error(sock, f"protocol error: {e}")
+        _close_gracefully(sock)
+        return f"protocol error: {e}"
+    except (OSError, ConnectionError) as e:  # timeouts, resets, EOF
+        return f"connection error: {e!r}"
+    except Exception as e:  # noqa: BLE001 - a bug must cost one connection, not the server
+        _log.exception("tcp: internal error serving a connection")
+        _send_error(sock, "internal error")
+        return f"internal error: {e!r}"
+    finally:
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+class _Server:
+    """The listener and its connection threads."""
+
+    def __init__(self, host: str, port: int, cfg: ServerConfig, max_connections: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self.sock = socket.create_server((host, port), family=family, backlog=128)
+        except OSError as e:
+            raise TransportError(f"tcp: cannot listen on {host}:{port}: {e}") from e
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.cfg = cfg
+        self.max_connections = max_connections
+        self._stopping = False
+        self.internal_errors = 0  # connections that ended in a server bug (the fuzz tests want 0)
+        self._conns: dict[threading.Thread, socket.socket] = {}
+        self._lock = threading.Lock()
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"wbridge-tcp-accept-{self.port}",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # listener shut down
+            with self._lock:
+                if self._stopping or len(self._conns) >= self.max_connections:
+                    conn.close()
+                    continue
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t = threading.Thread(target=self._run, args=(conn,), name="wbridge-tcp-conn", daemon=True)
+                self._conns[t] = conn
+            t.start()
+
+    def _run(self, conn: socket.socket) -> None:
+        try:
+            why = serve_connection(conn, self.cfg, lambda: self._stopping)
+            if why.startswith("internal error"):
+                self.internal_errors += 1
+        finally:
+            with self._lock:
+                self._conns.pop(threading.current_thread(), None)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        for s in [self.sock] + self._shutdown_all():
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes accept()/recv() blocked in other threads
+            except OSError:
+                pass
+        self._acceptor.join(timeout)
+        self.sock.close()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._conns)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _shutdown_all(self) -> list[socket.socket]:
+        with self._lock:
+            return list(self._conns.values())
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """One pre-packed READ and where its DATA lands."""
+
+    request: bytes
+    views: list[memoryview] = field(repr=False)
+    nbytes: int
+
+
+@dataclass(eq=False)
+class TcpPeer:
+    """An open peer: ``streams`` authenticated connections to one endpoint."""
+
+    host: str
+    port: int
+    instance: bytes
+    socks: list[socket.socket | None]
+    pool: ThreadPoolExecutor | None = field(repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    closed: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def __repr__(self) -> str:
+        up = sum(s is not None for s in self.socks)
+        return f"TcpPeer({self.label}, streams={up}/{len(self.socks)}, closed={self.closed})"
+
+
+@dataclass(frozen=True, eq=False)
+class TcpPrepared:
+    """A validated batch packed into READ frames per stream; reused by every ``read``."""
+
+    peer: TcpPeer
+    frames: tuple[tuple[_Frame, ...], ...] = field(repr=False)
+    nreads: int
+    nbytes: int
+
+    def __repr__(self) -> str:
+        return f"TcpPrepared(peer={self.peer.label}, reads={self.nreads}, bytes={self.nbytes}, streams={len(self.frames)})"
+
+
+class TcpTransport(Transport):
+    """Reads over authenticated TCP; see the module docstring. Host memory only.
+
+    ``token`` is the shared secret (``None`` only on loopback: then anyone on this host may read the
+    registered regions). ``streams`` parallel connections per peer; reads longer than
+    ``split_bytes`` are cut so the streams balance; a READ frame carries at most ``frame_bytes``.
+    """
+
+    name = "tcp"
+
+    def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", port: int = 0, streams: int = 4,
+                 *, split_bytes: int = 4 << 20, frame_bytes: int = 64 << 20, window: int = 2,
+                 handshake_timeout: float = 10.0, frame_timeout: float = 30.0, max_connections: int = 1024) -> None:
+        super().__init__(token=token, host=host)
+        if not 1 <= streams <= 64:
+            raise TransportError(f"tcp: streams must be in [1, 64], got {streams}")
+        if split_bytes <= 0 or frame_bytes <= 0 or window < 1:
+            raise TransportError("tcp: split_bytes, frame_bytes and window must be positive")
+        self._key = token_key(token)
+        self.port, self.streams = port, streams
+        self.split_bytes, self.frame_bytes, self.window = split_bytes, frame_bytes, window
+        self.handshake_timeout, self.frame_timeout = handshake_timeout, frame_timeout
+        self.max_connections = max_connections
+        self._instance = os.urandom(INSTANCE_BYTES)
+        self._table = _RegionTable()
+        self._regions: dict[int, Region] = {}
+        self._next_id = 1
+        self._server: _Server | None = None
+        self._peers: set[TcpPeer] = set()
+
+    # -- serving -----------------------------------------------------------------------------
+    def register(self, addr: int, nbytes: int, *, device: str = "cpu") -> Region:
+        check_host_memory("tcp", addr, nbytes, device)
+        with self._lock:
+            self._check_open()
+            rid, self._next_id = self._next_id, self._next_id + 1
+            desc = encode_descriptor("tcp", instance=self._instance.hex(), region=rid, nbytes=nbytes)
+            region = Region(rid, addr, nbytes, device, desc)
+            self._regions[rid] = region
+            self._table.add(rid, _Served(nbytes, memory_view(addr, nbytes)))
+        return region
+
+    def deregister(self, region: Region) -> None:
+        with self._lock:
+            if self._regions.pop(region.id, None) is None:
+                return
+        self._table.remove(region.id, timeout=self.frame_timeout)
+
+    def endpoint(self) -> bytes:
+        with self._lock:
+            self._check_open()
+            if self._server is None:
+                if self._key == b"" and not _is_loopback(self.host):
+                    raise TransportError(f"tcp: refusing to serve on {self.host} without a token; pass token=...")
+                cfg = ServerConfig(self._key, self._instance, self._table, self.handshake_timeout, self.frame_timeout)
+                self._server = _Server(self.host, self.port, cfg, self.max_connections)
+            return encode_descriptor("tcp", host=self._server.host, port=self._server.port,
+                                     instance=self._instance.hex())
+
+    @property
+    def num_regions(self) -> int:
+        return len(self._regions)
+
+    @property
+    def num_connections(self) -> int:
+        """Connections the serving side holds open now."""
+        return self._server.connections if self._server else 0
+
+    # -- reading -----------------------------------------------------------------------------
+    def connect(self, endpoint: bytes, *, timeout: float) -> TcpPeer:
+        d = decode_descriptor("tcp", endpoint, ("host", "port", "instance"))
+        host, port = str_field("tcp", d, "host"), int_field("tcp", d, "port", 1, 65535)
+        instance = hex_field("tcp", d, "instance", INSTANCE_BYTES)
+        with self._lock:
+            self._check_open()
+            peer = TcpPeer(host, port, instance, [None] * self.streams,
+                           ThreadPoolExecutor(self.streams - 1, "wbridge-tcp-stream") if self.streams > 1 else None)
+            self._peers.add(peer)
+        deadline = time.monotonic() + timeout
+        try:
+            for i in range(self.streams):
+                peer.socks[i] = self._open_stream(peer, deadline)
+        except BaseException:
+            self.disconnect(peer)
+            raise
+        return peer
+
+    def _open_stream(self, peer: TcpPeer, deadline: float) -> socket.socket:
+        try:
+            sock = socket.create_connection((peer.host, peer.port), timeout=_left(deadline, peer, "connect"))
+        except OSError as e:
+            raise TransportError(f"tcp: cannot connect to peer {peer.label}: {e}") from e
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_nonce = w.new_nonce()
+            sock.sendall(w.frame(w.FrameType.HELLO, client_nonce))
+            sock.settimeout(_left(deadline, peer, "authenticate"))
+            kind, payload = w.recv_frame(sock, (w.FrameType.CHALLENGE, w.FrameType.ERROR))
+            if kind is w.FrameType.ERROR or len(payload) != w.NONCE_BYTES + w.MAC_BYTES:
+                raise TransportError(f"tcp: peer {peer.label} refused the handshake: {payload[:200]!r}")
+            nonce, proof = payload[:w.NONCE_BYTES], payload[w.NONCE_BYTES:]
+            if not w.verify(w.mac(self._key, b"server", peer.instance, client_nonce, nonce), proof):
+                raise AuthError(f"tcp: peer {peer.label} failed to prove the shared token "
+                                f"(wrong token, or another server instance at that address)")
+            sock.sendall(w.frame(w.FrameType.AUTH, w.mac(self._key, b"client", peer.instance, nonce, client_nonce)))
+            sock.settimeout(_left(deadline, peer, "authenticate"))
+            kind, payload = w.recv_frame(sock, (w.FrameType.AUTH_OK, w.FrameType.ERROR))
+            if kind is w.FrameType.ERROR:
+                raise AuthError(f"tcp: peer {peer.label} rejected our token: {payload.decode(errors='replace')}")
+            return sock
+        except BaseException as e:
+            sock.close()
+            if isinstance(e, TransportError):
+                raise
+            if isinstance(e, socket.timeout):
+                raise TransportError(f"tcp: handshake with peer {peer.label} timed out") from e
+            if isinstance(e, OSError):
+                raise TransportError(f"tcp: handshake with peer {peer.label} failed: {e!r}") from e
+            raise
+
+    def prepare(self, peer: TcpPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
+                batch: ReadBatch) -> TcpPrepared:
+        remote_ids, remote_sizes = [], []
+        for i, desc in enumerate(remote_regions):
+            d = decode_descriptor("tcp", desc, ("instance", "region", "nbytes"))
+            if hex_field("tcp", d, "instance", INSTANCE_BYTES) != peer.instance:
+                raise TransportError(f"tcp: remote region {i} is not served by peer {peer.label}")
+            remote_ids.append(int_field("tcp", d, "region", 1))
+            remote_sizes.append(int_field("tcp", d, "nbytes", 1))
+        for r in local_regions:
+            if r.device != "cpu":
+                raise TransportError(f"tcp: destination region {r.id} is on {r.device}; tcp reads into host memory")
+        check_batch_bounds("tcp", batch, remote_sizes, [r.nbytes for r in local_regions], peer.label)
+        dst_views = [memory_view(r.addr, r.nbytes) for r in local_regions]
+        rid = np.asarray(remote_ids, dtype=np.int64)
+        op, start, stream = split_and_balance(batch.nbytes, self.streams, self.split_bytes)
+        size = np.minimum(batch.nbytes[op] - start, self.split_bytes)
+        frames = []
+        for s in range(self.streams):
+            sel = np.flatnonzero(stream == s)
+            frames.append(tuple(self._pack_frames(batch, rid, dst_views, op[sel], start[sel], size[sel])))
+        return TcpPrepared(peer, tuple(frames), len(batch), batch.total_bytes)
+
+    def _pack_frames(self, batch: ReadBatch, rid: np.ndarray, dst_views: list[memoryview], op: np.ndarray,
+                     start: np.ndarray, size: np.ndarray) -> list[_Frame]:
+        src_reg, src_off = rid[batch.src_region[op]], batch.src_offset[op] + start
+        dst_reg, dst_off = batch.dst_region[op].tolist(), (batch.dst_offset[op] + start).tolist()
+        sizes = size.tolist()
+        out, i = [], 0
+        while i < len(op):
+            j, nbytes = i, 0
+            while j < len(op) and j - i < w.MAX_ENTRIES and (j == i or nbytes + sizes[j] <= self.frame_bytes):
+                nbytes += sizes[j]
+                j += 1
+            views = [dst_views[dst_reg[k]][dst_off[k]:dst_off[k] + sizes[k]] for k in range(i, j)]
+            request = w.frame(w.FrameType.READ, w.pack_entries(src_reg[i:j], src_off[i:j], size[i:j]))
+            out.append(_Frame(request, views, nbytes))
+            i = j
+        return out
+
+    def read(self, prepared: TcpPrepared, *, timeout: float) -> None:
+        peer = prepared.peer
+        deadline = time.monotonic() + timeout
+        if not peer.lock.acquire(timeout=timeout):
+            raise TransportError(f"tcp: peer {peer.label} busy with another read for {timeout}s")
+        try:
+            if peer.closed:
+                raise TransportError(f"tcp: peer {peer.label} is disconnected")
+            jobs = [s for s in range(len(prepared.frames)) if prepared.frames[s]]
+            futures = [peer.pool.submit(self._run_stream, peer, s, prepared.frames[s], deadline)
+                       for s in jobs[:-1]] if peer.pool else []
+            errors: list[BaseException] = []
+            if jobs:
+                try:
+                    self._run_stream(peer, jobs[-1], prepared.frames[jobs[-1]], deadline)
+                except BaseException as e:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(e)
+            for f in futures:
+                try:
+                    f.result(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+            if errors:
+                for e in errors:
+                    if isinstance(e, AuthError):
+                        raise e
+                for e in errors:
+                    if isinstance(e, TransportError):
+                        raise e
+                raise TransportError(f"tcp: read from peer {peer.label} failed: {errors[0]!r}") from errors[0]
+        finally:
+            peer.lock.release()
+
+    def _run_stream(self, peer: TcpPeer, s: int, frames: Sequence[_Frame], deadline: float) -> None:
+        """Sends the READ frames of stream ``s``, ``window`` ahead, and receives each DATA in place."""
+        sock = peer.socks[s]
+        try:
+            if sock is None:  # broken by an earlier error: reconnect within this read's deadline
+                sock = peer.socks[s] = self._open_stream(peer, deadline)
+            sent = 0
+            for k, fr in enumerate(frames):
+                while sent < len(frames) and sent < k + self.window:
+                    sock.settimeout(_left(deadline, peer, "send"))
+                    sock.sendall(frames[sent].request)
+                    sent += 1
+                sock.settimeout(_left(deadline, peer, "read"))
+                kind, payload = w.recv_frame(sock, (w.FrameType.DATA, w.FrameType.ERROR))
+                if kind is w.FrameType.ERROR:
+                    raise TransportError(f"tcp: peer {peer.label} refused a read: {payload.decode(errors='replace')}")
+                if int.from_bytes(payload, "little") != fr.nbytes:
+                    raise w.ProtocolError(f"DATA of {int.from_bytes(payload, 'little')} bytes for a READ of {fr.nbytes}")
+                w.recv_into_views(sock, fr.views, lambda: _left(deadline, peer, "read"))
+        except BaseException as e:
+            # The stream's state is unknown (frames in flight): drop it; the next read reconnects.
+            peer.socks[s] = None
+            if sock is not None:
+                sock.close()
+            if isinstance(e, TransportError):
+                raise
+            if isinstance(e, socket.timeout):
+                raise TransportError(f"tcp: read from peer {peer.label} timed out") from e
+            if isinstance(e, (OSError, ConnectionError)):
+                raise TransportError(f"tcp: connection to peer {peer.label} lost: {e!r}") from e
+            raise
+
+    def disconnect(self, peer: TcpPeer) -> None:
+        with self._lock:
+            if peer.closed:
+                return
+            peer.closed = True
+            self._peers.discard(peer)
+        for i, sock in enumerate(peer.socks):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+                peer.socks[i] = None
+        if peer.pool is not None:
+            peer.pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers, server = list(self._peers), self._server
+            self._server = None
+        for p in peers:
+            self.disconnect(p)
+        if server is not None:
+            server.close(timeout=self.frame_timeout)
+        for region in list(self._regions.values()):
+            self.deregister(region)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("tcp: transport is closed")
+
+    def __repr__(self) -> str:
+        where = f"{self._server.host}:{self._server.port}" if self._server else "not serving"
+        return (f"TcpTransport({where}, streams={self.streams}, regions={len(self._regions)}, "
+                f"peers={len(self._peers)}, closed={self._closed})")
+
+
+def _left(deadline: float, peer: TcpPeer, what: str) -> float:
+    """Seconds left before ``deadline``, or ``TransportError`` naming the peer once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError(f"tcp: {what} with peer {peer.label} timed out")
+    return left
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
