@@ -138,6 +138,10 @@ class Store(ABC):
         self.close()
 
 
+# A value no caller writes: TcpStore.get's marker for "absent".
+_ABSENT = b"\0wbridge-absent:" + os.urandom(16)
+
+
 class TcpStore(Store):
     """``torch.distributed.TCPStore``. The host binds only ``host`` (never all interfaces)."""
 
@@ -156,17 +160,24 @@ class TcpStore(Store):
                 # torch's server binds every interface; hand it a socket bound to `host` instead.
                 family = socket.AF_INET6 if ":" in host else socket.AF_INET
                 sock = socket.socket(family, socket.SOCK_STREAM)
+                self._listen = sock
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind((host, self.port))
                 sock.listen(1024)
-                self._listen = sock
                 self.port = sock.getsockname()[1]
                 self._store = dist.TCPStore(host, self.port, None, True, timeout=td,
                                             wait_for_workers=False, master_listen_fd=sock.fileno(),
                                             use_libuv=True)
+                # torch now owns the fd and closes it with the store; closing it again here could
+                # close an unrelated file that reused the number.
+                sock.detach()
+                self._listen = None
             else:
                 self._store = self._connect(host, self.port, connect_timeout)
         except (RuntimeError, OSError) as e:
+            if self._listen is not None:
+                self._listen.close()
+                self._listen = None
             raise StoreError(f"cannot {'host' if is_host else 'reach'} store tcp://{host}:{port}: {e}") from e
         self.url = f"tcp://{host}:{self.port}"
         self._timeout = td
@@ -200,10 +211,11 @@ class TcpStore(Store):
             raise StoreError(f"store {self.url}: {e}") from e
 
     def get(self, key: str) -> bytes | None:
+        # One atomic round trip: compare_set(k, S, S) returns S when k is absent and k's value
+        # otherwise. (check() then get() raced with delete and read a deleted key as b"".)
         def op():
-            if not self._store.check([key]):
-                return None
-            return self._store.get(key)
+            value = self._store.compare_set(key, _ABSENT, _ABSENT)
+            return None if value == _ABSENT else value
         return self._call(op)
 
     def set(self, key: str, value: bytes) -> None:
