@@ -169,14 +169,19 @@ class Publisher:
         return reg.epoch
 
     def _staging_buffer(self, size: int, device: str):
-        if device == "cpu":
+        buf = None
+        if device == "cpu" and size:
             import torch
 
             for t in self._transports.values():
-                buf = t.host_buffer(size)
-                if buf is not None:
-                    return torch.frombuffer(buf, dtype=torch.uint8, count=size) if size else alloc_bytes(0, device)
-        return alloc_bytes(size, device)
+                host = t.host_buffer(size)
+                if host is not None:
+                    buf = torch.frombuffer(host, dtype=torch.uint8, count=size)
+                    break
+        if buf is None:
+            buf = alloc_bytes(size, device)
+        buf.zero_()  # fault the pages in now, not inside the first publish() stall
+        return buf
 
     # ------------------------------------------------------------------------------------------
     def publish(self, timeout: float = 60.0) -> int:
