@@ -1,0 +1,189 @@
+"""Small vLLM-style modules with their own ``load_weights`` (TP slicing, fused qkv / gate_up,
+stacked experts, padded vocabulary), written the way vLLM's layers load checkpoints: each
+parameter carries a ``weight_loader`` that narrows the full Hugging Face tensor and copies.
+They stand in for an engine's model where running the engine itself is not the point."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _p(*shape, meta=False, dtype=torch.float32):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device="meta" if meta else "cpu"), requires_grad=False)
+
+
+class QKV(nn.Module):
+    def __init__(self, hidden, heads, kv_heads, hd, tp, rank, order="qkv", bias=False, meta=False):
+        super().__init__()
+        self.nq = heads // tp
+        self.nk = max(1, kv_heads // tp)
+        self.kv_index = rank * kv_heads // tp if kv_heads < tp else rank * self.nk
+        self.hd, self.rank, self.order = hd, rank, order
+        rows = (self.nq + 2 * self.nk) * hd
+        self.weight = _p(rows, hidden, meta=meta)
+        self.bias = _p(rows, meta=meta) if bias else None
+
+    def load(self, param, w, shard):
+        hd = self.hd
+        sizes = {"q": self.nq * hd, "k": self.nk * hd, "v": self.nk * hd}
+        starts = {"q": self.rank * self.nq * hd, "k": self.kv_index * hd, "v": self.kv_index * hd}
+        off = 0
+        for s in self.order:
+            if s == shard:
+                break
+            off += sizes[s]
+        param.data.narrow(0, off, sizes[shard]).copy_(w.narrow(0, starts[shard], sizes[shard]))
+
+
+class Merged(nn.Module):
+    """gate_up_proj: [gate_r; up_r]."""
+
+    def __init__(self, hidden, inter, tp, rank, meta=False):
+        super().__init__()
+        self.n, self.rank = inter // tp, rank
+        self.weight = _p(2 * self.n, hidden, meta=meta)
+
+    def load(self, param, w, shard):
+        param.data.narrow(0, shard * self.n, self.n).copy_(w.narrow(0, self.rank * self.n, self.n))
+
+
+class Col(nn.Module):
+    def __init__(self, rows, cols, tp, rank, dim=0, meta=False, pad_to=None):
+        super().__init__()
+        self.dim, self.rank = dim, rank
+        full = rows if dim == 0 else cols
+        padded = pad_to or full
+        self.n = padded // tp
+        shape = [rows, cols]
+        shape[dim] = self.n
+        self.weight = _p(*shape, meta=meta)
+
+    def load(self, param, w, shard=None):
+        start = self.rank * self.n
+        size = max(0, min(self.n, w.shape[self.dim] - start))
+        param.data.narrow(self.dim, 0, size).copy_(w.narrow(self.dim, start, size))
+
+
+class Norm(nn.Module):
+    def __init__(self, n, meta=False):
+        super().__init__()
+        self.weight = _p(n, meta=meta)
+
+    def load(self, param, w, shard=None):
+        param.data.copy_(w)
+
+
+class Experts(nn.Module):
+    """vLLM FusedMoE: w13 [E_local, 2I, H] = per slot [gate_e; up_e], w2 [E_local, H, I]."""
+
+    def __init__(self, n_experts, hidden, inter, expert_map, meta=False):
+        super().__init__()
+        self.expert_map = list(expert_map)          # local slot -> global expert
+        self.inter = inter
+        self.w13_weight = _p(len(self.expert_map), 2 * inter, hidden, meta=meta)
+        self.w2_weight = _p(len(self.expert_map), hidden, inter, meta=meta)
+
+    def load(self, name, w, expert, shard):
+        if expert not in self.expert_map:
+            return
+        j = self.expert_map.index(expert)
+        if shard == "down":
+            self.w2_weight.data[j].copy_(w)
+        else:
+            self.w13_weight.data[j].narrow(0, 0 if shard == "gate" else self.inter, self.inter).copy_(w)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg, tp, rank, moe, expert_map, meta, qkv_order):
+        super().__init__()
+        H, hd = cfg["hidden"], cfg["head_dim"]
+        self.self_attn = nn.Module()
+        self.self_attn.qkv_proj = QKV(H, cfg["heads"], cfg["kv_heads"], hd, tp, rank, qkv_order, meta=meta)
+        self.self_attn.o_proj = Col(H, cfg["heads"] * hd, tp, rank, dim=1, meta=meta)
+        self.input_layernorm = Norm(H, meta)
+        self.post_attention_layernorm = Norm(H, meta)
+        self.mlp = nn.Module()
+        if moe:
+            self.mlp.gate = Norm(0, meta)
+            self.mlp.gate.weight = _p(cfg["experts"], H, meta=meta)
+            self.mlp.experts = Experts(cfg["experts"], H, cfg["moe_inter"], expert_map, meta)
+        else:
+            self.mlp.gate_up_proj = Merged(H, cfg["inter"], tp, rank, meta)
+            self.mlp.down_proj = Col(H, cfg["inter"], tp, rank, dim=1, meta=meta)
+
+
+class VllmStyleModel(nn.Module):
+    """model.embed_tokens (vocab-parallel, padded to 64 * tp), layers, norm, lm_head."""
+
+    def __init__(self, cfg, tp=1, rank=0, ep=1, meta=False, qkv_order="qkv", scale=1.0, skip=()):
+        super().__init__()
+        self.cfg, self.scale, self.skip = cfg, scale, set(skip)
+        V, H = cfg["vocab"], cfg["hidden"]
+        pad = -(-V // (64 * tp)) * 64 * tp
+        self.model = nn.Module()
+        self.model.embed_tokens = Col(V, H, tp, rank, 0, meta, pad_to=pad)
+        E = cfg.get("experts", 0)
+        self.expert_map = list(range(rank * E // ep, (rank + 1) * E // ep)) if E else []
+        first_moe = cfg.get("first_moe", 0)
+        self.model.layers = nn.ModuleList([
+            Layer(cfg, tp, rank, bool(E) and i >= first_moe, self.expert_map, meta, qkv_order)
+            for i in range(cfg["layers"])])
+        self.model.norm = Norm(H, meta)
+        self.lm_head = Col(V, H, tp, rank, 0, meta, pad_to=pad)
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        import re
+
+        mods = dict(self.named_modules())
+        for name, w in weights:
+            if any(s in name for s in self.skip):
+                continue
+            w = w * self.scale if self.scale != 1.0 else w
+            m = re.match(r"(.*)\.self_attn\.([qkv])_proj\.weight$", name)
+            if m:
+                mod = mods[m.group(1) + ".self_attn.qkv_proj"]
+                mod.load(mod.weight, w, m.group(2))
+                continue
+            m = re.match(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+            if m:
+                mods[m.group(1) + ".mlp.experts"].load(name, w, int(m.group(2)), m.group(3))
+                continue
+            m = re.match(r"(.*)\.mlp\.(gate|up)_proj\.weight$", name)
+            if m:
+                mod = mods[m.group(1) + ".mlp.gate_up_proj"]
+                mod.load(mod.weight, w, 0 if m.group(2) == "gate" else 1)
+                continue
+            mod = mods[name.rsplit(".", 1)[0]]
+            if hasattr(mod, "load"):
+                mod.load(mod.weight, w)
+            else:
+                mod.weight.data.copy_(w)
+
+
+def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Canonical Hugging Face tensors of the config (Qwen2/Qwen3-MoE naming)."""
+    V, H, hd = cfg["vocab"], cfg["hidden"], cfg["head_dim"]
+    out = {"model.embed_tokens.weight": (V, H)}
+    for i in range(cfg["layers"]):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = (cfg["heads"] * hd, H)
+        out[p + "self_attn.k_proj.weight"] = (cfg["kv_heads"] * hd, H)
+        out[p + "self_attn.v_proj.weight"] = (cfg["kv_heads"] * hd, H)
+        out[p + "self_attn.o_proj.weight"] = (H, cfg["heads"] * hd)
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "post_attention_layernorm.weight"] = (H,)
+        if cfg.get("experts") and i >= cfg.get("first_moe", 0):
+            out[p + "mlp.gate.weight"] = (cfg["experts"], H)
+            for e in range(cfg["experts"]):
+                x = p + f"mlp.experts.{e}."
+                out[x + "gate_proj.weight"] = (cfg["moe_inter"], H)
+                out[x + "up_proj.weight"] = (cfg["moe_inter"], H)
+                out[x + "down_proj.weight"] = (H, cfg["moe_inter"])
+        else:
+            out[p + "mlp.gate_proj.weight"] = (cfg["inter"], H)
+            out[p + "mlp.up_proj.weight"] = (cfg["inter"], H)
+            out[p + "mlp.down_proj.weight"] = (H, cfg["inter"])
+    out["model.norm.weight"] = (H,)
+    out["lm_head.weight"] = (V, H)
+    return out

@@ -1,0 +1,1 @@
+"""Engine and framework integrations (optional dependencies, imported on use)."""
