@@ -615,6 +615,39 @@ def expand_experts(result: TraceResult, traced_map: Sequence[int], full_map: Seq
     return TraceResult(out, dict(result.unmapped), (), result.seconds)
 
 
+def with_shapes(result: TraceResult, shapes: Mapping[str, Sequence[int]]) -> TraceResult:
+    """Checks an expanded trace against the full model's canonical shapes and updates tensors
+    whose shape follows the replicated counts (a router ``[E, H]`` held whole). A tensor held only
+    in part whose shape changed cannot be inferred: ``LayoutError`` names it."""
+
+    def fix(s: Shard) -> Shard:
+        if s.name not in shapes:
+            raise LayoutError(f"{s.name}: produced by replication but not a tensor of the full model")
+        g = tuple(int(x) for x in shapes[s.name])
+        if g == s.global_shape:
+            return s
+        whole = (s.offsets is None or not any(s.offsets)) and (s.sizes is None or s.sizes == s.global_shape)
+        if not whole or s.padded:
+            raise LayoutError(f"{s.name}: shape {s.global_shape} in the trace, {g} in the full model, and "
+                              f"the trace holds only part of it; trace a config where it keeps its shape")
+        return Shard(s.name, g, s.offsets, None if s.sizes is None else g)
+
+    def walk(d: Declaration) -> Declaration:
+        if isinstance(d, Shard):
+            return fix(d)
+        if isinstance(d, Fused):
+            return Fused(d.dim, tuple(fix(p) for p in d.parts))
+        if isinstance(d, Stack):
+            return Stack(tuple(fix(p) for p in d.parts))
+        for n, g, _, _ in d.segments:
+            if tuple(shapes.get(n, ())) != tuple(g):
+                raise LayoutError(f"{n}: flat segments cannot be replicated to shape {shapes.get(n)}")
+        return d
+
+    return TraceResult({k: tuple((v, walk(d)) for v, d in items) for k, items in result.entries.items()},
+                       dict(result.unmapped), (), result.seconds)
+
+
 # ---------------------------------------------------------------------------------------------
 # Cache
 # ---------------------------------------------------------------------------------------------

@@ -137,3 +137,48 @@ def run_ranks(script: str, world: int, extra: list[str], timeout: float, python:
         raise AssertionError(f"{script}: ranks did not finish within {timeout}s")
     bad = [(r, p.returncode, outs[r][-3000:]) for r, p in enumerate(procs) if p.returncode != 0]
     assert not bad, f"{script}: ranks failed: {bad}"
+
+
+def plan_transfer(sources: list[Mapping[str, tuple[Any, Any]]], dests: list[Mapping[str, tuple[Any, Any]]]) -> None:
+    """Moves bytes from source entries to destination entries with the planner's plans, executed
+    by the planner tests' numpy executor: sources packed as a publisher's staging slot, each
+    destination tensor its own region (the live tensors, garbage-filled first). Asserts every
+    mapped destination byte was written exactly once and no unmapped byte was touched."""
+    import torch
+
+    from planner.builder import build_plans
+    from planner.dtypes import normalize
+    from planner.layout import LayoutBuilder
+    from tests.planner.helpers import execute
+
+    def dtype_of(t):
+        return normalize(t.dtype) if isinstance(t, torch.Tensor) else str(t.dtype)
+
+    src_layouts, src_regions = [], {}
+    for r, entries in enumerate(sources):
+        b = LayoutBuilder(r, pack=True)
+        for name, (t, decl) in entries.items():
+            b.add(name, tuple(t.shape), dtype_of(t), decl)
+        lay = b.build()
+        buf = np.zeros(lay.region_sizes[0] if lay.region_sizes else 0, dtype=np.uint8)
+        for lt, (t, _) in zip(lay.tensors, entries.values()):
+            buf[lt.offset:lt.offset + lt.nbytes] = to_numpy(t).reshape(-1).view(np.uint8)
+        src_layouts.append(lay)
+        src_regions[r] = [buf]
+    dst_layouts, dst_regions = [], []
+    for r, entries in enumerate(dests):
+        b = LayoutBuilder(1000 + r, pack=False)
+        for name, (t, decl) in entries.items():
+            b.add(name, tuple(t.shape), dtype_of(t), decl)
+        dst_layouts.append(b.build())
+        garbage_fill(entries)
+        dst_regions.append([to_numpy(t).reshape(-1).view(np.uint8) for t, _ in entries.values()])
+    plans = build_plans(src_layouts, dst_layouts, min_split_bytes=1 << 12)
+    for lay, regions, entries in zip(dst_layouts, dst_regions, dests):
+        counts = [np.zeros(len(x), dtype=np.int32) for x in regions]
+        execute(plans[lay.rank], src_regions, regions, counts)
+        for (name, (t, decl)), cnt in zip(entries.items(), counts):
+            m = mapped_mask(name, t, decl)
+            per_byte = np.repeat(m, to_numpy(t).itemsize)
+            assert (cnt[per_byte] == 1).all(), f"{name}: mapped bytes not written exactly once"
+            assert not cnt[~per_byte].any(), f"{name}: unmapped bytes written"
