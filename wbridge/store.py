@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
 import threading
 import time
@@ -142,6 +143,44 @@ class Store(ABC):
 _ABSENT = b"\0wbridge-absent:" + os.urandom(16)
 
 
+class _Stuck(Exception):
+    pass
+
+
+class _CallThread:
+    """Runs calls one at a time on a daemon thread, so that a caller can stop waiting for one.
+
+    torch's TCPStore client has no timeout on most operations: on a dead link they block forever.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, box, done = job
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            done.set()
+
+    def call(self, fn: Callable[[], object], timeout: float) -> object:
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        if not done.wait(timeout):
+            raise _Stuck()
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+    def stop(self) -> None:
+        self._jobs.put(None)  # the thread exits after its current call, if that ever returns
+
+
 class TcpStore(Store):
     """``torch.distributed.TCPStore``. The host binds only ``host`` (never all interfaces)."""
 
@@ -181,6 +220,7 @@ class TcpStore(Store):
             raise StoreError(f"cannot {'host' if is_host else 'reach'} store tcp://{host}:{port}: {e}") from e
         self.url = f"tcp://{host}:{self.port}"
         self._timeout = td
+        self._worker = _CallThread(f"wbridge-tcpstore:{self.url}")
 
     @staticmethod
     def _connect(host: str, port: int, timeout: float):
@@ -201,41 +241,58 @@ class TcpStore(Store):
                 time.sleep(0.1)
         raise StoreError(f"store tcp://{host}:{port} unreachable after {timeout:.1f}s: {last}")
 
-    def _call(self, fn: Callable, *args):
-        if self._closed:
-            raise StoreError(f"store {self.url} is closed")
-        try:
-            with self._lock:
-                return fn(*args)
-        except (RuntimeError, OSError, ValueError) as e:
-            raise StoreError(f"store {self.url}: {e}") from e
+    def _call(self, fn: Callable):
+        """``fn(torch_store)``, bounded by the connect timeout. A client whose call failed or hung is
+        dropped (a late reply would be read as the answer to the next request) and the next call
+        reconnects; the host keeps its server."""
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"store {self.url} is closed")
+            if self._store is None:
+                self._store = self._connect(self.host, self.port, self._connect_timeout)
+            store = self._store
+            try:
+                return self._worker.call(lambda: fn(store), self._connect_timeout)
+            except _Stuck:
+                self._worker.stop()
+                self._worker = _CallThread(f"wbridge-tcpstore:{self.url}")
+                self._drop_client()
+                raise StoreError(f"store {self.url}: no answer within {self._connect_timeout:.1f}s "
+                                 "(connection dropped; the call may or may not have been applied)") from None
+            except (RuntimeError, OSError, ValueError) as e:
+                self._drop_client()
+                raise StoreError(f"store {self.url}: {e}") from e
+
+    def _drop_client(self) -> None:
+        if not self.is_host:
+            self._store = None
 
     def get(self, key: str) -> bytes | None:
         # One atomic round trip: compare_set(k, S, S) returns S when k is absent and k's value
         # otherwise. (check() then get() raced with delete and read a deleted key as b"".)
-        def op():
-            value = self._store.compare_set(key, _ABSENT, _ABSENT)
+        def op(st):
+            value = st.compare_set(key, _ABSENT, _ABSENT)
             return None if value == _ABSENT else value
         return self._call(op)
 
     def set(self, key: str, value: bytes) -> None:
-        self._call(self._store.set, key, value)
+        self._call(lambda st: st.set(key, value))
 
     def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
         # TCPStore's compare_set sets when the key is absent and expected is empty.
-        def op():
+        def op(st):
             if expected is None:
-                if self._store.check([key]):
+                if st.check([key]):
                     return False
-                return self._store.compare_set(key, b"", value) == value
-            return self._store.compare_set(key, expected, value) == value
+                return st.compare_set(key, b"", value) == value
+            return st.compare_set(key, expected, value) == value
         return bool(self._call(op))
 
     def add(self, key: str, delta: int) -> int:
-        return int(self._call(self._store.add, key, int(delta)))
+        return int(self._call(lambda st: st.add(key, int(delta))))
 
     def delete(self, key: str) -> None:
-        self._call(self._store.delete_key, key)
+        self._call(lambda st: st.delete_key(key))
 
     def lease(self, key: str, ttl: float) -> Lease:
         self.add(key, 1)
@@ -258,8 +315,10 @@ class TcpStore(Store):
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        store, self._store = self._store, None
+        with self._lock:
+            self._closed = True
+            store, self._store = self._store, None
+            self._worker.stop()
         del store
         if self._listen is not None:
             self._listen.close()
