@@ -115,7 +115,7 @@ class Subscriber:
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []             # destination buffers (uint8 views), one per region
-        self._commit: list[tuple[Any, int, int, int]] = []  # staged: (live view, live off, priv off, n)
+        self._commit: list[tuple[Any, Any]] = []  # staged: (live slice, private slice) views
         self._id: int | None = None
         self._lease = None
         self._pool: ThreadPoolExecutor | None = None
@@ -240,9 +240,11 @@ class Subscriber:
                 self._verify(session, rec, deadline)
         finally:
             self._store.set(reading_key, b"0")
-        if self.staged:
-            for live, loff, poff, n in self._commit:
-                live[loff:loff + n].copy_(self._dest[0][poff:poff + n])
+        for dst, src in self._commit:  # staged: every read succeeded, now commit
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst, src)
+            else:
+                dst.copy_(src)
         self.version = rec.v
         self._store.set(self.keys.sub(self._id, "acked"), str(rec.v).encode())
         return session.plan.total_bytes, len(session.plan)
@@ -316,7 +318,7 @@ class Subscriber:
             self._pool = ThreadPoolExecutor(max_workers=max(1, len(sources)),
                                             thread_name_prefix="wbridge-pull")
         if self.staged:
-            self._commit = _commit_ranges(plan, self._layout, self._live)
+            self._commit = _commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
         self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
         return self._session
 
@@ -441,8 +443,9 @@ class Subscriber:
                 f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})")
 
 
-def _commit_ranges(plan: Plan, layout: RankLayout, live: Mapping[str, Any]) -> list[tuple[Any, int, int, int]]:
-    """Staged mode: the mapped byte ranges to copy from the private buffer into each live tensor."""
+def _commit_pairs(plan: Plan, layout: RankLayout, live: Mapping[str, Any], private: Any,
+                  device: str) -> list[tuple[Any, Any]]:
+    """Staged mode: (live slice, private slice) views of every mapped byte range, built once per plan."""
     if len(plan) == 0:
         return []
     offs = np.concatenate([s.dst_offset for s in plan.sources])
@@ -465,7 +468,8 @@ def _commit_ranges(plan: Plan, layout: RankLayout, live: Mapping[str, Any]) -> l
             k = int(np.searchsorted(bounds, a, side="right")) - 1
             lo, hi, name = tensors[k]
             n = min(b, hi) - a
-            out.append((views[name], a - lo, a, n))
+            dst, src = views[name][a - lo:a - lo + n], private[a:a + n]
+            out.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
             a += n
     return out
 
