@@ -49,16 +49,20 @@ class Delegating(Transport):
 
 
 class FlipBit(Delegating):
-    """Flips one bit of the first byte of the first read, on reads number ``on_reads`` (1-based)."""
+    """Flips one bit of the first byte of the first read, on reads number ``on_reads`` (1-based),
+    counting only batches of at least ``min_ops`` reads (to skip verification re-reads, say)."""
 
-    def __init__(self, inner: Transport, on_reads: Sequence[int] = (1,)) -> None:
+    def __init__(self, inner: Transport, on_reads: Sequence[int] = (1,), min_ops: int = 1) -> None:
         super().__init__(inner)
         self.on_reads = set(on_reads)
+        self.min_ops = min_ops
         self.reads = 0
 
     def read(self, prepared: Any, *, timeout: float) -> None:
         inner, local, batch = prepared
         self.inner.read(inner, timeout=timeout)
+        if len(batch) < self.min_ops:
+            return
         self.reads += 1
         if self.reads in self.on_reads and len(batch):
             region = local[int(batch.dst_region[0])]
@@ -66,3 +70,31 @@ class FlipBit(Delegating):
                 raise NotImplementedError("FlipBit corrupts host memory only")
             byte = ctypes.c_uint8.from_address(region.addr + int(batch.dst_offset[0]))
             byte.value ^= 0x01
+
+
+class Slow(Delegating):
+    """Completes reads number ``on_reads`` and then sleeps ``delay`` seconds before returning,
+    the way a slow reader holds a slot (a publisher may overwrite it meanwhile)."""
+
+    def __init__(self, inner: Transport, delay: float, on_reads: Sequence[int] = (1,)) -> None:
+        super().__init__(inner)
+        self.delay = delay
+        self.on_reads = set(on_reads)
+        self.reads = 0
+
+    def read(self, prepared: Any, *, timeout: float) -> None:
+        import time
+
+        self.inner.read(prepared[0], timeout=timeout)
+        self.reads += 1
+        if self.reads in self.on_reads:
+            time.sleep(min(self.delay, timeout))
+
+
+WRAPPERS = {"flip-bit": FlipBit, "slow": Slow}
+
+
+def wrapper(kind: str, **kwargs: Any):
+    """A ``transport_wrapper`` for ``Subscriber``: ``wrapper("slow", delay=2.0)``."""
+    cls = WRAPPERS[kind]
+    return lambda t: cls(t, **kwargs)

@@ -30,6 +30,7 @@ from . import checksum as _checksum
 from .channel import Keys, SubscriberTracker, VersionRecord, now
 from .errors import UsageError, WaitTimeout, WBridgeError, translated
 from .records import seal
+from .selection import RDMA_FIRST, rdma_present
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
 
@@ -37,11 +38,14 @@ MODES = ("sync", "one_step_off", "async")
 
 
 def served_transports(transport: str | Sequence[str]) -> list[str]:
-    """Transports a publisher serves: ``auto`` is every installed one but the two-sided nccl."""
+    """Transports a publisher serves. ``auto``: tcp and local, plus the RDMA engines (nixl,
+    mooncake) where RDMA devices exist, since only there would a subscriber choose them. The
+    two-sided nccl is served only when named."""
     if isinstance(transport, str):
-        if transport == "auto":
-            return [t for t in _transports.available() if t != "nccl"]
-        return [transport]
+        if transport != "auto":
+            return [transport]
+        wanted = {"tcp", "local"} | (set(RDMA_FIRST) if rdma_present() else set())
+        return [t for t in _transports.available() if t in wanted]
     return list(transport)
 
 
@@ -229,6 +233,12 @@ class Publisher:
 
     def live_subscribers(self) -> int:
         return len(self._tracker.live())
+
+    def subscribers(self) -> list[dict]:
+        """The live subscribers: id, name, last acked version, version being read (0: none)."""
+        self._check_open()
+        return [{"id": s.id, "name": s.name, "acked": self._tracker.acked(s), "reading": self._tracker.reading(s)}
+                for s in self._tracker.live()]
 
     def _wait_acked(self, version: int, deadline: float, what: str) -> None:
         self._tracker.wait(lambda s: self._tracker.acked(s) >= version, _left(deadline, what), what)

@@ -38,13 +38,22 @@ class PubActor:
     def live_subscribers(self) -> int:
         return self.pub.live_subscribers()
 
+    def wait_reader(self, v: int, timeout: float = 30.0) -> None:
+        """Blocks until some live subscriber is reading version ``v``."""
+        deadline = time.monotonic() + timeout
+        while not any(s["reading"] == v for s in self.pub.subscribers()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no subscriber started reading version {v}")
+            time.sleep(0.01)
+
     def close(self) -> None:
         self.pub.close()
 
 
 class SubActor:
     def __init__(self, url: str, tp: int, rank: int, *, fused: bool = True, model_kind: str = "small",
-                 token: str = TOKEN, extra: dict | None = None, **kwargs: Any) -> None:
+                 token: str = TOKEN, extra: dict | None = None, fault: tuple[str, dict] | None = None,
+                 **kwargs: Any) -> None:
         self.cfg = model(model_kind)
         self.tensors = make_tensors(self.cfg, tp, rank, fused=fused, version=None, fill_value=0x5A)
         if extra:
@@ -53,6 +62,10 @@ class SubActor:
             from wbridge import Shard
             for name, (shape, gshape) in extra.items():
                 self.tensors[name] = (torch.zeros(shape, dtype=torch.bfloat16), Shard(name, tuple(gshape)))
+        if fault is not None:
+            from wbridge.faults import wrapper
+
+            kwargs["transport_wrapper"] = wrapper(fault[0], **fault[1])
         self.sub = Subscriber("t", url, token=token, **kwargs)
         self.sub.register(self.tensors)
 
@@ -77,7 +90,8 @@ class SubActor:
         t1 = time.time()
         return {"v": v, "t_start": t0, "t_ack": t1, "bad": mismatches(self.tensors, v),
                 "bytes_per_source": dict(self.sub.stats.bytes_per_source),
-                "transports": dict(self.sub.stats.transports)}
+                "transports": dict(self.sub.stats.transports),
+                "retries": self.sub.stats.last.retries if self.sub.stats.last else 0}
 
     def try_pull(self, timeout: float = 10.0) -> dict:
         """A pull expected to fail: the error class and the state it left."""
