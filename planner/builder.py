@@ -21,6 +21,7 @@ How it works
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -40,25 +41,45 @@ DEFAULT_MIN_SPLIT_BYTES = 1 << 20
 Addr = tuple[int, int, tuple[int, ...]]  # (region, byte offset of the box origin, element strides)
 
 
-@dataclass
 class _Group:
     """One disjoint box of a canonical tensor and the source ranks holding exactly its bytes."""
 
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    addrs: list[Addr] = field(default_factory=list)
-    rank_addr: dict[int, int] = field(default_factory=dict)
-    ranks: tuple[int, ...] = ()
+    __slots__ = ("offsets", "sizes", "addrs", "rank_addr", "ranks", "_entries")
 
-    def add(self, rank: int, addr: Addr) -> None:
-        if rank in self.rank_addr:
-            return  # a rank holding the same box twice: either copy will do
-        try:
-            k = self.addrs.index(addr)
-        except ValueError:
-            k = len(self.addrs)
-            self.addrs.append(addr)
-        self.rank_addr[rank] = k
+    def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.offsets = offsets
+        self.sizes = sizes
+        self.addrs: list[Addr] = []
+        self.rank_addr: dict[int, int] | None = None  # None: every rank uses addrs[0]
+        self.ranks: tuple[int, ...] = ()
+        self._entries: list[tuple[tuple[int, ...], Addr]] = []
+
+    def add(self, ranks: tuple[int, ...], addr: Addr) -> None:
+        """``ranks`` (sorted) hold the box at ``addr``; call ``finish`` after the last ``add``."""
+        self._entries.append((ranks, addr))
+
+    def finish(self) -> None:
+        entries, self._entries = self._entries, []
+        if len(entries) == 1:
+            self.ranks, addr = entries[0]
+            self.addrs = [addr]
+            return
+        rank_addr: dict[int, int] = {}
+        addrs: list[Addr] = []
+        for ranks, addr in entries:
+            try:
+                k = addrs.index(addr)
+            except ValueError:
+                k = len(addrs)
+                addrs.append(addr)
+            for r in ranks:
+                rank_addr.setdefault(r, k)  # a rank holding the same box twice: either copy will do
+        self.addrs = addrs
+        self.rank_addr = rank_addr if len(addrs) > 1 else None
+        self.ranks = tuple(sorted(rank_addr))
+
+    def addr_of(self, rank: int) -> Addr:
+        return self.addrs[0] if self.rank_addr is None else self.addrs[self.rank_addr[rank]]
 
 
 @dataclass
@@ -67,8 +88,8 @@ class _TensorIndex:
     owner: int  # a source rank that declared the spec (for error messages)
     itemsize: int
     groups: list[_Group]
-    lo: np.ndarray  # (groups, ndim) box starts
-    hi: np.ndarray  # (groups, ndim) box ends
+    lo: np.ndarray | None  # (groups, ndim) box starts, for tensors with many groups
+    hi: np.ndarray | None  # (groups, ndim) box ends
 
 
 def _local_spec(side: str, rank: int, smap: Mapping[str, TensorSpec], t: LocalTensor, name: str) -> TensorSpec:
@@ -83,11 +104,12 @@ def _local_spec(side: str, rank: int, smap: Mapping[str, TensorSpec], t: LocalTe
 
 
 class _SourceIndex:
-    def __init__(self, sources: Sequence[RankLayout]) -> None:
+    def __init__(self, sources: Sequence[RankLayout], classes: Sequence[tuple[int, ...]]) -> None:
         self.layouts = {s.rank: s for s in sources}
         specs: dict[str, tuple[TensorSpec, int]] = {}
         boxes: dict[str, dict[tuple, _Group]] = {}
-        for lay in sources:
+        for ranks in classes:  # identical layouts: index one, add every rank of the class
+            lay = self.layouts[ranks[0]]
             for sp in lay.specs:
                 prev = specs.get(sp.name)
                 if prev is None:
@@ -99,32 +121,47 @@ class _SourceIndex:
             for t in lay.tensors:
                 isz = _itemsize(t.dtype)
                 for p in t.pieces:
-                    _local_spec("source", lay.rank, smap, t, p.tensor)
-                    if p.box.numel == 0:
+                    sp = smap.get(p.tensor)
+                    if sp is None or sp.dtype != t.dtype:
+                        _local_spec("source", lay.rank, smap, t, p.tensor)
+                    box = p.box
+                    if not all(box.sizes):
                         continue
-                    key = (p.box.offsets, p.box.sizes)
-                    g = boxes.setdefault(p.tensor, {}).get(key)
+                    key = (box.offsets, box.sizes)
+                    per = boxes.get(p.tensor)
+                    if per is None:
+                        per = boxes[p.tensor] = {}
+                    g = per.get(key)
                     if g is None:
-                        g = boxes[p.tensor][key] = _Group(p.box.offsets, p.box.sizes)
-                    g.add(lay.rank, (t.region, t.offset + p.offset * isz, p.strides))
+                        g = per[key] = _Group(box.offsets, box.sizes)
+                    g.add(ranks, (t.region, t.offset + p.offset * isz, p.strides))
         self.tensors: dict[str, _TensorIndex] = {}
         for name, (sp, owner) in specs.items():
-            groups = sorted(boxes.get(name, {}).values(), key=lambda g: (g.offsets, g.sizes))
-            isz = _itemsize(sp.dtype)
-            nd = len(sp.shape)
-            lo = np.array([g.offsets for g in groups], dtype=np.int64).reshape(len(groups), nd)
-            hi = lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
-            if len(groups) > 1 and _any_overlap(lo, hi):
-                groups = _refine(groups, lo, hi, isz)
-                lo = np.array([g.offsets for g in groups], dtype=np.int64).reshape(len(groups), nd)
-                hi = lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
+            groups = list(boxes.get(name, {}).values())
             for g in groups:
-                g.ranks = tuple(sorted(g.rank_addr))
+                g.finish()
+            isz = _itemsize(sp.dtype)
+            lo = hi = None
+            if len(groups) > 1:
+                groups.sort(key=lambda g: (g.offsets, g.sizes))
+                lo, hi = _bounds(groups, len(sp.shape))
+                if _any_overlap(groups, lo, hi):
+                    groups = _refine(groups, lo, hi, isz)
+                    lo, hi = _bounds(groups, len(sp.shape))
             self.tensors[name] = _TensorIndex(sp, owner, isz, groups, lo, hi)
 
 
-def _any_overlap(lo: np.ndarray, hi: np.ndarray) -> bool:
+def _bounds(groups: list[_Group], nd: int) -> tuple[np.ndarray, np.ndarray]:
+    lo = np.array([g.offsets for g in groups], dtype=np.int64).reshape(len(groups), nd)
+    return lo, lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
+
+
+def _any_overlap(groups: list[_Group], lo: np.ndarray, hi: np.ndarray) -> bool:
     n = len(lo)
+    if n <= 16:
+        return any(all(go < ho + hs and ho < go + gs
+                       for go, gs, ho, hs in zip(g.offsets, g.sizes, h.offsets, h.sizes))
+                   for i, g in enumerate(groups) for h in groups[i + 1:])
     if n > 4096:  # sweep on dim 0 keeps this linear-ish for very many boxes
         order = np.argsort(lo[:, 0], kind="stable")
         lo, hi = lo[order], hi[order]
@@ -156,9 +193,10 @@ def _refine(groups: list[_Group], lo: np.ndarray, hi: np.ndarray, isz: int) -> l
         for gi in covers:
             g = groups[gi]
             delta = c_lo - lo[gi]
-            for rank in sorted(g.rank_addr):
-                region, base, strides = g.addrs[g.rank_addr[rank]]
-                ng.add(rank, (region, base + int(np.dot(delta, strides)) * isz, strides))
+            for rank in g.ranks:
+                region, base, strides = g.addr_of(rank)
+                ng.add((rank,), (region, base + int(np.dot(delta, strides)) * isz, strides))
+        ng.finish()
         out.append(ng)
     return out
 
@@ -205,29 +243,39 @@ def _chunks_for(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, 
     for t in dest.tensors:
         isz = _itemsize(t.dtype)
         for p in t.pieces:
-            if p.box.numel == 0:
+            if not all(p.box.sizes):
                 continue
-            sp = _local_spec("destination", dest.rank, smap, t, p.tensor)
-            if p.tensor not in checked:
-                checked[p.tensor] = _check_dest_spec(index, dest, sp, transforms, missing)
-            ti = checked[p.tensor]
+            ti = checked.get(p.tensor, False)
+            sp = smap.get(p.tensor)
+            if ti is False or sp is None or sp.dtype != t.dtype:
+                sp = _local_spec("destination", dest.rank, smap, t, p.tensor)
+                ti = checked[p.tensor] = _check_dest_spec(index, dest, sp, transforms, missing)
             if ti is None:
                 continue
-            ch.needed += p.box.numel * isz
+            numel = p.box.numel
+            ch.needed += numel * isz
             bo, bs = p.box.offsets, p.box.sizes
-            if len(ti.groups) == 1:
-                hits = [0]
+            if len(ti.groups) == 1 and ti.groups[0].offsets == bo and ti.groups[0].sizes == bs:
+                ch.nbytes.append(numel * isz)  # the common case: the source holds exactly this box
+                ch.group.append(ti.groups[0])
+                ch.delta.append((0,) * len(bo))
+                ch.sizes.append(bs)
+                ch.dst_region.append(t.region)
+                ch.dst_base.append(t.offset + p.offset * isz)
+                ch.dst_strides.append(p.strides)
+                ch.itemsize.append(isz)
+                continue
+            if ti.lo is None or len(ti.groups) <= 16:
+                hits = ti.groups
             else:
                 dlo = np.asarray(bo, dtype=np.int64)
                 dhi = dlo + np.asarray(bs, dtype=np.int64)
-                hits = np.flatnonzero(np.all((ti.lo < dhi) & (ti.hi > dlo), axis=1)).tolist()
+                hits = [ti.groups[i] for i in np.flatnonzero(np.all((ti.lo < dhi) & (ti.hi > dlo), axis=1))]
             covered = 0
-            for gi in hits:
-                g = ti.groups[gi]
-                ilo = tuple(max(a, b) for a, b in zip(bo, g.offsets))
-                ihi = tuple(min(a + s, b + z) for a, s, b, z in zip(bo, bs, g.offsets, g.sizes))
-                sizes = tuple(h - l for l, h in zip(ilo, ihi))
-                if any(s <= 0 for s in sizes):
+            for g in hits:
+                ilo = tuple(map(max, bo, g.offsets))
+                sizes = tuple(min(a + s, b + z) - l for a, s, b, z, l in zip(bo, bs, g.offsets, g.sizes, ilo))
+                if min(sizes, default=1) <= 0:
                     continue
                 n = math.prod(sizes)
                 covered += n
@@ -251,33 +299,50 @@ class _Emitter:
     """Collects runs per source rank and turns them into coalesced ``SourceOps``."""
 
     def __init__(self) -> None:
+        # Per rank: five columns of Python ints for single runs, and batches of run arrays
+        # (src_offsets, dst_offsets, nbytes-or-array) with their scalar regions.
         self.scalars: dict[int, list[list[int]]] = {}
-        self.arrays: dict[int, list[tuple[np.ndarray, ...]]] = {}
+        self.batches: dict[int, list[tuple]] = {}
+
+    def add_one(self, rank: int, src_region: int, so: int, dst_region: int, do: int, nb: int) -> None:
+        cols = self.scalars.get(rank)
+        if cols is None:
+            cols = self.scalars[rank] = [[], [], [], [], []]
+        cols[0].append(src_region)
+        cols[1].append(so)
+        cols[2].append(dst_region)
+        cols[3].append(do)
+        cols[4].append(nb)
 
     def add(self, rank: int, src_region: int, so: np.ndarray, dst_region: int, do: np.ndarray,
             nb: np.ndarray | int) -> None:
         if len(so) == 1:
-            cols = self.scalars.setdefault(rank, [[], [], [], [], []])
-            cols[0].append(src_region)
-            cols[1].append(int(so[0]))
-            cols[2].append(dst_region)
-            cols[3].append(int(do[0]))
-            cols[4].append(int(nb if isinstance(nb, int) else nb[0]))
+            self.add_one(rank, src_region, int(so[0]), dst_region, int(do[0]),
+                         int(nb if isinstance(nb, int) else nb[0]))
             return
-        n = len(so)
-        nba = np.full(n, nb, dtype=np.int64) if isinstance(nb, int) else nb
-        self.arrays.setdefault(rank, []).append(
-            (np.full(n, src_region, dtype=np.int64), so, np.full(n, dst_region, dtype=np.int64), do, nba))
+        self.batches.setdefault(rank, []).append((src_region, so, dst_region, do, nb))
 
     def finish(self) -> tuple[SourceOps, ...]:
         out = []
-        for rank in sorted(set(self.scalars) | set(self.arrays)):
-            parts = list(self.arrays.get(rank, []))
+        for rank in sorted(set(self.scalars) | set(self.batches)):
+            batches = self.batches.get(rank, [])
+            cols: list[list[np.ndarray]] = [[], [], [], [], []]
+            if batches:
+                lens = np.array([len(b[1]) for b in batches], dtype=np.int64)
+                cols[0].append(np.repeat(np.array([b[0] for b in batches], dtype=np.int64), lens))
+                cols[1].append(np.concatenate([b[1] for b in batches]))
+                cols[2].append(np.repeat(np.array([b[2] for b in batches], dtype=np.int64), lens))
+                cols[3].append(np.concatenate([b[3] for b in batches]))
+                scalar_nb = np.array([b[4] if isinstance(b[4], int) else -1 for b in batches], dtype=np.int64)
+                nb = np.repeat(scalar_nb, lens)
+                if (scalar_nb < 0).any():
+                    nb[nb < 0] = np.concatenate([b[4] for b in batches if not isinstance(b[4], int)])
+                cols[4].append(nb)
             sc = self.scalars.get(rank)
             if sc is not None:
-                parts.append(tuple(np.asarray(c, dtype=np.int64) for c in sc))
-            cols = [np.concatenate([p[i] for p in parts]) for i in range(5)]
-            out.append(SourceOps(rank, *coalesce(*cols)))
+                for i in range(5):
+                    cols[i].append(np.asarray(sc[i], dtype=np.int64))
+            out.append(SourceOps(rank, *coalesce(*(np.concatenate(c) for c in cols))))
         return tuple(out)
 
 
@@ -290,9 +355,13 @@ def _emit(ch: _Chunks, parts: list[list[list[int]]]) -> tuple[SourceOps, ...]:
         for rank, a, b in plist:
             if b <= a:
                 continue
-            region, base, strides = g.addrs[g.rank_addr[rank]]
-            src_base = base + sum(d * s for d, s in zip(ch.delta[i], strides)) * isz
+            region, base, strides = g.addr_of(rank)
+            delta = ch.delta[i]
+            src_base = base + sum(d * s for d, s in zip(delta, strides)) * isz if any(delta) else base
             rs, rd, run = box_runs(ch.sizes[i], strides, ch.dst_strides[i], isz)
+            if len(rs) == 1:  # one contiguous run (most chunks): stay in Python ints
+                em.add_one(rank, region, src_base + a, ch.dst_region[i], ch.dst_base[i] + a, b - a)
+                continue
             if a == 0 and b == w:
                 em.add(rank, region, rs + src_base, ch.dst_region[i], rd + ch.dst_base[i], run)
                 continue
@@ -309,14 +378,26 @@ def _layout_key(lay: RankLayout) -> tuple:
     return (lay.tensors, lay.region_sizes, tuple(sorted(lay.specs, key=lambda s: s.name)))
 
 
+def _group_identical(layouts: Sequence[RankLayout]) -> list[list[RankLayout]]:
+    """Layouts grouped by identical content (rank aside), in order of first appearance.
+
+    Layouts sharing their tuples (built once, as replicas usually are) are grouped by identity
+    first, so equal but distinct tuples are hashed once per distinct object, not once per rank.
+    """
+    by_id: dict[tuple[int, int, int], list[RankLayout]] = {}
+    for lay in layouts:
+        by_id.setdefault((id(lay.tensors), id(lay.region_sizes), id(lay.specs)), []).append(lay)
+    by_key: dict[tuple, list[RankLayout]] = {}
+    for same in by_id.values():
+        by_key.setdefault(_layout_key(same[0]), []).extend(same)
+    return list(by_key.values())
+
+
 def _source_classes(sources: Sequence[RankLayout]) -> dict[int, tuple[int, ...]]:
     """Maps each source rank to the sorted ranks whose layouts are identical to its own."""
-    by_key: dict[tuple, list[int]] = {}
-    for s in sources:
-        by_key.setdefault(_layout_key(s), []).append(s.rank)
     out: dict[int, tuple[int, ...]] = {}
-    for ranks in by_key.values():
-        cls = tuple(sorted(ranks))
+    for same in _group_identical(sources):
+        cls = tuple(sorted(s.rank for s in same))
         for r in cls:
             out[r] = cls
     return out
@@ -358,6 +439,20 @@ def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
     any source serves across all ``dests``. Raises ``PlanError`` (naming tensors and ranks) if the
     result would not validate. ``transforms`` names, per canonical tensor, an allowed dtype change.
     """
+    # Planning allocates millions of small objects while the layouts hold millions more: the
+    # cyclic GC would rescan them all again and again (2-3x the planning time). Nothing here
+    # makes cycles, so pause it for the call.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_plans(sources, dests, min_split_bytes=min_split_bytes, transforms=transforms)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, min_split_bytes: int,
+                 transforms: Mapping[str, str] | None) -> dict[int, Plan]:
     from .validate import validate_plan  # validate imports runs/plan only; keep the module graph flat
 
     transforms = dict(transforms or {})
@@ -374,18 +469,16 @@ def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
             raise PlanError(f"destination rank {d.rank} given twice")
         seen_dst.add(d.rank)
 
-    index = _SourceIndex(sources)
     classes = _source_classes(sources)
+    index = _SourceIndex(sources, sorted(set(classes.values())))
     align = 4096 if min_split_bytes >= 4096 else 16
 
-    groups: dict[tuple, list[RankLayout]] = {}
-    for d in sorted(dests, key=lambda d: d.rank):
-        groups.setdefault(_layout_key(d), []).append(d)
+    groups = [sorted(same, key=lambda d: d.rank) for same in _group_identical(sorted(dests, key=lambda d: d.rank))]
 
     missing: dict[str, list[int]] = {}
     partial: list[str] = []
     chunked = []
-    for copies in groups.values():
+    for copies in groups:
         ch = _chunks_for(index, copies[0], transforms, missing, partial)
         chunked.append((copies, ch))
     if missing or partial:

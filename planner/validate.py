@@ -32,6 +32,10 @@ def mapped_intervals(layout: RankLayout) -> tuple[np.ndarray, np.ndarray]:
     items = []
     for t in layout.tensors:
         isz = _itemsize(t.dtype)
+        if t.unmapped_numel == 0 and len(t.pieces) > 1:
+            # Disjoint pieces (a LayoutError otherwise) covering every element: the whole tensor.
+            items.append((t.region, t.offset, (t.numel,), (1,), isz))
+            continue
         for p in t.pieces:
             items.append((t.region, t.offset + p.offset * isz, p.box.sizes, p.strides, isz))
     r, a, b = piece_intervals(items)
@@ -52,10 +56,14 @@ class _Info:
     def __init__(self, layout: RankLayout) -> None:
         self.layout = layout
         self._mapped: tuple[np.ndarray, np.ndarray] | None = None
-        ts = sorted((t for t in layout.tensors if t.nbytes), key=lambda t: (t.region, t.offset))
-        self.tensors = ts
-        self.keys = np.array([(t.region << _SHIFT) + t.offset for t in ts], dtype=np.int64)
+        self._index: tuple[list[LocalTensor], np.ndarray] | None = None
         self.specs = layout.spec_map()
+
+    def _tensor_index(self) -> tuple[list[LocalTensor], np.ndarray]:
+        if self._index is None:
+            ts = sorted((t for t in self.layout.tensors if all(t.shape)), key=lambda t: (t.region, t.offset))
+            self._index = ts, np.array([(t.region << _SHIFT) + t.offset for t in ts], dtype=np.int64)
+        return self._index
 
     @property
     def mapped(self) -> tuple[np.ndarray, np.ndarray]:
@@ -63,11 +71,17 @@ class _Info:
             self._mapped = mapped_intervals(self.layout)
         return self._mapped
 
+    def share(self, other: "_Info") -> None:
+        """Reuses ``other``'s mapped intervals (same tensors object, so same bytes mapped)."""
+        if self._mapped is None and other.layout.tensors is self.layout.tensors:
+            self._mapped = other._mapped
+
     def tensor_at(self, region: int, offset: int) -> LocalTensor | None:
-        i = int(np.searchsorted(self.keys, (region << _SHIFT) + offset, side="right")) - 1
+        tensors, keys = self._tensor_index()
+        i = int(np.searchsorted(keys, (region << _SHIFT) + offset, side="right")) - 1
         if i < 0:
             return None
-        t = self.tensors[i]
+        t = tensors[i]
         return t if t.region == region and offset < t.offset + t.nbytes else None
 
 
@@ -77,6 +91,11 @@ def _info(layout: RankLayout, cache: dict | None) -> _Info:
     got = cache.get(id(layout))
     if got is None or got.layout is not layout:
         got = cache[id(layout)] = _Info(layout)
+        twin = cache.setdefault(("tensors", id(layout.tensors)), got)
+        if twin is not got:
+            if twin._mapped is None:
+                twin.mapped  # noqa: B018  (compute once, share with every layout built on these tensors)
+            got.share(twin)
     return got
 
 
@@ -186,8 +205,8 @@ def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankL
         raise PlanError(f"destination rank {d}: {len(bad)} reads write unmapped destination bytes, e.g. at "
                         f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}")
     if check_data:
-        _check_sample(plan, {r: _info(lay, cache) for r, lay in src_map.items()
-                             if r in plan.bytes_per_source()}, dinfo, samples)
+        used = {s.src_rank for s in plan.sources}
+        _check_sample(plan, {r: _info(lay, cache) for r, lay in src_map.items() if r in used}, dinfo, samples)
 
 
 def _check_bounds(what: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
@@ -206,15 +225,16 @@ def _check_sample(plan: Plan, src_map: Mapping[int, _Info], dest: _Info, samples
     n = len(plan)
     if not n:
         return
-    picks = set(np.linspace(0, n - 1, min(n, samples)).astype(np.int64).tolist())
+    picks = np.unique(np.linspace(0, n - 1, min(n, samples)).astype(np.int64))
     pos = 0
     for s in plan.sources:
         lay = src_map[s.src_rank]
-        for i in [p - pos for p in sorted(picks) if pos <= p < pos + len(s)]:
+        m = len(s)
+        for i in (picks[(picks >= pos) & (picks < pos + m)] - pos).tolist():
             for delta in (0, int(s.nbytes[i]) - 1):
                 a = canonical_byte(lay, int(s.src_region[i]), int(s.src_offset[i]) + delta)
                 b = canonical_byte(dest, int(s.dst_region[i]), int(s.dst_offset[i]) + delta)
                 if a is None or a != b:
                     raise PlanError(f"destination rank {plan.dst_rank}: read from source rank {s.src_rank} "
                                     f"copies {a} into {b}")
-        pos += len(s)
+        pos += m

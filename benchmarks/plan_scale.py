@@ -1,0 +1,327 @@
+"""Planner at scale: Megatron-style trainer (256 ranks) -> vLLM/SGLang-style rollout (128 ranks).
+
+Synthetic layouts from the published config shapes in ``/work/shared/model-shapes.json``:
+
+* Trainer, BF16, 256 ranks, Megatron rank order (tp fastest, then dp, then pp). Dense weights are
+  TP-split (column-parallel on dim 0, row-parallel on dim 1), replicated over DP; MLP ``linear_fc1``
+  is ``[gate_t; up_t]``; Qwen3's ``linear_qkv`` is Megatron's interleaved per-query-group
+  ``[q_g; k_g; v_g]`` (MLA models have no QKV fusion: ``q_a``/``kv_a`` are replicated over TP,
+  ``q_b``/``kv_b`` column-, ``o_proj`` row-parallel). Experts: ETP=1, EP ranks carved from the
+  TP x DP ranks of a stage, one ``[gate_e; up_e]`` and one ``down_e`` tensor per expert
+  (SequentialMLP), EDP replicas. Vocabulary split over TP with padding.
+* Rollout, BF16, 128 ranks = 8 replicas of TP=16/EP=16: ``qkv_proj`` (GQA, kv heads replicated
+  over TP) or MLA's ``fused_qkv_a_proj`` = ``[q_a; kv_a]`` replicated, ``gate_up_proj`` fused,
+  experts stacked as ``w13[e] = [gate_e; up_e]`` and ``w2[e] = down_e``, padded vocab.
+
+All 128 rollout ranks are planned together with one ``build_plans`` call. Inside it, rollout
+replicas with identical layouts are planned once and the copies get the plan with source ranks
+rotated among identical trainer DP replicas (sharing arrays), so the 8 replicas spread over the
+replicas; see ``planner/builder.py``.
+
+Prints one line per model and, last, ``plan_scale: model=kimi-k2 plan_s=... rss_gb=... ops=...
+makespan_ratio=...``. Each model runs in its own process so peak RSS is per model (it includes
+building the synthetic layouts). Run: ``PYTHONPATH=. .venv/bin/python benchmarks/plan_scale.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from planner import Fused, LayoutBuilder, RankLayout, Shard, Stack, build_plans
+from planner.simulate import simulate
+
+SHAPES = "/work/shared/model-shapes.json"
+DT = "bfloat16"
+MODELS = ["qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
+
+
+@dataclass(frozen=True)
+class Trainer:
+    tp: int
+    pp: int
+    dp: int
+    ep: int  # expert-parallel size inside one PP stage (ETP = 1); EDP = tp * dp // ep
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+TRAINERS = {
+    "qwen3-235b-a22b": Trainer(tp=4, pp=8, dp=8, ep=8),
+    "deepseek-v3": Trainer(tp=8, pp=16, dp=2, ep=8),
+    "kimi-k2": Trainer(tp=8, pp=16, dp=2, ep=8),
+}
+ROLLOUT_TP, ROLLOUT_REPLICAS = 16, 8
+
+
+def split(n: int, k: int) -> list[tuple[int, int]]:
+    base, extra = divmod(n, k)
+    out, o = [], 0
+    for i in range(k):
+        s = base + (1 if i < extra else 0)
+        out.append((o, s))
+        o += s
+    return out
+
+
+def rows(name: str, shape: tuple[int, ...], k: int, i: int) -> tuple[tuple[int, ...], Shard]:
+    o, s = split(shape[0], k)[i]
+    return (s,) + shape[1:], Shard(name, shape, (o,) + (0,) * (len(shape) - 1))
+
+
+def cols(name: str, shape: tuple[int, int], k: int, i: int) -> tuple[tuple[int, ...], Shard]:
+    o, s = split(shape[1], k)[i]
+    return (shape[0], s), Shard(name, shape, (0, o))
+
+
+def fused_rows(names: list[str], shape: tuple[int, int], k: int, i: int) -> tuple[tuple[int, ...], Fused]:
+    o, s = split(shape[0], k)[i]
+    return (s * len(names), shape[1]), Fused(0, tuple(Shard(n, shape, (o, 0)) for n in names))
+
+
+def full(b: LayoutBuilder, name: str, shape: tuple[int, ...]) -> None:
+    b.add(name, shape, DT, Shard(name, shape))
+
+
+def vocab(b: LayoutBuilder, name: str, v: int, h: int, k: int, i: int, multiple: int) -> None:
+    padded = -(-v // multiple) * multiple
+    per = padded // k
+    b.add(name, (per, h), DT, Shard(name, (v, h), (i * per, 0), padded=True))
+
+
+class Model:
+    def __init__(self, key: str, cfg: dict) -> None:
+        self.key, self.c = key, cfg
+        self.h = cfg["hidden_size"]
+        self.layers = cfg["num_hidden_layers"]
+        self.mla = "kv_lora_rank" in cfg
+        self.experts = cfg.get("n_routed_experts", cfg.get("num_experts"))
+        self.im = cfg["moe_intermediate_size"]
+        self.dense = cfg.get("first_k_dense_replace", 0)
+        self.shared = cfg.get("n_shared_experts", 0) * self.im
+
+    def p(self, i: int) -> str:
+        return f"model.layers.{i}."
+
+    # -------------------------------------------------------------- trainer (Megatron-style)
+    def trainer_rank(self, t: Trainer, pp: int, tp: int, dp: int, rank: int) -> LayoutBuilder:
+        b = LayoutBuilder(rank)
+        h, c = self.h, self.c
+        lo, n = split(self.layers, t.pp)[pp]
+        if pp == 0:
+            vocab(b, "model.embed_tokens.weight", c["vocab_size"], h, t.tp, tp, 128 * t.tp)
+        ep_rank = (dp * t.tp + tp) % t.ep
+        e_lo, e_n = split(self.experts, t.ep)[ep_rank]
+        for i in range(lo, lo + n):
+            p = self.p(i)
+            full(b, p + "input_layernorm.weight", (h,))
+            full(b, p + "post_attention_layernorm.weight", (h,))
+            self._trainer_attn(b, p, t.tp, tp)
+            if i < self.dense:
+                shape = (c["intermediate_size"], h)
+                local, decl = fused_rows([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], shape, t.tp, tp)
+                b.add(p + "linear_fc1", local, DT, decl)
+                local, decl = cols(p + "mlp.down_proj.weight", (h, shape[0]), t.tp, tp)
+                b.add(p + "linear_fc2", local, DT, decl)
+                continue
+            full(b, p + "mlp.gate.weight", (self.experts, h))
+            if self.mla:
+                full(b, p + "mlp.gate.e_score_correction_bias", (self.experts,))
+            if self.shared:
+                q = p + "mlp.shared_experts."
+                local, decl = fused_rows([q + "gate_proj.weight", q + "up_proj.weight"], (self.shared, h), t.tp, tp)
+                b.add(q + "linear_fc1", local, DT, decl)
+                local, decl = cols(q + "down_proj.weight", (h, self.shared), t.tp, tp)
+                b.add(q + "linear_fc2", local, DT, decl)
+            for e in range(e_lo, e_lo + e_n):
+                q = f"{p}mlp.experts.{e}."
+                b.add(q + "linear_fc1", (2 * self.im, h), DT, Fused(0, (
+                    Shard(q + "gate_proj.weight", (self.im, h)), Shard(q + "up_proj.weight", (self.im, h)))))
+                full(b, q + "down_proj.weight", (h, self.im))
+        if pp == t.pp - 1:
+            full(b, "model.norm.weight", (h,))
+            vocab(b, "lm_head.weight", c["vocab_size"], h, t.tp, tp, 128 * t.tp)
+        return b
+
+    def _trainer_attn(self, b: LayoutBuilder, p: str, k: int, i: int) -> None:
+        h, c = self.h, self.c
+        a = p + "self_attn."
+        if self.mla:
+            heads = c["num_attention_heads"]
+            qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+            full(b, a + "q_a_proj.weight", (c["q_lora_rank"], h))
+            full(b, a + "q_a_layernorm.weight", (c["q_lora_rank"],))
+            full(b, a + "kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h))
+            full(b, a + "kv_a_layernorm.weight", (c["kv_lora_rank"],))
+            for name, shape in ((a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
+                                (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+                                                          c["kv_lora_rank"]))):
+                local, decl = rows(name, shape, k, i)
+                b.add(name, local, DT, decl)
+            local, decl = cols(a + "o_proj.weight", (h, heads * c["v_head_dim"]), k, i)
+            b.add(a + "linear_proj", local, DT, decl)
+            return
+        heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        per = heads // kvh
+        go, gs = split(kvh, k)[i]
+        groups = tuple(Fused(0, (Shard(a + "q_proj.weight", (heads * hd, h), (g * per * hd, 0)),
+                                 Shard(a + "k_proj.weight", (kvh * hd, h), (g * hd, 0)),
+                                 Shard(a + "v_proj.weight", (kvh * hd, h), (g * hd, 0))))
+                       for g in range(go, go + gs))
+        b.add(a + "linear_qkv", (gs, (per + 2) * hd, h), DT, Stack(groups))
+        full(b, a + "q_norm.weight", (hd,))
+        full(b, a + "k_norm.weight", (hd,))
+        local, decl = cols(a + "o_proj.weight", (h, heads * hd), k, i)
+        b.add(a + "linear_proj", local, DT, decl)
+
+    # -------------------------------------------------------------- rollout (vLLM/SGLang-style)
+    def rollout_rank(self, tp: int, rank: int) -> LayoutBuilder:
+        k = ROLLOUT_TP
+        b = LayoutBuilder(rank)
+        h, c = self.h, self.c
+        vocab(b, "model.embed_tokens.weight", c["vocab_size"], h, k, tp, 64 * k)
+        e_lo, e_n = split(self.experts, k)[tp]
+        for i in range(self.layers):
+            p = self.p(i)
+            full(b, p + "input_layernorm.weight", (h,))
+            full(b, p + "post_attention_layernorm.weight", (h,))
+            self._rollout_attn(b, p, k, tp)
+            if i < self.dense:
+                shape = (c["intermediate_size"], h)
+                local, decl = fused_rows([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], shape, k, tp)
+                b.add(p + "mlp.gate_up_proj", local, DT, decl)
+                local, decl = cols(p + "mlp.down_proj.weight", (h, shape[0]), k, tp)
+                b.add(p + "mlp.down_proj", local, DT, decl)
+                continue
+            full(b, p + "mlp.gate.weight", (self.experts, h))
+            if self.mla:
+                full(b, p + "mlp.gate.e_score_correction_bias", (self.experts,))
+            if self.shared:
+                q = p + "mlp.shared_experts."
+                local, decl = fused_rows([q + "gate_proj.weight", q + "up_proj.weight"], (self.shared, h), k, tp)
+                b.add(q + "gate_up_proj", local, DT, decl)
+                local, decl = cols(q + "down_proj.weight", (h, self.shared), k, tp)
+                b.add(q + "down_proj", local, DT, decl)
+            ex = [f"{p}mlp.experts.{e}." for e in range(e_lo, e_lo + e_n)]
+            b.add(p + "mlp.experts.w13_weight", (e_n, 2 * self.im, h), DT, Stack(tuple(
+                Fused(0, (Shard(q + "gate_proj.weight", (self.im, h)), Shard(q + "up_proj.weight", (self.im, h))))
+                for q in ex)))
+            b.add(p + "mlp.experts.w2_weight", (e_n, h, self.im), DT,
+                  Stack(tuple(Shard(q + "down_proj.weight", (h, self.im)) for q in ex)))
+        full(b, "model.norm.weight", (h,))
+        vocab(b, "lm_head.weight", c["vocab_size"], h, k, tp, 64 * k)
+        return b
+
+    def _rollout_attn(self, b: LayoutBuilder, p: str, k: int, i: int) -> None:
+        h, c = self.h, self.c
+        a = p + "self_attn."
+        if self.mla:
+            heads = c["num_attention_heads"]
+            qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+            qa = (c["q_lora_rank"], h)
+            kva = (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
+            b.add(a + "fused_qkv_a_proj", (qa[0] + kva[0], h), DT, Fused(0, (
+                Shard(a + "q_a_proj.weight", qa), Shard(a + "kv_a_proj_with_mqa.weight", kva))))
+            full(b, a + "q_a_layernorm.weight", (c["q_lora_rank"],))
+            full(b, a + "kv_a_layernorm.weight", (c["kv_lora_rank"],))
+            for name, shape in ((a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
+                                (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+                                                          c["kv_lora_rank"]))):
+                local, decl = rows(name, shape, k, i)
+                b.add(name, local, DT, decl)
+            local, decl = cols(a + "o_proj.weight", (h, heads * c["v_head_dim"]), k, i)
+            b.add(a + "o_proj", local, DT, decl)
+            return
+        heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        qh = heads // k
+        kv = i * kvh // k  # kv heads < TP: each kv head replicated on k / kvh ranks
+        b.add(a + "qkv_proj", ((qh + 2) * hd, h), DT, Fused(0, (
+            Shard(a + "q_proj.weight", (heads * hd, h), (i * qh * hd, 0), (qh * hd, h)),
+            Shard(a + "k_proj.weight", (kvh * hd, h), (kv * hd, 0), (hd, h)),
+            Shard(a + "v_proj.weight", (kvh * hd, h), (kv * hd, 0), (hd, h)))))
+        full(b, a + "q_norm.weight", (hd,))
+        full(b, a + "k_norm.weight", (hd,))
+        local, decl = cols(a + "o_proj.weight", (h, heads * hd), k, i)
+        b.add(a + "o_proj", local, DT, decl)
+
+
+def layouts(key: str) -> tuple[list[RankLayout], list[RankLayout]]:
+    """Trainer and rollout layouts; identical ranks share their (immutable) tensor tuples."""
+    with open(SHAPES) as f:
+        m = Model(key, json.load(f)[key])
+    t = TRAINERS[key]
+    sources: list[RankLayout] = []
+    cache: dict[tuple, RankLayout] = {}
+    for pp in range(t.pp):
+        for dp in range(t.dp):
+            for tp in range(t.tp):
+                rank = pp * t.dp * t.tp + dp * t.tp + tp
+                # Ranks with the same (pp, tp, EP rank) hold identical bytes: build once.
+                key_ = (pp, tp, (dp * t.tp + tp) % t.ep)
+                proto = cache.get(key_)
+                if proto is None:
+                    proto = cache[key_] = m.trainer_rank(t, pp, tp, dp, rank).build()
+                sources.append(RankLayout(rank, proto.tensors, proto.specs, proto.region_sizes))
+    protos = [m.rollout_rank(tp, tp).build() for tp in range(ROLLOUT_TP)]
+    dests = [RankLayout(r * ROLLOUT_TP + tp, protos[tp].tensors, protos[tp].specs, protos[tp].region_sizes)
+             for r in range(ROLLOUT_REPLICAS) for tp in range(ROLLOUT_TP)]
+    return sources, dests
+
+
+def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
+    t0 = time.perf_counter()
+    sources, dests = layouts(key)
+    t1 = time.perf_counter()
+    plans = build_plans(sources, dests)
+    t2 = time.perf_counter()
+    sim = simulate(plans, bandwidth=bandwidth, latency_s=latency, queue_depth=depth)
+    t3 = time.perf_counter()
+    loads: dict[int, int] = {}
+    for p in plans.values():
+        for r, v in p.bytes_per_source().items():
+            loads[r] = loads.get(r, 0) + v
+    mean = sum(loads.values()) / len(sources)
+    return dict(model=key, layout_s=t1 - t0, plan_s=t2 - t1, sim_s=t3 - t2,
+                rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                ops=sum(len(p) for p in plans.values()), bytes=sim.total_bytes,
+                makespan_s=sim.makespan_s, lower_bound_s=sim.lower_bound_s, makespan_ratio=sim.ratio,
+                src_max_over_mean=max(loads.values()) / mean, sources_used=len(loads))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=MODELS)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--bandwidth", type=float, default=50e9, help="per-rank NIC bytes/s (default 50 GB/s)")
+    ap.add_argument("--latency", type=float, default=5e-6, help="per-op latency in seconds")
+    ap.add_argument("--depth", type=int, default=64, help="outstanding reads per (source, destination) flow")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args.bandwidth, args.latency, args.depth)))
+        return
+    last = None
+    for key in args.models:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", key, "--bandwidth", str(args.bandwidth),
+               "--latency", str(args.latency), "--depth", str(args.depth)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s, peak RSS {r['rss_gb']:.2f} GB, "
+              f"ops {r['ops']}, bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
+              f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
+              f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
+              f"(simulated in {r['sim_s']:.1f}s)", flush=True)
+        last = r
+    if last is not None:
+        print(f"plan_scale: model={last['model']} plan_s={last['plan_s']:.3f} rss_gb={last['rss_gb']:.3f} "
+              f"ops={last['ops']} makespan_ratio={last['makespan_ratio']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
