@@ -211,6 +211,8 @@ class Subscriber:
             rec = VersionRecord.read(self._store, self.keys, self.token)
             if rec is None or rec.v < want:
                 return None
+            if rec.v == self.version:
+                return rec  # already applied
             if rec.zero_copy and self._store.get_int(self.keys.fence(rec.slot)) != rec.fence:
                 return None  # zero-copy versions are readable only while their publish() runs
             return rec

@@ -82,3 +82,20 @@ def test_sync_publisher_stops_waiting_for_a_dead_subscriber() -> None:
         assert pub.call("live_subscribers") == 0
     finally:
         pub.stop()
+
+
+@pytest.mark.timeout(90)
+def test_zero_copy_serves_live_tensors_until_every_ack() -> None:
+    pub, sub = pair("one_step_off", zero_copy=True)
+    try:
+        for v in (1, 2):
+            sub.send("pull", min_version=v, delay=DELAY)
+            p = pub.call("publish", v)
+            s = sub.result()
+            assert s["v"] == v and s["bad"] == []
+            assert p["t_ret"] >= s["t_start"], "zero-copy publish returned before the ack"
+        # once publish() returned, the trainer owns its tensors again: v2 is fenced off
+        late = sub.call("try_pull", timeout=1.5)
+        assert late["error"] is None and late["v"] == 2  # already applied: no read needed
+    finally:
+        sub.stop(), pub.stop()
