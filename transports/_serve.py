@@ -2,7 +2,7 @@
 
 Run as ``python -m transports._serve '<json spec>'``; the spec is
 ``{"transport": name, "token": str|null, "options": {...}, "regions": [{"size": n, "seed": s}, ...],
-"fill": "random"|"pattern"}``. The process registers every region (staged into ``host_buffer`` when
+"fill": "random"|"pattern", "dumpable": bool}``. The process registers every region (staged into ``host_buffer`` when
 the transport offers one), then writes one JSON line to stdout::
 
     {"pid": ..., "endpoint": hex, "descriptors": [hex, ...]}
@@ -83,6 +83,10 @@ def serve(spec: dict) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import transports
 
+    if not spec.get("dumpable", True):  # tests: a process others may not inspect without CAP_SYS_PTRACE
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # keep stray prints off the protocol channel
     fill = spec.get("fill", "random")
@@ -147,9 +151,10 @@ class ServingProcess:
     """
 
     def __init__(self, transport: str, regions: list[dict], *, token: str | None = "secret",
-                 options: dict | None = None, fill: str = "random", timeout: float = 60.0) -> None:
+                 options: dict | None = None, fill: str = "random", timeout: float = 60.0,
+                 dumpable: bool = True) -> None:
         self.spec = {"transport": transport, "token": token, "options": dict(options or {}),
-                     "regions": regions, "fill": fill}
+                     "regions": regions, "fill": fill, "dumpable": dumpable}
         self.timeout = timeout
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

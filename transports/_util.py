@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import heapq
 from typing import Any
 
 import numpy as np
@@ -69,18 +68,25 @@ def split_and_balance(nbytes: np.ndarray, streams: int, split: int) -> tuple[np.
     """Cuts reads longer than ``split`` into pieces and spreads the pieces over ``streams`` by bytes.
 
     Returns ``(op, start, stream)`` per piece: the index of the read it comes from, the byte offset
-    of the piece within that read, and the stream it goes to (longest-first greedy balancing).
+    of the piece within that read, and its stream. Each stream takes a consecutive run of pieces
+    (those whose middle byte falls in its ``1/streams`` share of the batch), so its loads stay
+    within ``2 * split`` of each other and each stream reads neighbouring bytes.
     """
     pieces = np.maximum(1, -(-nbytes // split))
     op = np.repeat(np.arange(len(nbytes), dtype=np.int64), pieces)
     first = np.repeat(np.cumsum(pieces) - pieces, pieces)
     start = (np.arange(len(op), dtype=np.int64) - first) * split
     size = np.minimum(nbytes[op] - start, split)
-    stream = np.zeros(len(op), dtype=np.int64)
-    if streams > 1:
-        loads = [(0, s) for s in range(streams)]
-        for i in np.argsort(-size, kind="stable").tolist():
-            load, s = heapq.heappop(loads)
-            stream[i] = s
-            heapq.heappush(loads, (load + int(size[i]), s))
+    total = int(size.sum())
+    middle = np.cumsum(size) - size + size // 2
+    stream = np.minimum(middle * streams // max(total, 1), streams - 1)
     return op, start, stream
+
+
+def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merges consecutive reads whose sources and destinations both continue where the last ended."""
+    if len(nbytes) < 2:
+        return dst, src, nbytes
+    brk = (src[1:] != src[:-1] + nbytes[:-1]) | (dst[1:] != dst[:-1] + nbytes[:-1])
+    starts = np.concatenate([[0], np.flatnonzero(brk) + 1])
+    return dst[starts], src[starts], np.add.reduceat(nbytes, starts)

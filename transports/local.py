@@ -35,6 +35,7 @@ import json
 import mmap
 import os
 import select
+import threading
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -42,7 +43,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from ._util import check_host_memory, hex_field, int_field, token_key
+from ._util import check_host_memory, coalesce, hex_field, int_field, token_key
 from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import AuthError, TransportError
 
@@ -134,8 +135,8 @@ def vm_read(pid: int, local_iov: np.ndarray, remote_iov: np.ndarray, deadline: f
 def _vm_error(pid: int, err: int) -> TransportError:
     if err == errno.EPERM:
         return TransportError(
-            f"local: the kernel denied process_vm_readv on pid {pid} (EPERM: different uid, Yama "
-            f"ptrace_scope, or a seccomp filter); use the tcp transport")
+            f"local: the kernel denied process_vm_readv on pid {pid} (EPERM: a different uid, Yama "
+            f"ptrace_scope, a non-dumpable publisher, or a seccomp filter); use the tcp transport")
     if err == errno.ESRCH:
         return TransportError(f"local: peer pid {pid} is gone (ESRCH)")
     if err == errno.ENOSYS:
@@ -164,6 +165,8 @@ class LocalPeer:
     vm_error: str | None  # why process_vm_readv cannot read this peer, if it cannot
     maps: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict, repr=False)  # (fd, ino) -> (addr, len)
     closed: bool = False
+    #: Held by ``read`` and ``disconnect``: a mapping is never unmapped under a running copy.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def label(self) -> str:
@@ -325,8 +328,26 @@ class LocalTransport(Transport):
 
     def prepare(self, peer: LocalPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
                 batch: ReadBatch) -> LocalPrepared:
-        if peer.closed:
-            raise TransportError(f"local: peer {peer.label} is disconnected")
+        with peer.lock:  # mappings are made here; disconnect must not run meanwhile
+            if peer.closed:
+                raise TransportError(f"local: peer {peer.label} is disconnected")
+            src_base, sizes, mapped = self._resolve(peer, remote_regions)
+        for r in local_regions:
+            if r.device != "cpu":
+                raise TransportError(f"local: destination region {r.id} is on {r.device}")
+        check_batch_bounds("local", batch, sizes, [r.nbytes for r in local_regions], peer.label)
+        src = np.asarray(src_base, dtype=np.int64)[batch.src_region] + batch.src_offset
+        dst = np.asarray([r.addr for r in local_regions], dtype=np.int64)[batch.dst_region] + batch.dst_offset
+        via_map = np.asarray(mapped, dtype=bool)[batch.src_region]
+        # Adjacent reads become one copy: long copies run at memcpy speed (non-temporal stores), 4 MiB ones do not.
+        copies = np.stack(coalesce(dst[via_map], src[via_map], batch.nbytes[via_map]), axis=1)
+        d, s, n = coalesce(dst[~via_map], src[~via_map], batch.nbytes[~via_map])
+        local_iov = np.ascontiguousarray(np.stack([d, n], axis=1).astype(np.uint64))
+        remote_iov = np.ascontiguousarray(np.stack([s, n], axis=1).astype(np.uint64))
+        return LocalPrepared(peer, copies, local_iov, remote_iov, batch.total_bytes)
+
+    def _resolve(self, peer: LocalPeer, remote_regions: Sequence[bytes]) -> tuple[list[int], list[int], list[bool]]:
+        """Per remote region: where its bytes are read from here, its size, and whether it is mapped."""
         src_base, sizes, mapped = [], [], []
         for i, desc in enumerate(remote_regions):
             d = decode_descriptor("local", desc, ("pid", "nonce", "region", "addr", "nbytes", "memfd", "mac"))
@@ -347,19 +368,7 @@ class LocalTransport(Transport):
                     raise TransportError(peer.vm_error)
                 src_base.append(addr)
                 mapped.append(False)
-        for r in local_regions:
-            if r.device != "cpu":
-                raise TransportError(f"local: destination region {r.id} is on {r.device}")
-        check_batch_bounds("local", batch, sizes, [r.nbytes for r in local_regions], peer.label)
-        src = np.asarray(src_base, dtype=np.int64)[batch.src_region] + batch.src_offset if len(batch) else batch.src_offset
-        dst = (np.asarray([r.addr for r in local_regions], dtype=np.int64)[batch.dst_region] + batch.dst_offset
-               if len(batch) else batch.dst_offset)
-        via_map = np.asarray(mapped, dtype=bool)[batch.src_region] if len(batch) else np.zeros(0, bool)
-        copies = np.stack([dst[via_map], src[via_map], batch.nbytes[via_map]], axis=1)
-        vm = ~via_map
-        local_iov = np.ascontiguousarray(np.stack([dst[vm], batch.nbytes[vm]], axis=1).astype(np.uint64))
-        remote_iov = np.ascontiguousarray(np.stack([src[vm], batch.nbytes[vm]], axis=1).astype(np.uint64))
-        return LocalPrepared(peer, copies, local_iov, remote_iov, batch.total_bytes)
+        return src_base, sizes, mapped
 
     def _map(self, peer: LocalPeer, memfd: Any, nbytes: int, i: int) -> int:
         """The local address of a remote region inside a memfd host buffer (mapped once per peer)."""
@@ -372,7 +381,8 @@ class LocalTransport(Transport):
             try:
                 f = os.open(f"/proc/{peer.pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
-                raise TransportError(f"local: cannot open host buffer fd {fd} of {peer.label}: {e}") from e
+                raise TransportError(f"local: cannot open host buffer fd {fd} of {peer.label} ({e}): the kernel's "
+                                     f"ptrace access check failed; use the tcp transport") from e
             try:
                 st = os.fstat(f)
                 seals = fcntl.fcntl(f, fcntl.F_GET_SEALS)
@@ -385,38 +395,42 @@ class LocalTransport(Transport):
                                          f"{os.strerror(ctypes.get_errno())}")
             finally:
                 os.close(f)
-            with self._lock:
-                peer.maps[(fd, ino)] = (addr, size)
+            peer.maps[(fd, ino)] = (addr, size)
         return peer.maps[(fd, ino)][0] + offset
 
     def read(self, prepared: LocalPrepared, *, timeout: float) -> None:
         peer = prepared.peer
         deadline = time.monotonic() + timeout
-        if peer.closed:
-            raise TransportError(f"local: peer {peer.label} is disconnected")
-        if not peer.alive():
-            raise TransportError(f"local: peer {peer.label} exited")
-        memmove = ctypes.memmove
-        for dst, src, n in prepared.copies.tolist():
-            memmove(dst, src, n)
-        if len(prepared.local_iov):
-            vm_read(peer.pid, prepared.local_iov, prepared.remote_iov, deadline)
-        # A mapping outlives the publisher: bytes copied from a dead peer are not a completed read.
-        if not peer.alive():
-            raise TransportError(f"local: peer {peer.label} exited during the read")
+        if not peer.lock.acquire(timeout=timeout):
+            raise TransportError(f"local: peer {peer.label} busy with another read for {timeout}s")
+        try:
+            if peer.closed:
+                raise TransportError(f"local: peer {peer.label} is disconnected")
+            if not peer.alive():
+                raise TransportError(f"local: peer {peer.label} exited")
+            memmove = ctypes.memmove
+            for dst, src, n in prepared.copies.tolist():
+                memmove(dst, src, n)
+            if len(prepared.local_iov):
+                vm_read(peer.pid, prepared.local_iov, prepared.remote_iov, deadline)
+            # A mapping outlives the publisher: bytes copied from a dead peer are not a completed read.
+            if not peer.alive():
+                raise TransportError(f"local: peer {peer.label} exited during the read")
+        finally:
+            peer.lock.release()
         if time.monotonic() > deadline:
             raise TransportError(f"local: read from {peer.label} took longer than {timeout}s")
 
     def disconnect(self, peer: LocalPeer) -> None:
-        with self._lock:
+        with peer.lock, self._lock:
             if peer.closed:
                 return
             peer.closed = True
             self._peers.discard(peer)
             maps, peer.maps = peer.maps, {}
-        for addr, size in maps.values():
-            _libc.munmap(addr, size)
-        os.close(peer.pidfd)
+            for addr, size in maps.values():
+                _libc.munmap(addr, size)
+            os.close(peer.pidfd)
 
     def close(self) -> None:
         with self._lock:

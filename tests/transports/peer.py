@@ -25,13 +25,16 @@ from transports._serve import check_region, region_bytes  # noqa: E402,F401
 
 
 def run_client(transport: str, endpoint: bytes, descriptors: list[bytes], regions: list[dict], *,
-               token: str | None = "secret", options: dict | None = None, timeout: float = 60.0
-               ) -> subprocess.CompletedProcess:
-    """Reads every region of a peer from a fresh process; returns the finished process (check returncode)."""
+               token: str | None = "secret", options: dict | None = None, timeout: float = 60.0,
+               wrap: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Reads every region of a peer from a fresh process; returns the finished process (check returncode).
+
+    ``wrap`` prefixes the command (``["setpriv", "--bounding-set=-sys_ptrace", ...]``, say).
+    """
     spec = {"transport": transport, "endpoint": endpoint.hex(), "descriptors": [d.hex() for d in descriptors],
             "regions": regions, "token": token, "options": options or {}, "timeout": timeout}
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, os.path.abspath(__file__), "client", json.dumps(spec)],
+    return subprocess.run([*(wrap or []), sys.executable, os.path.abspath(__file__), "client", json.dumps(spec)],
                           capture_output=True, text=True, timeout=timeout + 30, env=env, cwd=ROOT)
 
 

@@ -1,0 +1,147 @@
+"""``tcp`` beyond the conformance suite: stream balancing, scatter I/O, hung peers, reconnection."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transports import AuthError, TransportError
+from transports import _wire as w
+from transports._util import split_and_balance
+from transports.base import ReadBatch
+from transports.tcp import ServerConfig, TcpTransport, _RegionTable, _server_handshake
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = b"tcp-token"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 50_000), min_size=1, max_size=100), st.integers(1, 8), st.integers(256, 20_000))
+def test_split_and_balance_covers_every_byte_once(sizes, streams, split):
+    nbytes = np.asarray(sizes, dtype=np.int64)
+    op, start, stream = split_and_balance(nbytes, streams, split)
+    size = np.minimum(nbytes[op] - start, split)
+    assert (size > 0).all() and (size <= split).all()
+    want = [(i, s) for i, n in enumerate(sizes) for s in range(0, n, split)]  # pieces tile each read exactly
+    assert list(zip(op.tolist(), start.tolist())) == want
+    assert (np.diff(stream) >= 0).all()  # consecutive runs per stream
+    loads = np.bincount(stream, weights=size, minlength=streams)
+    assert loads.max() - loads.min() <= 2 * split
+
+
+def test_scatter_send_and_receive_past_iov_max():
+    rng = np.random.default_rng(1)
+    src = rng.integers(0, 256, 200_000, dtype=np.uint8)
+    cuts = np.sort(rng.choice(np.arange(1, src.nbytes), 2500, replace=False))
+    bounds = np.concatenate([[0], cuts, [src.nbytes]])
+    dst = np.zeros_like(src)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # force partial sends
+    views = [memoryview(src)[x:y] for x, y in zip(bounds[:-1], bounds[1:])]
+    sender = threading.Thread(target=w.send_views, args=(a, views))
+    sender.start()
+    w.recv_into_views(b, [memoryview(dst)[x:y] for x, y in zip(bounds[:-1], bounds[1:])])
+    sender.join(10)
+    a.close(), b.close()
+    assert np.array_equal(src, dst)
+
+
+@pytest.fixture
+def served():
+    src = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    with TcpTransport(token=TOKEN) as server:
+        region = server.register(src.ctypes.data, src.nbytes)
+        yield server, region, src
+
+
+def test_streams_share_the_bytes(served):
+    server, region, src = served
+    with TcpTransport(token=TOKEN, streams=4, split_bytes=64 << 10) as client:
+        dst = np.zeros_like(src)
+        peer = client.connect(server.endpoint(), timeout=5)
+        prep = client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, dst.nbytes)],
+                              ReadBatch.of([(0, 0, 0, 0, src.nbytes)]))
+        per_stream = [sum(f.nbytes for f in frames) for frames in prep.frames]
+        assert per_stream == [src.nbytes // 4] * 4
+        assert server.num_connections == 4
+        client.read(prep, timeout=5)
+        assert np.array_equal(dst, src)
+
+
+def test_hung_peer_times_out_naming_it():
+    """A server that authenticates, then never answers: the read fails within its timeout and says where."""
+    table = _RegionTable()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    instance = b"\7" * 16
+    held = []
+
+    def hang() -> None:
+        conn, _ = listener.accept()
+        _server_handshake(conn, ServerConfig(TOKEN, instance, table))
+        held.append(conn)  # reads nothing, answers nothing
+
+    th = threading.Thread(target=hang, daemon=True)
+    th.start()
+    ep = json.dumps({"transport": "tcp", "host": "127.0.0.1", "port": port, "instance": instance.hex()}).encode()
+    desc = json.dumps({"transport": "tcp", "instance": instance.hex(), "region": 1, "nbytes": 100}).encode()
+    with TcpTransport(token=TOKEN, streams=1) as client:
+        dst = np.zeros(100, np.uint8)
+        peer = client.connect(ep, timeout=5)
+        prep = client.prepare(peer, [desc], [client.register(dst.ctypes.data, 100)], ReadBatch.of([(0, 0, 0, 0, 100)]))
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=f"127.0.0.1:{port}.*timed out|timed out.*127.0.0.1:{port}"):
+            client.read(prep, timeout=0.5)
+        assert time.monotonic() - t0 < 3
+    th.join(5)
+    for s in held:
+        s.close()
+    listener.close()
+
+
+def test_refused_read_then_reconnects(served):
+    server, region, src = served
+    with TcpTransport(token=TOKEN, streams=2) as client:
+        dst = np.zeros(64, np.uint8)
+        local = client.register(dst.ctypes.data, 64)
+        peer = client.connect(server.endpoint(), timeout=5)
+        good = client.prepare(peer, [region.descriptor], [local], ReadBatch.of([(0, 10, 0, 0, 64)]))
+        gone = server.register(src.ctypes.data, 64)
+        stale = client.prepare(peer, [gone.descriptor], [local], ReadBatch.of([(0, 0, 0, 0, 64)]))
+        server.deregister(gone)
+        with pytest.raises(TransportError, match="region .* is not registered"):
+            client.read(stale, timeout=5)
+        client.read(good, timeout=5)
+        assert np.array_equal(dst, src[10:74])
+
+
+def test_server_restart_at_same_address_is_detected(served):
+    """An endpoint names one server instance; another server (same token) at its address is not it."""
+    server, region, src = served
+    ep = json.loads(server.endpoint())
+    with TcpTransport(token=TOKEN) as other:
+        ep2 = json.loads(other.endpoint())
+        ep2["instance"] = ep["instance"]
+        with TcpTransport(token=TOKEN) as client, pytest.raises(AuthError, match="another server instance"):
+            client.connect(json.dumps(ep2).encode(), timeout=5)
+
+
+def test_bad_arguments_are_errors():
+    with pytest.raises(TransportError):
+        TcpTransport(token=TOKEN, streams=0)
+    with TcpTransport(token=TOKEN) as t:
+        with pytest.raises(TransportError, match="host memory"):
+            t.register(4096, 10, device="cuda:0")
+        with pytest.raises(TransportError):
+            t.register(0, 10)
+        with pytest.raises(TransportError, match="port"):
+            t.connect(json.dumps({"transport": "tcp", "host": "127.0.0.1", "port": 0, "instance": "00" * 16}).encode(),
+                      timeout=1)
+        with pytest.raises(TransportError, match="descriptor is for transport"):
+            t.connect(b'{"transport": "local"}', timeout=1)
