@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import socket
+import struct
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -143,42 +143,48 @@ class Store(ABC):
 _ABSENT = b"\0wbridge-absent:" + os.urandom(16)
 
 
-class _Stuck(Exception):
-    pass
+# One TCPStore connection at a time in this process, so that its new socket can be told apart.
+_CONNECT_LOCK = threading.Lock()
 
 
-class _CallThread:
-    """Runs calls one at a time on a daemon thread, so that a caller can stop waiting for one.
+def _socket_inodes() -> dict[str, int]:
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found[link] = int(fd)
+    return found
 
-    torch's TCPStore client has no timeout on most operations: on a dead link they block forever.
+
+def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float):
+    """``make()`` builds a TCPStore; its client socket to ``port`` then gets send and receive timeouts.
+
+    torch's client sets none for most calls, so on a dead link they would block forever; with them a
+    stuck call fails with torch's "Socket Timeout" (a RuntimeError). Sockets are matched by inode, not
+    fd number, because fd numbers are reused.
     """
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, box, done = job
-            try:
-                box.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box.append((False, e))
-            done.set()
-
-    def call(self, fn: Callable[[], object], timeout: float) -> object:
-        box: list = []
-        done = threading.Event()
-        self._jobs.put((fn, box, done))
-        if not done.wait(timeout):
-            raise _Stuck()
-        ok, value = box[0]
-        if ok:
-            return value
-        raise value
-
-    def stop(self) -> None:
-        self._jobs.put(None)  # the thread exits after its current call, if that ever returns
+    with _CONNECT_LOCK:
+        before = _socket_inodes()
+        store = make()
+        after = _socket_inodes()
+    tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+    bounded = 0
+    for inode in after.keys() - before.keys():
+        try:
+            with socket.socket(fileno=os.dup(after[inode])) as s:
+                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
+                        and s.getpeername()[1] == port:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+                    bounded += 1
+        except OSError:
+            continue
+    if not bounded:
+        raise StoreError(f"cannot find the TCPStore client socket to port {port} to bound its calls")
+    return store
 
 
 class TcpStore(Store):
@@ -204,9 +210,10 @@ class TcpStore(Store):
                 sock.bind((host, self.port))
                 sock.listen(1024)
                 self.port = sock.getsockname()[1]
-                self._store = dist.TCPStore(host, self.port, None, True, timeout=td,
-                                            wait_for_workers=False, master_listen_fd=sock.fileno(),
-                                            use_libuv=True)
+                self._store = _bounded_tcpstore(
+                    lambda: dist.TCPStore(host, self.port, None, True, timeout=td, wait_for_workers=False,
+                                          master_listen_fd=sock.fileno(), use_libuv=True),
+                    self.port, connect_timeout)
                 # torch now owns the fd and closes it with the store; closing it again here could
                 # close an unrelated file that reused the number.
                 sock.detach()
@@ -220,7 +227,6 @@ class TcpStore(Store):
             raise StoreError(f"cannot {'host' if is_host else 'reach'} store tcp://{host}:{port}: {e}") from e
         self.url = f"tcp://{host}:{self.port}"
         self._timeout = td
-        self._worker = _CallThread(f"wbridge-tcpstore:{self.url}")
 
     @staticmethod
     def _connect(host: str, port: int, timeout: float):
@@ -235,33 +241,29 @@ class TcpStore(Store):
                 with socket.create_connection((host, port), timeout=min(2.0, timeout)):
                     pass
                 left = max(1.0, deadline - time.monotonic())
-                return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=left))
+                return _bounded_tcpstore(
+                    lambda: dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=left)),
+                    port, timeout)
             except (OSError, RuntimeError) as e:
                 last = e
                 time.sleep(0.1)
         raise StoreError(f"store tcp://{host}:{port} unreachable after {timeout:.1f}s: {last}")
 
     def _call(self, fn: Callable):
-        """``fn(torch_store)``, bounded by the connect timeout. A client whose call failed or hung is
-        dropped (a late reply would be read as the answer to the next request) and the next call
-        reconnects; the host keeps its server."""
+        """``fn(torch_store)``; its socket's timeouts bound it. A client whose call failed is dropped
+        (a late reply would be read as the answer to the next request) and the next call reconnects;
+        the host keeps its server."""
         with self._lock:
             if self._closed:
                 raise StoreError(f"store {self.url} is closed")
             if self._store is None:
                 self._store = self._connect(self.host, self.port, self._connect_timeout)
-            store = self._store
             try:
-                return self._worker.call(lambda: fn(store), self._connect_timeout)
-            except _Stuck:
-                self._worker.stop()
-                self._worker = _CallThread(f"wbridge-tcpstore:{self.url}")
-                self._drop_client()
-                raise StoreError(f"store {self.url}: no answer within {self._connect_timeout:.1f}s "
-                                 "(connection dropped; the call may or may not have been applied)") from None
+                return fn(self._store)
             except (RuntimeError, OSError, ValueError) as e:
                 self._drop_client()
-                raise StoreError(f"store {self.url}: {e}") from e
+                unknown = " (the call may or may not have been applied)" if "Timeout" in str(e) else ""
+                raise StoreError(f"store {self.url}: {str(e).splitlines()[0] if str(e) else e!r}{unknown}") from e
 
     def _drop_client(self) -> None:
         if not self.is_host:
@@ -318,7 +320,6 @@ class TcpStore(Store):
         with self._lock:
             self._closed = True
             store, self._store = self._store, None
-            self._worker.stop()
         del store
         if self._listen is not None:
             self._listen.close()
