@@ -217,6 +217,45 @@ class _SocketStore(dist.Store):
         pass
 
 
+class _EpochStore(dist.Store):
+    """The serving side's rendezvous store for one pull: a HashStore whose waits give up as soon as
+    ``abort`` is set (the reader's connection died), so a reader killed mid-rendezvous frees the
+    serving side at once instead of at the pull's timeout."""
+
+    STEP = datetime.timedelta(milliseconds=50)
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.inner.set_timeout(self.STEP)
+        self.deadline = deadline
+        self.abort = threading.Event()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def check(self, keys: list) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list, timeout: Any = None) -> None:
+        while not self.inner.check(list(keys)):
+            if self.abort.is_set():
+                raise TransportError("nccl: the reader left during the rendezvous")
+            if time.monotonic() > self.deadline:
+                raise TransportError(f"nccl: rendezvous timed out waiting for {list(keys)}")
+            self.abort.wait(self.STEP.total_seconds())
+
+    def set_timeout(self, timeout: Any) -> None:
+        pass
+
+
 def _split(nbytes: np.ndarray, direct: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the reads sent on their own and of those packed together (same rule on both sides)."""
     big = nbytes >= direct
@@ -350,8 +389,7 @@ class _Server:
         try:
             device = next(iter(served.values())).device
             backend = _backend([s.device for s in served.values()], "the serving side")
-            store = dist.HashStore()
-            store.set_timeout(datetime.timedelta(seconds=timeout))
+            store = _EpochStore(deadline)
             result: dict = {}
             worker = threading.Thread(target=self._send_epoch, name="wbridge-nccl-epoch", daemon=True,
                                       args=(store, plan, served, backend, device, deadline, result))
@@ -360,6 +398,7 @@ class _Server:
             try:
                 ended = self._serve_store(conn, store, deadline)
             finally:
+                store.abort.set()
                 worker.join(max(0.0, deadline - time.monotonic()) + 5.0)
             error = result.get("error") or (None if not worker.is_alive() else "send did not finish")
             if ended:

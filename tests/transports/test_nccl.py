@@ -1,0 +1,132 @@
+"""nccl-transport tests beyond the conformance suite (which also runs on nccl, over gloo here)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import transports
+from transports import TransportError
+from transports.base import ReadBatch
+
+from .engine_checks import GARBAGE, TIMEOUT, TOKEN, listening_addresses
+from .peer import ROOT, Peer, region_bytes
+
+pytestmark = pytest.mark.timeout(180)
+
+if "nccl" not in transports.available():
+    pytest.skip("torch.distributed with gloo is not available here", allow_module_level=True)
+Nccl = transports.get("nccl")
+
+SIZE = 8 << 20
+
+# A reader in its own process that pulls in a loop until killed.
+LOOP_READER = """
+import sys, numpy as np, transports
+from transports.base import ReadBatch
+ep, desc, size = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+t = transports.get("nccl")(token=b"%s")
+dst = np.zeros(size, np.uint8); local = t.register(dst.ctypes.data, size)
+prep = t.prepare(t.connect(ep, timeout=20), [desc], [local], ReadBatch.of([(0, 0, 0, 0, size)]))
+print("reading", flush=True)
+while True:
+    t.read(prep, timeout=20)
+""" % TOKEN.encode().decode()
+
+
+def _reader(server, size=SIZE):
+    t = Nccl(token=TOKEN.encode())
+    dst = np.full(size, GARBAGE, dtype=np.uint8)
+    local = t.register(dst.ctypes.data, size)
+    peer = t.connect(server.endpoint, timeout=TIMEOUT)
+    prep = t.prepare(peer, server.descriptors, [local], ReadBatch.of([(0, 0, 0, 0, size)]))
+    return t, dst, prep
+
+
+def test_a_reader_killed_mid_pull_does_not_wedge_the_server():
+    want = region_bytes(SIZE, 4)
+    with Peer("nccl", [{"size": SIZE, "seed": 4}], token=TOKEN, timeout=TIMEOUT) as server:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        victim = subprocess.Popen([sys.executable, "-c", LOOP_READER, server.endpoint.hex(),
+                                   server.descriptors[0].hex(), str(SIZE)], stdout=subprocess.PIPE, text=True,
+                                  env=env, cwd=ROOT)
+        try:
+            assert victim.stdout.readline().strip() == "reading"
+            os.kill(victim.pid, signal.SIGKILL)  # most likely in the middle of a pull epoch
+            victim.wait(TIMEOUT)
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+            victim.stdout.close()
+        t, dst, prep = _reader(server)
+        with t:
+            for _ in range(2):
+                dst.fill(GARBAGE)
+                t.read(prep, timeout=TIMEOUT)
+                assert np.array_equal(dst, want)
+        assert server.stop() == 0
+
+
+def test_concurrent_readers_get_their_own_groups():
+    want = region_bytes(SIZE, 6)
+    with Peer("nccl", [{"size": SIZE, "seed": 6}], token=TOKEN, timeout=TIMEOUT) as server:
+        readers = [_reader(server) for _ in range(3)]
+        errors = []
+
+        def pull(t, prep):
+            try:
+                for _ in range(3):
+                    t.read(prep, timeout=TIMEOUT)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=pull, args=(t, prep)) for t, _, prep in readers]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(TIMEOUT * 3)
+        assert not errors and not any(th.is_alive() for th in threads)
+        for t, dst, _ in readers:
+            assert np.array_equal(dst, want)
+            t.close()
+        assert server.stop() == 0
+
+
+def test_reconnects_after_a_failed_pull():
+    """A pull that fails (the server refused it) closes the connection; the next read reconnects."""
+    with Peer("nccl", [{"size": 4096, "seed": 2}], token=TOKEN, timeout=TIMEOUT) as server:
+        t, dst, prep = _reader(server, 4096)
+        with t:
+            t.read(prep, timeout=TIMEOUT)
+            t._drop(prep.peer)  # as after a failure: connection gone, prepared batch unknown to the new one
+            dst.fill(GARBAGE)
+            t.read(prep, timeout=TIMEOUT)
+            assert np.array_equal(dst, region_bytes(4096, 2))
+        assert server.stop() == 0
+
+
+def test_control_listener_on_host_only_and_no_tcpstore():
+    with Peer("nccl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server:
+        t, _, prep = _reader(server, 4096)
+        with t:
+            t.read(prep, timeout=TIMEOUT)
+            addrs = listening_addresses(server.pid) + listening_addresses(os.getpid())
+            assert addrs and all(a == "127.0.0.1" for a, _ in addrs), addrs
+            assert json.loads(server.endpoint)["host"] == "127.0.0.1"
+        assert server.stop() == 0
+
+
+def test_refuses_mixed_or_unknown_devices():
+    with Nccl() as t:
+        with pytest.raises(TransportError, match="device"):
+            t.register(1 << 20, 4096, device="tpu:0")
+    from transports.nccl import _backend
+    assert _backend(["cpu", "cpu"], "x") == "gloo" and _backend(["cuda:0", "cuda:1"], "x") == "nccl"
+    with pytest.raises(TransportError, match="mixes"):
+        _backend(["cpu", "cuda:0"], "the destination")
