@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -93,7 +94,7 @@ class EtcdServer:
         if self.prefix_cmd:
             code = ("import json,sys,urllib.request as u;"
                     f"sys.exit(0 if json.load(u.urlopen('{self.http}/health',timeout=1))['health']=='true' else 1)")
-            argv = self.prefix_cmd + ["python3", "-c", code]
+            argv = self.prefix_cmd + [sys.executable, "-c", code]
             return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
         try:
             with urllib.request.urlopen(f"{self.http}/health", timeout=1) as r:

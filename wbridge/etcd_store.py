@@ -1,7 +1,11 @@
 """``etcd://host:port[,host:port...][/prefix]``: the metadata store on etcd v3, for clusters.
 
 Talks to etcd's HTTP/JSON gateway (``/v3/...``) through the ``etcd3gw`` client (pip extra
-``wbridge[etcd]``). Keys live under a prefix (default ``/wbridge/``; a URL path overrides it).
+``wbridge[etcd]``): its put, delete, txn and lease calls, over a ``post`` we override to give every
+request a deadline and to tell "never sent" from "outcome unknown". Reads and the watch stream are raw
+gateway requests on the same session (etcd3gw's ``get`` drops the revision a watch must start after,
+and its ``Watcher`` opens the stream with no timeout). Keys live under a prefix (default
+``/wbridge/``; a URL path overrides it).
 
 - Every call is bounded: it retries within ``op_timeout`` (default ``connect_timeout``) across the
   endpoints (failover) and across an etcd restart, then raises ``StoreError``. Waits raise
@@ -10,9 +14,8 @@ Talks to etcd's HTTP/JSON gateway (``/v3/...``) through the ``etcd3gw`` client (
 - ``lease`` grants a real etcd lease, attaches ``key`` to it and keeps it alive from a thread; if the
   lease was lost (etcd down longer than the TTL) it is re-granted and ``key`` rewritten. When the holder
   dies, etcd deletes ``key`` after the TTL, so ``is_alive`` is "the key exists".
-- ``wait``/``wait_change`` use an etcd watch stream (no polling). We run the watch stream ourselves over
-  the client's HTTP session, because ``etcd3gw``'s ``Watcher`` opens it without any timeout and would
-  hang on an unreachable endpoint.
+- ``wait``/``wait_change`` read the key, then follow an etcd watch stream from the next revision (no
+  polling); a broken stream (restart, failover, compaction) is re-read and re-watched within the timeout.
 
 A request that may have reached etcd before its connection broke is retried only if it is idempotent
 (get, set, delete); ``add`` and ``compare_set`` raise ``StoreError`` then ("outcome unknown"), because a
@@ -98,10 +101,10 @@ if requests is not None:
                 raise _Unknown(str(e)) from e
             if resp.status_code == 200:
                 return resp.json()
-            # The gateway answers gRPC errors as JSON {"error": ..., "code": ...}; 503 (no leader,
-            # e.g. right after a restart) did not apply the request.
+            # The gateway answers gRPC errors as JSON {"error": ..., "code": ...}. 503 covers "no
+            # leader" (not applied) but also "request timed out" (may still commit): treat as unknown.
             if resp.status_code == 503:
-                raise _NotSent(f"etcd unavailable: {resp.text[:200]}")
+                raise _Unknown(f"etcd unavailable: {resp.text[:200]}")
             raise StoreError(f"etcd {self.base_url} answered {resp.status_code}: {resp.text[:300]}")
 
 
@@ -122,7 +125,7 @@ class EtcdLease(Lease):
         self._store = store
         self.key = key  # the base class sets it too, but _grant needs it first
         self._etcd_ttl = max(MIN_LEASE_TTL, int(-(-ttl // 1)))
-        self.lease_id = 0
+        self._etcd_lease = None  # etcd3gw's Lease: the id, with grant/keepalive/revoke calls
         self._grant(ttl)
         super().__init__(key, ttl, refresh=lambda: self._keepalive(ttl), revoke=lambda: self._drop(ttl))
 
@@ -130,26 +133,32 @@ class EtcdLease(Lease):
         # Grant and attach; a failure before the key is written leaves only an orphan lease, which
         # etcd drops after its TTL.
         full = self._store._key(self.key)
-        lease_id = self._store._retry(lambda c: int(c.post(c.get_url("/lease/grant"),
-                                                            json={"TTL": self._etcd_ttl, "ID": 0})["ID"]),
-                                      timeout, f"grant a lease for {self.key!r}", idempotent=True)
-        self._store._retry(lambda c: c.post(c.get_url("/kv/put"),
-                                            json={"key": _b64(full), "value": _b64(str(lease_id).encode()),
-                                                  "lease": lease_id}),
-                           timeout, f"attach lease to {self.key!r}", idempotent=True)
-        self.lease_id = lease_id
+        lease = self._store._retry(lambda c: c.lease(self._etcd_ttl), timeout, f"grant a lease for {self.key!r}",
+                                   idempotent=True)
+        self._store._retry(lambda c: c.put(full, str(lease.id).encode(), lease=lease), timeout,
+                           f"attach lease to {self.key!r}", idempotent=True)
+        self._etcd_lease = lease
+
+    @property
+    def lease_id(self) -> int:
+        return self._etcd_lease.id if self._etcd_lease is not None else 0
 
     def _keepalive(self, timeout: float) -> None:
-        out = self._store._retry(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": self.lease_id}),
-                                 timeout, f"keep lease {self.key!r} alive", idempotent=True)
-        if int(out.get("result", {}).get("TTL", -1)) <= 0:
+        # Through the current endpoint's client: after a failover the lease object's own may be dead.
+        ttl = self._store._retry(lambda c: self._with_client(c).refresh(), timeout,
+                                 f"keep lease {self.key!r} alive", idempotent=True)
+        if ttl <= 0:
             # etcd expired it (it was unreachable for longer than the TTL): take a fresh one.
             self._grant(timeout)
 
     def _drop(self, timeout: float) -> None:
         self._store._forget(self)
-        self._store._retry(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": self.lease_id}),
-                           min(timeout, 5.0), f"revoke lease {self.key!r}", idempotent=True)
+        self._store._retry(lambda c: self._with_client(c).revoke(), min(timeout, 5.0),
+                           f"revoke lease {self.key!r}", idempotent=True)
+
+    def _with_client(self, client: "_Client"):
+        self._etcd_lease.client = client
+        return self._etcd_lease
 
     def __repr__(self) -> str:
         return f"EtcdLease({self.key!r}, ttl={self.ttl}, id={self.lease_id:x}, active={not self._stop.is_set()})"
@@ -237,6 +246,7 @@ class EtcdStore(Store):
 
     def _range(self, key: str, timeout: float) -> tuple[bytes | None, int, int]:
         """(value or None, key's mod_revision or 0, store revision)."""
+        # A raw range request: etcd3gw's get() drops the header, whose revision the watch starts after.
         full = _b64(self._key(key))
         out = self._retry(lambda c: c.post(c.get_url("/kv/range"), json={"key": full}),
                           timeout, f"get {key!r}", idempotent=True)
@@ -252,7 +262,7 @@ class EtcdStore(Store):
         txn = {"compare": [dict(compare, key=full)],
                "success": [{"request_put": {"key": full, "value": _b64(put)}}],
                "failure": [{"request_range": {"key": full}}]}
-        out = self._retry(lambda c: c.post(c.get_url("/kv/txn"), json=txn), self.op_timeout, what, idempotent=False)
+        out = self._retry(lambda c: c.transaction(txn), self.op_timeout, what, idempotent=False)
         if out.get("succeeded"):
             return True, put, 0
         kvs = (out.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
@@ -266,8 +276,8 @@ class EtcdStore(Store):
         return self._range(key, self.op_timeout)[0]
 
     def set(self, key: str, value: bytes) -> None:
-        body = {"key": _b64(self._key(key)), "value": _b64(_as_bytes(value, f"value of {key!r}"))}
-        self._retry(lambda c: c.post(c.get_url("/kv/put"), json=body), self.op_timeout, f"set {key!r}", idempotent=True)
+        full, value = self._key(key), _as_bytes(value, f"value of {key!r}")
+        self._retry(lambda c: c.put(full, value), self.op_timeout, f"set {key!r}", idempotent=True)
 
     def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
         value = _as_bytes(value, f"value of {key!r}")
@@ -304,9 +314,8 @@ class EtcdStore(Store):
             raise StoreError(f"store key {key!r} holds {value[:40]!r}, not an integer") from None
 
     def delete(self, key: str) -> None:
-        body = {"key": _b64(self._key(key))}
-        self._retry(lambda c: c.post(c.get_url("/kv/deleterange"), json=body), self.op_timeout,
-                    f"delete {key!r}", idempotent=True)
+        full = self._key(key)
+        self._retry(lambda c: c.delete(full), self.op_timeout, f"delete {key!r}", idempotent=True)
 
     def lease(self, key: str, ttl: float) -> Lease:
         if ttl <= 0:

@@ -81,3 +81,32 @@ def test_hosts_are_isolated(network):
     assert "ConnectionRefused" in a.run(ping + [b.addr]).stderr
     net.restore(c)
     assert "ConnectionRefused" in a.run(ping + [c.addr]).stderr
+
+
+UNREACHABLE = """
+import json, sys, time
+import torch.distributed  # imported up front: its import time is not the store's
+import wbridge.etcd_store
+from wbridge.store import open_store
+out = {}
+for url in sys.argv[1:]:
+    t0 = time.monotonic()
+    try:
+        open_store(url, connect_timeout=2.0)
+        out[url] = ["opened", 0]
+    except Exception as e:
+        out[url] = [type(e).__name__, time.monotonic() - t0]
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_store_on_a_cut_host_is_unreachable_within_connect_timeout(network):
+    """Packets to a cut host vanish (no refusal comes back): opening still fails within its timeout."""
+    net = network(2)
+    a, b = net.hosts
+    net.cut(a)
+    urls = [f"tcp://{a.addr}:29500", f"etcd://{a.addr}:2379"]
+    out = b.python(UNREACHABLE, *urls).recv(60)
+    for url in urls:
+        kind, took = out[url]
+        assert kind == "StoreError" and took <= 2.0 + SLACK, (url, out[url])

@@ -204,9 +204,7 @@ def test_lease_alive_then_lapses_after_sigkill(store_env):
             time.sleep(0.25)
         os.kill(holder.pid, signal.SIGKILL)
         holder.join(10)
-        t0 = time.monotonic()
         eventually(lambda: not s.is_alive("live/holder", ttl), 3 * ttl + SLACK, "the lease to lapse")
-        assert time.monotonic() - t0 >= 0.0
     finally:
         if holder.is_alive():
             holder.kill()
