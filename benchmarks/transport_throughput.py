@@ -1,0 +1,259 @@
+"""Transport throughput, side by side: every wbridge transport, the machine's ceilings, the raw engines.
+
+    python benchmarks/transport_throughput.py [--size 1GiB] [--op-size 4MiB] [--repeat 3] [--json FILE]
+
+In one run, each reading ``size`` bytes in ops of ``op_size`` into an already-touched destination:
+
+- every wbridge transport installed here (``transports.bench.run_bench``: a serving process, one
+  prepared batch read ``repeat`` times after a warm-up, bytes checked);
+- the ceilings: ``iperf3`` over loopback (one stream and ``--streams`` streams; the better one) for
+  TCP, a single-thread numpy copy of the same size into a touched destination for memory;
+- the raw engines with no wbridge code around them: Mooncake ``transfer_sync_read`` per op and
+  ``batch_transfer_sync_read`` over tcp (the better one counts), NIXL ``READ`` of the same ops.
+
+GB/s are 10**9 bytes per second, medians over ``repeat`` timed reads. The last line is exactly::
+
+    transport_throughput: tcp_vs_iperf3=<r> local_vs_memcpy=<r> mooncake_vs_raw=<r> nixl_vs_raw=<r> tcp_vs_mooncake_tcp=<r>
+
+(``n/a`` where a side could not be measured). Targets: tcp >= 0.9x iperf3; local >= 0.9x memcpy;
+mooncake and nixl >= 0.95x their raw engines; wbridge tcp >= 1.3x raw Mooncake over tcp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import logging  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import transports  # noqa: E402
+from transports.bench import iperf3_ceiling, memcpy_ceiling, parse_size, run_bench  # noqa: E402
+
+PERIOD = 251  # raw servers fill their buffer with i % PERIOD, so the reader can check what arrived
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- raw engines: a serving process each, and the reading loop in this process ------------------
+def raw_server(engine: str, size: int) -> int:
+    """``--raw-server``: one buffer registered with a bare engine; prints a JSON line; waits on stdin."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # engine libraries print; keep stdout for the JSON line
+    buf = np.empty(size, dtype=np.uint8)
+    buf[:] = np.resize(np.arange(PERIOD, dtype=np.uint8), size)
+    if engine == "mooncake":
+        from mooncake.engine import TransferEngine
+
+        e = TransferEngine()
+        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0 or e.register_memory(buf.ctypes.data, size):
+            return 1
+        out.write(json.dumps({"session": f"127.0.0.1:{e.get_rpc_port()}", "addr": buf.ctypes.data}) + "\n")
+        sys.stdin.readline()
+        e.unregister_memory(buf.ctypes.data)
+        del e
+    else:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+
+        a = nixl_agent(f"raw-server-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+        reg = a.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
+        out.write(json.dumps({"md": a.get_agent_metadata().hex(), "addr": buf.ctypes.data}) + "\n")
+        sys.stdin.readline()
+        a.deregister_memory(reg)
+        del a
+    return 0
+
+
+class _RawServer:
+    def __init__(self, engine: str, size: int, timeout: float = 120.0) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-server", engine, str(size)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"raw {engine} server exited with {self.proc.wait(timeout)}")
+        self.info = json.loads(line)
+
+    def __enter__(self) -> dict:
+        return self.info
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def _timed(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> list[float]:
+    times = []
+    for i in range(warmup + repeat):
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _check(dst: np.ndarray) -> bool:
+    return bool(np.array_equal(dst, np.resize(np.arange(PERIOD, dtype=np.uint8), len(dst))))
+
+
+def raw_mooncake(size: int, op_size: int, repeat: int) -> dict:
+    from mooncake.engine import TransferEngine
+
+    dst = np.full(size, 0xA5, dtype=np.uint8)
+    e = TransferEngine()
+    if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake engine did not start")
+    e.register_memory(dst.ctypes.data, size)
+    try:
+        with _RawServer("mooncake", size) as info:
+            starts = list(range(0, size, op_size))
+            lens = [min(op_size, size - s) for s in starts]
+            local = [dst.ctypes.data + s for s in starts]
+            remote = [info["addr"] + s for s in starts]
+
+            def single() -> None:
+                for a, b, n in zip(local, remote, lens):
+                    if e.transfer_sync_read(info["session"], a, b, n) != 0:
+                        raise RuntimeError("transfer_sync_read failed")
+
+            def batch() -> None:
+                for i in range(0, len(lens), 512):  # the engine's tcp lanes queue about 1024 per peer
+                    if e.batch_transfer_sync_read(info["session"], local[i:i + 512], remote[i:i + 512],
+                                                  lens[i:i + 512]) != 0:
+                        raise RuntimeError("batch_transfer_sync_read failed")
+
+            t_single = _timed(single, repeat)
+            t_batch = _timed(batch, repeat)
+        ok = _check(dst)
+    finally:
+        e.unregister_memory(dst.ctypes.data)
+        del e
+    single_gbps, batch_gbps = size / statistics.median(t_single) / 1e9, size / statistics.median(t_batch) / 1e9
+    return {"engine": "mooncake-raw (tcp)", "gbps": max(single_gbps, batch_gbps), "single_gbps": single_gbps,
+            "batch_gbps": batch_gbps, "verified": ok}
+
+
+def raw_nixl(size: int, op_size: int, repeat: int) -> dict:
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+    dst = np.full(size, 0xA5, dtype=np.uint8)
+    a = nixl_agent(f"raw-reader-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
+    reg = a.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
+    try:
+        with _RawServer("nixl", size) as info:
+            name = a.add_remote_agent(bytes.fromhex(info["md"]))
+            starts = np.arange(0, size, op_size, dtype=np.uint64)
+            lens = np.minimum(op_size, size - starts).astype(np.uint64)
+            zeros = np.zeros_like(starts)
+            local = a.get_xfer_descs(np.stack([dst.ctypes.data + starts, lens, zeros], 1), "DRAM")
+            remote = a.get_xfer_descs(np.stack([info["addr"] + starts, lens, zeros], 1), "DRAM")
+            x = a.initialize_xfer("READ", local, remote, name)
+
+            def read() -> None:
+                state = a.transfer(x)
+                while state == "PROC":
+                    state = a.check_xfer_state(x)
+                if state != "DONE":
+                    raise RuntimeError(f"NIXL READ ended {state}")
+
+            times = _timed(read, repeat)
+            x.release()
+            a.remove_remote_agent(name)
+        ok = _check(dst)
+    finally:
+        a.deregister_memory(reg)
+        del a
+    return {"engine": "nixl-raw (UCX READ)", "gbps": size / statistics.median(times) / 1e9, "verified": ok}
+
+
+# -- the run ------------------------------------------------------------------------------------
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if not a or not b else f"{a / b:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", type=parse_size, default=parse_size("1GiB"))
+    ap.add_argument("--op-size", type=parse_size, default=parse_size("4MiB"))
+    ap.add_argument("--streams", type=int, default=4, help="tcp streams (and iperf3's second run)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--transports", default=",".join(transports.available()),
+                    help="comma-separated wbridge transports to run (default: all installed)")
+    ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
+    ap.add_argument("--raw-server", nargs=2, metavar=("ENGINE", "SIZE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.raw_server:
+        return raw_server(args.raw_server[0], int(args.raw_server[1]))
+    size, op, rep = args.size, args.op_size, args.repeat
+    rows: list[dict] = []
+    gb: dict[str, float | None] = {}
+
+    for name in [t for t in args.transports.split(",") if t]:
+        _log(f"wbridge {name} ...")
+        try:
+            r = run_bench(name, size, op, args.streams, repeat=rep)
+            gb[name] = r["gbps"] if r["verified"] and r["server_status"] == 0 else None
+            rows.append({"what": f"wbridge {name}", "GB/s": r["gbps"], "bit-exact": r["verified"]})
+        except Exception as e:  # noqa: BLE001 - one failing transport must not hide the others
+            gb[name] = None
+            rows.append({"what": f"wbridge {name}", "GB/s": None, "bit-exact": f"error: {e!r}"[:120]})
+    _log("ceilings ...")
+    gb["memcpy"] = memcpy_ceiling(size, rep)
+    rows.append({"what": "memcpy (numpy, 1 thread)", "GB/s": gb["memcpy"], "bit-exact": "-"})
+    iperf = [iperf3_ceiling(size, s) for s in sorted({1, args.streams})]
+    gb["iperf3"] = max([x for x in iperf if x], default=None)
+    rows.append({"what": f"iperf3 loopback (best of -P {sorted({1, args.streams})}: "
+                         f"{', '.join('n/a' if x is None else f'{x:.2f}' for x in iperf)})",
+                 "GB/s": gb["iperf3"], "bit-exact": "-"})
+    for engine, fn in (("mooncake-raw", raw_mooncake), ("nixl-raw", raw_nixl)):
+        _log(f"{engine} ...")
+        try:
+            r = fn(size, op, rep)
+            gb[engine] = r["gbps"] if r["verified"] else None
+            extra = f" (per-op {r['single_gbps']:.2f}, batch {r['batch_gbps']:.2f})" if "single_gbps" in r else ""
+            rows.append({"what": r["engine"] + extra, "GB/s": r["gbps"], "bit-exact": r["verified"]})
+        except Exception as e:  # noqa: BLE001 - an engine missing here is reported, not fatal
+            gb[engine] = None
+            rows.append({"what": engine, "GB/s": None, "bit-exact": f"unavailable: {e!r}"[:120]})
+
+    width = max(len(r["what"]) for r in rows)
+    print(f"transport throughput: {size} bytes in {op}-byte ops, median of {rep} reads")
+    print(f"{'what'.ljust(width)}  {'GB/s':>7}  bit-exact")
+    for r in rows:
+        print(f"{r['what'].ljust(width)}  {'n/a' if r['GB/s'] is None else format(r['GB/s'], '7.2f'):>7}  "
+              f"{r['bit-exact']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": size, "op_size": op, "repeat": rep, "rows": rows, "gbps": gb}, f, indent=1)
+    print(f"transport_throughput: tcp_vs_iperf3={_ratio(gb.get('tcp'), gb['iperf3'])} "
+          f"local_vs_memcpy={_ratio(gb.get('local'), gb['memcpy'])} "
+          f"mooncake_vs_raw={_ratio(gb.get('mooncake'), gb.get('mooncake-raw'))} "
+          f"nixl_vs_raw={_ratio(gb.get('nixl'), gb.get('nixl-raw'))} "
+          f"tcp_vs_mooncake_tcp={_ratio(gb.get('tcp'), gb.get('mooncake-raw'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
