@@ -21,7 +21,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from transports._serve import ServingProcess as Peer  # noqa: E402
-from transports._serve import check_region, region_bytes  # noqa: E402,F401
+from transports._serve import check_region, region_bytes  # noqa: E402
+
+__all__ = ["Peer", "check_region", "region_bytes", "run_client"]
 
 
 def run_client(transport: str, endpoint: bytes, descriptors: list[bytes], regions: list[dict], *,
