@@ -27,7 +27,6 @@ import itertools
 import logging
 import os
 import socket
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout

@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -483,6 +483,7 @@ class NcclPeer:
     instance: bytes
     sock: socket.socket | None = None
     closed: bool = False
+    generation: int = 0  # bumped on every (re)connection: prepared batches live per connection
 
     @property
     def label(self) -> str:
@@ -504,7 +505,7 @@ class NcclPrepared:
     device: str
     count: int
     nbytes: int
-    on_server: bool = False
+    generation: int = -1  # the peer connection that knows this batch
     released: bool = False
 
     def __repr__(self) -> str:
@@ -641,6 +642,7 @@ class NcclTransport(Transport):
                 raise TransportError(f"nccl: handshake with peer {peer.label} failed: {e!r}") from e
             raise
         peer.sock = sock
+        peer.generation += 1
 
     def prepare(self, peer: NcclPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
                 batch: ReadBatch) -> NcclPrepared:
@@ -698,7 +700,7 @@ class NcclTransport(Transport):
             raise TransportError(f"nccl: peer {peer.label} lost while preparing: {e!r}") from e
         if kind == ERROR:
             raise TransportError(f"nccl: peer {peer.label} refused the batch: {msg.get('message')}")
-        prep.on_server = True
+        prep.generation = peer.generation
 
     def read(self, prepared: NcclPrepared, *, timeout: float) -> None:
         peer = prepared.peer
@@ -708,7 +710,7 @@ class NcclTransport(Transport):
             raise TransportError(f"nccl: read of a released batch or closed peer {peer.label}")
         if prepared.count == 0:
             return
-        if peer.sock is None or not prepared.on_server:
+        if peer.sock is None or prepared.generation != peer.generation:
             self._prepare_remote(prepared, deadline)
         sock = peer.sock
         pg = None
@@ -754,7 +756,7 @@ class NcclTransport(Transport):
             return
         prepared.released = True
         sock = prepared.peer.sock
-        if prepared.on_server and sock is not None:
+        if sock is not None and prepared.generation == prepared.peer.generation:
             try:
                 _send(sock, RELEASE, {"id": prepared.id})
             except OSError:

@@ -18,7 +18,8 @@ transfer requests, then prepared lists, then remote agents, then registrations, 
 
 UCX opens TCP listeners for its own wire-up. Unless ``UCX_NET_DEVICES`` is already set, the backend
 is created with the network devices limited to the interface that owns ``host`` (``lo`` for
-loopback) plus the RDMA ports, so nothing listens on other interfaces. NIXL has no peer
+loopback) plus the RDMA ports (which open no TCP listener), so nothing listens on other interfaces;
+a transport bound to loopback then reaches other hosts over RDMA only. NIXL has no peer
 authentication (the token is not used); on the same host UCX may read through shared memory or
 CMA, which no registration check guards: see ``conformance_skips``.
 """
@@ -100,8 +101,7 @@ def _net_devices(host: str) -> str | None:
     iface = _interface_of(host)
     if iface is None:
         return None
-    if iface == "lo":
-        return "lo"  # loopback peers share this host: shared memory and lo suffice
+    # RDMA ports open no TCP listener, and a reader bound to loopback still reads remote peers over them
     return ",".join([iface, *_rdma_ports()])
 
 

@@ -40,86 +40,89 @@ while True:
 """ % TOKEN.encode().decode()
 
 
-def _reader(server, size=SIZE):
+@pytest.fixture(scope="module")
+def server():
+    """One serving process for the module: region 0 of SIZE bytes (seed 4), region 1 of 4096 (seed 2)."""
+    with Peer("nccl", [{"size": SIZE, "seed": 4}, {"size": 4096, "seed": 2}], token=TOKEN, timeout=TIMEOUT) as peer:
+        yield peer
+        assert peer.stop() == 0, "serving process did not exit cleanly"
+
+
+def _reader(server, size=SIZE, region=0):
     t = Nccl(token=TOKEN.encode())
     dst = np.full(size, GARBAGE, dtype=np.uint8)
     local = t.register(dst.ctypes.data, size)
     peer = t.connect(server.endpoint, timeout=TIMEOUT)
-    prep = t.prepare(peer, server.descriptors, [local], ReadBatch.of([(0, 0, 0, 0, size)]))
+    prep = t.prepare(peer, server.descriptors, [local], ReadBatch.of([(region, 0, 0, 0, size)]))
     return t, dst, prep
 
 
-def test_a_reader_killed_mid_pull_does_not_wedge_the_server():
+def test_a_reader_killed_mid_pull_does_not_wedge_the_server(server):
     want = region_bytes(SIZE, 4)
-    with Peer("nccl", [{"size": SIZE, "seed": 4}], token=TOKEN, timeout=TIMEOUT) as server:
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        victim = subprocess.Popen([sys.executable, "-c", LOOP_READER, server.endpoint.hex(),
-                                   server.descriptors[0].hex(), str(SIZE)], stdout=subprocess.PIPE, text=True,
-                                  env=env, cwd=ROOT)
-        try:
-            assert victim.stdout.readline().strip() == "reading"
-            os.kill(victim.pid, signal.SIGKILL)  # most likely in the middle of a pull epoch
-            victim.wait(TIMEOUT)
-        finally:
-            if victim.poll() is None:
-                victim.kill()
-            victim.stdout.close()
-        t, dst, prep = _reader(server)
-        with t:
-            for _ in range(2):
-                dst.fill(GARBAGE)
-                t.read(prep, timeout=TIMEOUT)
-                assert np.array_equal(dst, want)
-        assert server.stop() == 0
-
-
-def test_concurrent_readers_get_their_own_groups():
-    want = region_bytes(SIZE, 6)
-    with Peer("nccl", [{"size": SIZE, "seed": 6}], token=TOKEN, timeout=TIMEOUT) as server:
-        readers = [_reader(server) for _ in range(3)]
-        errors = []
-
-        def pull(t, prep):
-            try:
-                for _ in range(3):
-                    t.read(prep, timeout=TIMEOUT)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        threads = [threading.Thread(target=pull, args=(t, prep)) for t, _, prep in readers]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(TIMEOUT * 3)
-        assert not errors and not any(th.is_alive() for th in threads)
-        for t, dst, _ in readers:
-            assert np.array_equal(dst, want)
-            t.close()
-        assert server.stop() == 0
-
-
-def test_reconnects_after_a_failed_pull():
-    """A pull that fails (the server refused it) closes the connection; the next read reconnects."""
-    with Peer("nccl", [{"size": 4096, "seed": 2}], token=TOKEN, timeout=TIMEOUT) as server:
-        t, dst, prep = _reader(server, 4096)
-        with t:
-            t.read(prep, timeout=TIMEOUT)
-            t._drop(prep.peer)  # as after a failure: connection gone, prepared batch unknown to the new one
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    victim = subprocess.Popen([sys.executable, "-c", LOOP_READER, server.endpoint.hex(),
+                               server.descriptors[0].hex(), str(SIZE)], stdout=subprocess.PIPE, text=True,
+                              env=env, cwd=ROOT)
+    try:
+        assert victim.stdout.readline().strip() == "reading"
+        os.kill(victim.pid, signal.SIGKILL)  # most likely in the middle of a pull epoch
+        victim.wait(TIMEOUT)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.stdout.close()
+    t, dst, prep = _reader(server)
+    with t:
+        for _ in range(2):
             dst.fill(GARBAGE)
             t.read(prep, timeout=TIMEOUT)
-            assert np.array_equal(dst, region_bytes(4096, 2))
-        assert server.stop() == 0
+            assert np.array_equal(dst, want)
 
 
-def test_control_listener_on_host_only_and_no_tcpstore():
-    with Peer("nccl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server:
-        t, _, prep = _reader(server, 4096)
-        with t:
-            t.read(prep, timeout=TIMEOUT)
-            addrs = listening_addresses(server.pid) + listening_addresses(os.getpid())
-            assert addrs and all(a == "127.0.0.1" for a, _ in addrs), addrs
-            assert json.loads(server.endpoint)["host"] == "127.0.0.1"
-        assert server.stop() == 0
+def test_concurrent_readers_get_their_own_groups(server):
+    want = region_bytes(SIZE, 4)
+    readers = [_reader(server) for _ in range(3)]
+    errors = []
+
+    def pull(t, prep):
+        try:
+            for _ in range(3):
+                t.read(prep, timeout=TIMEOUT)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=pull, args=(t, prep)) for t, _, prep in readers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT * 3)
+    assert not errors and not any(th.is_alive() for th in threads)
+    for t, dst, _ in readers:
+        assert np.array_equal(dst, want)
+        t.close()
+
+
+def test_reconnects_after_a_failed_pull(server):
+    """A failed pull closes the control connection; the next reads reconnect and re-prepare every batch."""
+    t, dst, prep = _reader(server, 4096, region=1)
+    with t:
+        other = t.prepare(prep.peer, server.descriptors, [t._regions[min(t._regions)]],
+                          ReadBatch.of([(1, 96, 0, 0, 4000)]))
+        t.read(prep, timeout=TIMEOUT)
+        t._drop(prep.peer)  # what a failed pull does: the server forgets the batches with the connection
+        for p, want in ((prep, region_bytes(4096, 2)), (other, region_bytes(4096, 2)[96:])):
+            dst.fill(GARBAGE)
+            t.read(p, timeout=TIMEOUT)
+            assert np.array_equal(dst[:len(want)], want)
+
+
+def test_control_listener_on_host_only_and_no_tcpstore(server):
+    t, _, prep = _reader(server, 4096, region=1)
+    with t:
+        t.read(prep, timeout=TIMEOUT)
+        addrs = listening_addresses(server.pid) + listening_addresses(os.getpid())
+        assert addrs and all(a == "127.0.0.1" for a, _ in addrs), addrs
+        assert json.loads(server.endpoint)["host"] == "127.0.0.1"
 
 
 def test_refuses_mixed_or_unknown_devices():
