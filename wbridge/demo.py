@@ -96,7 +96,8 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 
 
 def run(cfg: DemoConfig, *, out=sys.stdout, err=sys.stderr, as_json: bool = False) -> int:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # torch and wbridge are imported once, not per process
+    ctx.set_forkserver_preload(["torch", "numpy", "wbridge.publisher", "wbridge.subscriber", "wbridge.synthetic"])
     url = f"tcp://127.0.0.1:{free_port()}"
     results: mp.Queue = ctx.Queue()
     done = ctx.Event()

@@ -72,7 +72,10 @@ class Store(ABC):
 
     @abstractmethod
     def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
-        """Sets ``key`` to ``value`` if it holds ``expected`` (``None``: absent); True on success."""
+        """Sets ``key`` to ``value`` if it holds ``expected`` (``None``: absent); True on success.
+
+        On ``tcp://`` success is inferred from the value found afterwards, so concurrent writers
+        must write distinct values to know who won; on ``etcd://`` it is exact."""
 
     @abstractmethod
     def add(self, key: str, delta: int) -> int:

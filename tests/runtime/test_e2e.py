@@ -30,7 +30,7 @@ def test_three_versions_bit_exact_and_late_joiner(transport: str) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     workers: list[Worker] = []
     try:
-        pubs = start_publishers(url)
+        pubs = start_publishers(url, transport=sorted({"tcp", transport}))
         workers += pubs
         subs = [Worker("sub-tp0", SubActor, url, 2, 0, transport=transport),
                 Worker("sub-tp1", SubActor, url, 2, 1, transport=transport),
