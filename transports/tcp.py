@@ -14,6 +14,7 @@ into the destination memory (``recv_into``/``recvmsg_into`` on memoryviews of th
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -222,8 +223,16 @@ class _Server:
         while not self._stopping:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return  # listener shut down
+            except OSError as e:
+                if self._stopping:
+                    return  # listener shut down by close()
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.1)  # out of descriptors or memory: keep serving once some are free
+                    continue
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue
+                _log.error("tcp: listener on %s:%s failed: %s", self.host, self.port, e)
+                return
             with self._lock:
                 if self._stopping or len(self._conns) >= self.max_connections:
                     conn.close()

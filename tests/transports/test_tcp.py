@@ -145,3 +145,32 @@ def test_bad_arguments_are_errors():
                       timeout=1)
         with pytest.raises(TransportError, match="descriptor is for transport"):
             t.connect(b'{"transport": "local"}', timeout=1)
+
+
+def test_listener_survives_running_out_of_descriptors(served):
+    """accept() failing with EMFILE must not stop the listener for good."""
+    import os
+    import resource
+
+    server, region, src = served
+    ep = json.loads(server.endpoint())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 6, hard))
+    try:
+        for _ in range(20):  # our sockets and the server's accepted ones exhaust the limit together
+            try:
+                held.append(socket.create_connection((ep["host"], ep["port"]), timeout=2))
+            except OSError:
+                break
+        time.sleep(0.3)  # let the accept loop run into EMFILE (what is checked is the recovery below)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for s in held:
+            s.close()
+    with TcpTransport(token=TOKEN, streams=2) as client:
+        dst = np.zeros(64, np.uint8)
+        peer = client.connect(server.endpoint(), timeout=5)
+        client.read(client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, 64)],
+                                   ReadBatch.of([(0, 0, 0, 0, 64)])), timeout=5)
+        assert np.array_equal(dst, src[:64])
