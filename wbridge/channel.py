@@ -5,7 +5,7 @@ Layout of a channel ``c`` (all records sealed with the token, see ``records``)::
     wb/c/reg                    registration counter; epoch = (count - 1) // world_size + 1
     wb/c/e/<e>/r/<rank>         publisher rank record: layout, world size, host, served transports
     wb/c/version                the newest committed version's record (v, epoch, slot, fence)
-    wb/c/v/<v>/snap             how many publisher ranks snapshotted v; the last one commits
+    wb/c/v/<v>/e/<e>/snap       how many publisher ranks of epoch e snapshotted v; the last commits
     wb/c/v/<v>/sum/<rank>       per-rank chunk checksums of v (when enabled)
     wb/c/slot/<s>/fence         bumped by every rank before it overwrites slot s
     wb/c/subs                   subscriber counter; subscriber ids are 1, 2, ...
@@ -34,8 +34,10 @@ class Keys:
     def rank(self, epoch: int, rank: int) -> str:
         return f"{self.p}e/{epoch}/r/{rank}"
 
-    def snap(self, v: int) -> str:
-        return f"{self.p}v/{v}/snap"
+    def snap(self, v: int, epoch: int) -> str:
+        # per epoch: ranks that died half-way through publishing v must not count toward the
+        # commit of the v that their restarted selves publish in the next epoch
+        return f"{self.p}v/{v}/e/{epoch}/snap"
 
     def sums(self, v: int, rank: int) -> str:
         return f"{self.p}v/{v}/sum/{rank}"

@@ -124,7 +124,8 @@ class Publisher:
     def register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> int:
         """Registers this rank's live tensors with their declarations; returns the epoch.
 
-        Collective: every rank registers before any rank's ``publish()`` can commit.
+        Collective: every rank registers before any rank's ``publish()`` can commit, and all ranks
+        register again together (a new epoch) when a layout changes or a rank was restarted.
         """
         self._check_open()
         if not tensors:
@@ -211,7 +212,7 @@ class Publisher:
         if sums is not None:
             key = self.keys.sums(v, self.rank)
             self._store.set(key, seal(self.token, key, sums))
-        if self._store.add(self.keys.snap(v), 1) == self.world_size:
+        if self._store.add(self.keys.snap(v, reg.epoch), 1) == self.world_size:
             VersionRecord(v=v, epoch=reg.epoch, slot=slot, fence=self._store.get_int(self.keys.fence(slot)),
                           world_size=self.world_size, zero_copy=self.zero_copy,
                           checksums=self.checksums, committed_at=now()).write(self._store, self.keys, self.token)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,9 @@ from .records import open_sealed, seal
 from .selection import choose_transport
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
+
+
+log = logging.getLogger("wbridge")
 
 
 @dataclass
@@ -303,6 +307,7 @@ class Subscriber:
             d = records[src_ops.src_rank]
             name, reason = choose_transport(self.preference, d["transports"], d["host"] == me)
             self.stats.transports[src_ops.src_rank] = (name, reason)
+            log.info("subscriber %s reads publisher rank %d over %s (%s)", self.name, src_ops.src_rank, name, reason)
             served = d["transports"][name]
             sources.append(_Source(
                 rank=src_ops.src_rank, transport=name, endpoint=_unb64(served["endpoint"]),

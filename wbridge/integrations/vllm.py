@@ -1,0 +1,254 @@
+"""vLLM rollout workers as wbridge subscribers.
+
+Usage::
+
+    llm = LLM(model=path, worker_extension_cls="wbridge.integrations.vllm.WBridgeWorkerExtension")
+    llm.collective_rpc("wbridge_subscribe", args=("policy", "tcp://trainer:29700"), kwargs={"token": "..."})
+    v = llm.collective_rpc("wbridge_pull", kwargs={"timeout": 60.0})[0]   # after each trainer publish
+    llm.reset_prefix_cache()      # cached KV blocks were computed with the old weights
+
+How a pull reaches the kernels
+------------------------------
+vLLM post-processes weights after loading (on CPU it repacks linear weights for its GEMM kernels
+and drops the original parameter; on GPU it derives FP8 scales and kernel layouts), so writing
+into ``param.data`` after start-up changes nothing the kernels read. wbridge therefore keeps a
+*checkpoint-format* copy of each rank's parameters (fused ``qkv_proj``, ``gate_up_proj``, stacked
+experts, TP-sliced, as ``load_weights`` leaves them before processing) as the subscriber's
+destination, and after each pull replays vLLM's own reload lifecycle
+(``initialize_layerwise_reload`` -> load -> ``finalize_layerwise_reload``) with a loader that copies
+those tensors in, so vLLM re-runs its processing exactly as at start-up.
+
+The destination layout is traced from the engine's own ``load_weights`` (``wbridge.trace``), run on
+the checkpoint-format parameters that the reload machinery restores, and cached as JSON keyed by
+the model config, the vLLM version and the rank.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Mapping
+
+from ..errors import LayoutError, UsageError, WBridgeError
+from ..trace import TraceResult, cache_key, cached_trace, trace_load_weights
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
+
+
+def hf_checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Canonical (checkpoint) names and shapes for a Hugging Face config, from transformers'
+    model class built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .transformers import checkpoint_shapes
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return checkpoint_shapes(model)
+
+
+def _copy_loader(param: Any, loaded_weight: Any) -> None:
+    """A weight loader for tensors already in the parameter's (checkpoint) format."""
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise LayoutError(f"reload: shape {tuple(loaded_weight.shape)} for a parameter of shape {tuple(param.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _portable(t: Any) -> tuple[str, list[int], bytes]:
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def portable_to_tensor(x: tuple[str, list[int], bytes]) -> Any:
+    """Inverse of the ``(dtype, shape, raw bytes)`` form the inspection RPCs return."""
+    import torch
+
+    dtype, shape, raw = x
+    if not raw:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf.view(getattr(torch, dtype)).reshape(shape)
+
+
+class _Reload:
+    """vLLM's layerwise reload of ``model``; inside it every layer holds its checkpoint-format
+    parameters (restored on the meta device) and processing runs when a layer is complete."""
+
+    def __init__(self, model: Any, model_config: Any) -> None:
+        self.model, self.model_config = model, model_config
+
+    def __enter__(self) -> "_Reload":
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        return self
+
+    def unwrapped(self) -> None:
+        """Puts the original weight loaders back (for tracing, which must not trigger processing)."""
+        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
+
+        for p in self.model.parameters():
+            if hasattr(p, "weight_loader"):
+                p.weight_loader = _get_original_loader(p)
+
+    def copy_loaders(self) -> None:
+        """Makes every parameter load a checkpoint-format tensor by plain copy, still deferred
+        through vLLM's layerwise wrappers (so processing runs once a layer is complete)."""
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _get_original_loader, _wrap_parameters_weight_loader)
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+        for layer in self.model.modules():
+            tensors = get_layer_tensors(layer)
+            for name, t in tensors.items():
+                if name in SKIP_LOAD_TENSORS:
+                    continue
+                _get_original_loader(t)          # raises early on an odd loader chain
+                t.weight_loader = _copy_loader
+            _wrap_parameters_weight_loader(layer)
+
+    def __exit__(self, *exc: Any) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+
+class WBridgeWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); methods are called through
+    ``LLM.collective_rpc`` on every rank.
+
+    ``wbridge_subscribe(channel, store, token=None, transport="auto")`` traces the layout, allocates
+    the checkpoint-format destination tensors and joins the channel. ``wbridge_pull(timeout)``
+    pulls the newest version into them and reloads the engine's weights; returns the version.
+    """
+
+    # -- helpers (names prefixed: the worker class has its own attributes) ------------------------
+    def _wbridge_model(self) -> Any:
+        runner = getattr(self, "model_runner", None)
+        if runner is None:
+            raise UsageError("wbridge: this vLLM worker has no model_runner")
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def _wbridge_model_config(self) -> Any:
+        cfg = getattr(self, "vllm_config", None) or self.model_runner.vllm_config
+        return cfg.model_config
+
+    def _wbridge_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
+    def wbridge_trace(self, canonical: Mapping[str, Any] | None = None,
+                      cache_dir: str | None = DEFAULT_CACHE) -> TraceResult:
+        """The rank's checkpoint-format layout, traced from the engine's own ``load_weights``."""
+        import vllm
+
+        model, mc = self._wbridge_model(), self._wbridge_model_config()
+        shapes = canonical or hf_checkpoint_shapes(mc.hf_config)
+        parallel = getattr(self, "parallel_config", None) or self.model_runner.vllm_config.parallel_config
+
+        def run() -> TraceResult:
+            with _Reload(model, mc) as rl:
+                rl.unwrapped()
+                return trace_load_weights(model, model.load_weights, shapes)
+
+        if cache_dir is None:
+            return run()
+        key = cache_key(mc.hf_config.to_dict(), "vllm", vllm.__version__, self._wbridge_rank(),
+                        tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
+                        ep=getattr(parallel, "enable_expert_parallel", False), dtype=str(mc.dtype),
+                        quantization=mc.quantization, canonical=sorted(shapes.items()))
+        return cached_trace(cache_dir, key, run)
+
+    def wbridge_subscribe(self, channel: str, store: str, token: str | None = None, transport: str = "auto",
+                          cache_dir: str | None = DEFAULT_CACHE, **subscriber_kwargs: Any) -> int:
+        """Traces the layout, allocates destination tensors and joins ``channel``; returns the
+        number of destination tensors."""
+        import torch
+
+        from ..subscriber import Subscriber
+
+        if getattr(self, "_wbridge_sub", None) is not None:
+            self._wbridge_sub.close()
+        trace = self.wbridge_trace(cache_dir=cache_dir)
+        dtype = self._wbridge_model_config().dtype
+        shapes = self._wbridge_checkpoint_shapes(trace)
+        staging = {n: torch.zeros(shapes[n], dtype=dtype) for n in trace.entries}
+        entries = trace.bind(staging)
+        sub = Subscriber(channel, store, token=token, transport=transport,
+                         name=f"vllm-rank{self._wbridge_rank()}-{os.getpid()}", **subscriber_kwargs)
+        try:
+            sub.register(entries)
+        except BaseException:
+            sub.close()
+            raise
+        self._wbridge_sub, self._wbridge_staging, self._wbridge_stats = sub, staging, []
+        return len(entries)
+
+    def _wbridge_checkpoint_shapes(self, trace: TraceResult) -> dict[str, tuple[int, ...]]:
+        model, mc = self._wbridge_model(), self._wbridge_model_config()
+        with _Reload(model, mc) as rl:
+            rl.unwrapped()
+            params = dict(model.named_parameters())
+            missing = [n for n in trace.entries if n not in params]
+            if missing:
+                raise LayoutError(f"traced parameters not in the model (stale trace cache?): {missing[:3]}")
+            return {n: tuple(params[n].shape) for n in trace.entries}
+
+    def wbridge_pull(self, timeout: float = 60.0) -> int:
+        """Pulls the newest version and reloads it into the engine; returns the version."""
+        sub = getattr(self, "_wbridge_sub", None)
+        if sub is None:
+            raise UsageError("wbridge_pull before wbridge_subscribe")
+        t0 = time.perf_counter()
+        v = sub.pull(timeout=timeout)
+        t1 = time.perf_counter()
+        self._wbridge_apply()
+        self._wbridge_stats.append({"version": v, "pull_s": t1 - t0, "reload_s": time.perf_counter() - t1})
+        return v
+
+    def _wbridge_apply(self) -> None:
+        import torch
+
+        model, mc = self._wbridge_model(), self._wbridge_model_config()
+        with torch.no_grad(), _Reload(model, mc) as rl:
+            rl.copy_loaders()
+            params = dict(model.named_parameters())
+            for name, t in self._wbridge_staging.items():
+                p = params[name]
+                p.weight_loader(p, t)
+
+    def wbridge_stats(self) -> list[dict]:
+        return list(getattr(self, "_wbridge_stats", []))
+
+    def wbridge_staging(self) -> dict[str, tuple[str, list[int], bytes]]:
+        """The checkpoint-format tensors of the last pull, as ``(dtype, shape, raw bytes)`` (RPC-safe;
+        ``portable_to_tensor`` rebuilds them)."""
+        return {k: _portable(v) for k, v in getattr(self, "_wbridge_staging", {}).items()}
+
+    def wbridge_parameters(self) -> dict[str, tuple[str, list[int], bytes]]:
+        """The engine's live parameters and buffers as its kernels see them, as
+        ``(dtype, shape, raw bytes)``."""
+        import torch
+
+        model = self._wbridge_model()
+        out = {k: _portable(v) for k, v in model.named_parameters()}
+        out.update({f"buffer:{k}": _portable(v) for k, v in model.named_buffers()})
+        # Kernel-side tensors some backends keep as plain attributes (CPU GEMM repacked weights).
+        for mname, mod in model.named_modules():
+            for attr, v in vars(mod).items():
+                if isinstance(v, torch.Tensor) and not attr.startswith("_"):
+                    out[f"attr:{mname}.{attr}"] = _portable(v)
+        return out
+
+    def wbridge_close(self) -> None:
+        sub = getattr(self, "_wbridge_sub", None)
+        self._wbridge_sub = None
+        if sub is not None:
+            try:
+                sub.close()
+            except WBridgeError as e:   # the publisher (and its store) may be gone already
+                import logging
+
+                logging.getLogger(__name__).warning("wbridge: closing the subscriber: %s", e)
