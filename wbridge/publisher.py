@@ -29,6 +29,7 @@ from planner.layout import Declaration, LayoutBuilder, RankLayout
 from . import checksum as _checksum
 from .channel import Keys, SubscriberTracker, VersionRecord, now
 from .errors import UsageError, WaitTimeout, WBridgeError, translated
+from .lifecycle import Closeable, quietly
 from .records import seal
 from .selection import RDMA_FIRST, rdma_present
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
@@ -68,7 +69,7 @@ class _Registration:
     epoch: int = 0
 
 
-class Publisher:
+class Publisher(Closeable):
     def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *, rank: int = 0,
                  world_size: int = 1, host_store: bool = False, token: str | bytes | None = None,
                  transport: str | Sequence[str] = "auto", mode: str = "one_step_off",
@@ -277,13 +278,9 @@ class Publisher:
         if reg is None:
             return
         for name, per_slot in reg.regions.items():
-            t = self._transports.get(name)
             for regions in per_slot:
                 for r in regions:
-                    try:
-                        t.deregister(r)
-                    except Exception:  # noqa: BLE001 - teardown continues
-                        pass
+                    quietly(self._transports[name].deregister, r)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -297,25 +294,10 @@ class Publisher:
             self._closed = True
         self._release_registration()
         for t in getattr(self, "_transports", {}).values():
-            try:
-                t.close()
-            except Exception:  # noqa: BLE001
-                pass
+            quietly(t.close)
         store = getattr(self, "_store", None)
         if store is not None:
             store.close()
-
-    def __enter__(self) -> "Publisher":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self._reg else "new")

@@ -38,6 +38,7 @@ from . import checksum as _checksum
 from .channel import Keys, VersionRecord
 from .errors import (IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
                      WaitTimeout, WBridgeError, translated)
+from .lifecycle import Closeable, quietly
 from .records import open_sealed, seal
 from .selection import choose_transport
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
@@ -94,7 +95,7 @@ class _Session:
     layouts: list[RankLayout]
 
 
-class Subscriber:
+class Subscriber(Closeable):
     def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *,
                  token: str | bytes | None = None, transport: str = "auto", staged: bool = False,
                  verify: bool = False, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
@@ -381,30 +382,17 @@ class Subscriber:
             if t is None:
                 continue
             for prep in src.prepared.values():
-                try:
-                    t.release(prep)
-                except Exception:  # noqa: BLE001 - teardown continues
-                    pass
+                quietly(t.release, prep)
             if src.peer is not None:
-                try:
-                    t.disconnect(src.peer)
-                except Exception:  # noqa: BLE001
-                    pass
+                quietly(t.disconnect, src.peer)
 
     def _deregister_local(self) -> None:
         for name, regions in self._local_regions.items():
-            t = self._transports[name]
             for r in regions:
-                try:
-                    t.deregister(r)
-                except Exception:  # noqa: BLE001
-                    pass
+                quietly(self._transports[name].deregister, r)
         self._local_regions = {}
         for t in self._transports.values():
-            try:
-                t.close()
-            except Exception:  # noqa: BLE001
-                pass
+            quietly(t.close)
         self._transports = {}
 
     def _check_open(self) -> None:
@@ -427,22 +415,7 @@ class Subscriber:
             self._pool = None
         store = getattr(self, "_store", None)
         if store is not None:
-            try:
-                store.close()
-            except StoreError:
-                pass
-
-    def __enter__(self) -> "Subscriber":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
+            quietly(store.close)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self._layout else "new")

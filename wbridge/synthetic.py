@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.layout import Declaration, Fused, Shard, TensorSpec, pieces_for, row_major_strides
+from planner.layout import Declaration, Fused, Shard, TensorSpec, pieces_for
 
 
 @dataclass(frozen=True)
