@@ -158,6 +158,18 @@ class _Tags:
         return v.view(view).expand(shape)
 
 
+def _ids(tid: np.ndarray) -> list[int]:
+    """The distinct tensor indices in ``tid`` (-1 included), in O(n) (``np.unique`` sorts)."""
+    if tid.size == 0:
+        return []
+    counts = np.bincount(tid.astype(np.int64) + 1)
+    return [int(i) - 1 for i in np.flatnonzero(counts)]
+
+
+def _select(tid: np.ndarray, t: int, ids: list[int]) -> np.ndarray | slice:
+    return slice(None) if ids == [t] else np.nonzero(tid == t)[0]
+
+
 def _lookup(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     """Index of each value in ``table`` (-1 where absent)."""
     order = np.argsort(table)
@@ -328,7 +340,7 @@ def _as_padded(m: _Map, names: Sequence[str], shapes: Sequence[tuple]) -> Declar
     mapped = m.tid >= 0
     if not mapped.any() or mapped.all():
         return None
-    tids = np.unique(m.tid[mapped])
+    tids = [t for t in _ids(m.tid) if t >= 0]
     if len(tids) != 1:
         return None
     t = int(tids[0])
@@ -410,7 +422,7 @@ def _as_flat(m: _Map, names: Sequence[str], shapes: Sequence[tuple]) -> Declarat
         return None
     segs = []
     flat = np.empty(k, dtype=np.int64)
-    for t in np.unique(m.tid[:k]):
+    for t in [t for t in _ids(m.tid[:k]) if t >= 0]:
         sel = m.tid[:k] == t
         flat[sel] = np.ravel_multi_index(tuple(m.coords[:len(shapes[t]), :k][:, sel]), shapes[int(t)])
     start = 0
@@ -442,17 +454,18 @@ def _declare(param: str, m: _Map, names, shapes, depth: int = 0, view: View = ()
             out += _declare(param, sub, names, shapes, depth + 1, view + (i,))
         return out
     where = f"{param}[{', '.join(map(str, view))}]" if view else param
-    raise LayoutError(f"{where}: the loader's placement of {sorted({names[t] for t in np.unique(m.tid) if t >= 0})} "
+    raise LayoutError(f"{where}: the loader's placement of {sorted(names[t] for t in _ids(m.tid) if t >= 0)} "
                       f"is not expressible as shards/fused/stacked slices (shape {m.shape})")
 
 
 def _check_order(param: str, m: _Map, names, shapes) -> None:
     """Each canonical tensor's elements must appear in increasing order (a slicing copy)."""
-    for t in np.unique(m.tid):
+    ids = _ids(m.tid)
+    for t in ids:
         if t < 0:
             continue
-        sel = np.nonzero(m.tid == t)[0]
-        flat = np.ravel_multi_index(tuple(m.coords[:len(shapes[t]), sel]), shapes[int(t)])
+        sel = _select(m.tid, t, ids)
+        flat = np.ravel_multi_index(tuple(m.coords[:len(shapes[t]), sel]), shapes[t])
         if np.any(np.diff(flat) <= 0):
             dup = len(np.unique(flat)) != len(flat)
             raise LayoutError(
@@ -500,7 +513,7 @@ def trace_load_weights(module: Any, load_weights: Callable[[Iterable[tuple[str, 
         maps = _trace_group(module, load_weights, tags, group, order)
         for n in group:
             m = maps.pop(n)
-            used.update(int(t) for t in np.unique(m.tid) if t >= 0)
+            used.update(t for t in _ids(m.tid) if t >= 0)
             k = int((m.tid < 0).sum())
             if k == m.tid.size:
                 if require_all:
@@ -564,13 +577,14 @@ def _decode_tensor(name: str, shape: tuple[int, ...], v0: np.ndarray, tags: _Tag
 
 def _decode_dim(name: str, shape: tuple[int, ...], v: np.ndarray, tags: _Tags, tid: np.ndarray,
                 coords: np.ndarray, d: int) -> None:
-    for t in np.unique(tid):
+    ids = _ids(tid)
+    for t in ids:
         if t < 0 or d >= len(tags.dims[t]):
             continue
-        sel = np.nonzero(tid == t)[0]
+        sel = _select(tid, t, ids)
         ix = _lookup(v[sel], tags.dims[t][d])
         if (ix < 0).any():
-            i = int(sel[int(np.argmax(ix < 0))])
+            i = int(np.arange(tid.size)[sel][int(np.argmax(ix < 0))])
             raise LayoutError(f"{name}: element {tuple(int(x) for x in np.unravel_index(i, shape))} from "
                               f"{tags.names[t]} holds a value that is no index tag: load_weights transforms values "
                               f"instead of copying (or writes {tags.names[t]} inconsistently)")

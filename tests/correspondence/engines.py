@@ -187,3 +187,135 @@ def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
     out["model.norm.weight"] = (H,)
     out["lm_head.weight"] = (V, H)
     return out
+
+
+class MergedN(nn.Module):
+    """A column-parallel linear fusing parts of ``sizes`` rows, each TP-split: [a_r; b_r; ...]."""
+
+    def __init__(self, sizes, hidden, tp, rank, meta=False):
+        super().__init__()
+        self.local = [s // tp for s in sizes]
+        self.rank = rank
+        self.weight = _p(sum(self.local), hidden, meta=meta)
+
+    def load(self, param, w, shard):
+        off = sum(self.local[:shard])
+        n = self.local[shard]
+        param.data.narrow(0, off, n).copy_(w.narrow(0, self.rank * n, n))
+
+
+class DeepseekStyleModel(nn.Module):
+    """DeepseekV3 / Kimi-K2 the way vLLM lays it out at TP x EP: ``fused_qkv_a_proj`` (replicated
+    q_a + kv_a), column-parallel ``q_b_proj``/``kv_b_proj``, row-parallel ``o_proj``, merged
+    ``gate_up_proj`` for dense and shared experts, stacked ``w13``/``w2`` experts (EP), padded
+    vocab-parallel embeddings. ``meta=True`` allocates nothing."""
+
+    def __init__(self, c, tp=8, rank=0, ep=8, meta=True, layers=None, experts=None):
+        super().__init__()
+        H, V = c["hidden_size"], c["vocab_size"]
+        nh = c["num_attention_heads"]
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        E = experts or c["n_routed_experts"]
+        self.E = E
+        L = layers or c["num_hidden_layers"]
+        pad = -(-V // (64 * tp)) * 64 * tp
+        self.expert_map = list(range(rank * E // ep, (rank + 1) * E // ep))
+        self.model = nn.Module()
+        self.model.embed_tokens = Col(V, H, tp, rank, 0, meta, pad_to=pad)
+        self.model.layers = nn.ModuleList()
+        for i in range(L):
+            lay = nn.Module()
+            a = lay.self_attn = nn.Module()
+            a.fused_qkv_a_proj = MergedN([c["q_lora_rank"], c["kv_lora_rank"] + c["qk_rope_head_dim"]], H, 1, 0, meta)
+            a.q_a_layernorm = Norm(c["q_lora_rank"], meta)
+            a.q_b_proj = Col(nh * qk, c["q_lora_rank"], tp, rank, 0, meta)
+            a.kv_a_layernorm = Norm(c["kv_lora_rank"], meta)
+            a.kv_b_proj = Col(nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"], tp, rank, 0, meta)
+            a.o_proj = Col(H, nh * c["v_head_dim"], tp, rank, 1, meta)
+            lay.input_layernorm = Norm(H, meta)
+            lay.post_attention_layernorm = Norm(H, meta)
+            m = lay.mlp = nn.Module()
+            if i < c["first_k_dense_replace"]:
+                m.gate_up_proj = MergedN([c["intermediate_size"]] * 2, H, tp, rank, meta)
+                m.down_proj = Col(H, c["intermediate_size"], tp, rank, 1, meta)
+            else:
+                F = c["moe_intermediate_size"]
+                m.gate = Norm(0, meta)
+                m.gate.weight = _p(E, H, meta=meta)
+                m.gate.e_score_correction_bias = _p(E, meta=meta)
+                s = m.shared_experts = nn.Module()
+                s.gate_up_proj = MergedN([F * c["n_shared_experts"]] * 2, H, tp, rank, meta)
+                s.down_proj = Col(H, F * c["n_shared_experts"], tp, rank, 1, meta)
+                m.experts = Experts(E, H, F, self.expert_map, meta)
+            self.model.layers.append(lay)
+        self.model.norm = Norm(H, meta)
+        self.lm_head = Col(V, H, tp, rank, 0, meta, pad_to=pad)
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        import re
+
+        mods = dict(self.named_modules())
+        for name, w in weights:
+            m = re.match(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+            if m:
+                mods[m.group(1) + ".mlp.experts"].load(name, w, int(m.group(2)), m.group(3))
+                continue
+            m = re.match(r"(.*)\.(gate|up)_proj\.weight$", name)
+            if m:
+                mod = mods[m.group(1) + ".gate_up_proj"]
+                mod.load(mod.weight, w, 0 if m.group(2) == "gate" else 1)
+                continue
+            m = re.match(r"(.*)\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$", name)
+            if m:
+                mod = mods[m.group(1) + ".self_attn.fused_qkv_a_proj"]
+                mod.load(mod.weight, w, 0 if m.group(2) == "q_a_proj" else 1)
+                continue
+            owner, attr = name.rsplit(".", 1)
+            mod = mods[owner]
+            p = getattr(mod, attr)
+            if attr == "weight" and hasattr(mod, "load"):
+                mod.load(p, w)
+            else:
+                p.data.copy_(w)
+
+
+def deepseek_shapes(c, layers=None, experts=None) -> dict[str, tuple[int, ...]]:
+    """Canonical checkpoint tensors of a DeepseekV3-architecture config (Kimi-K2, DeepSeek-V3)."""
+    H, V, nh = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    E = experts or c["n_routed_experts"]
+    F = c["moe_intermediate_size"]
+    out = {"model.embed_tokens.weight": (V, H)}
+    for i in range(layers or c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[a + "q_a_proj.weight"] = (c["q_lora_rank"], H)
+        out[a + "q_a_layernorm.weight"] = (c["q_lora_rank"],)
+        out[a + "q_b_proj.weight"] = (nh * qk, c["q_lora_rank"])
+        out[a + "kv_a_proj_with_mqa.weight"] = (c["kv_lora_rank"] + c["qk_rope_head_dim"], H)
+        out[a + "kv_a_layernorm.weight"] = (c["kv_lora_rank"],)
+        out[a + "kv_b_proj.weight"] = (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+        out[a + "o_proj.weight"] = (H, nh * c["v_head_dim"])
+        out[p + "input_layernorm.weight"] = (H,)
+        out[p + "post_attention_layernorm.weight"] = (H,)
+        if i < c["first_k_dense_replace"]:
+            I = c["intermediate_size"]
+            out[p + "mlp.gate_proj.weight"] = (I, H)
+            out[p + "mlp.up_proj.weight"] = (I, H)
+            out[p + "mlp.down_proj.weight"] = (H, I)
+        else:
+            out[p + "mlp.gate.weight"] = (E, H)
+            out[p + "mlp.gate.e_score_correction_bias"] = (E,)
+            S = F * c["n_shared_experts"]
+            out[p + "mlp.shared_experts.gate_proj.weight"] = (S, H)
+            out[p + "mlp.shared_experts.up_proj.weight"] = (S, H)
+            out[p + "mlp.shared_experts.down_proj.weight"] = (H, S)
+            for e in range(E):
+                x = p + f"mlp.experts.{e}."
+                out[x + "gate_proj.weight"] = (F, H)
+                out[x + "up_proj.weight"] = (F, H)
+                out[x + "down_proj.weight"] = (H, F)
+    out["model.norm.weight"] = (H,)
+    out["lm_head.weight"] = (V, H)
+    return out

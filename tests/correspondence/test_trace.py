@@ -208,3 +208,17 @@ def test_meta_module_traced_without_allocating_it():
     assert [v for v, _ in w13] == [(0,), (1,)]
     assert isinstance(w13[0][1], Fused)
     assert isinstance(r.entries["model.layers.1.mlp.experts.w2_weight"][0][1], Stack)
+
+
+def test_groups_and_parking_leave_real_weights_alone():
+    m = VllmStyleModel(MOE, tp=2, rank=0, ep=2)
+    full = full_weights(MOE)
+    m.load_weights(full.items())
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    whole = trace_load_weights(m, m.load_weights, hf_shapes(MOE))
+    grouped = trace_load_weights(m, m.load_weights, hf_shapes(MOE), max_group_bytes=40_000)
+    assert grouped.entries == whole.entries and grouped.unmapped == whole.unmapped
+    part = trace_load_weights(m, m.load_weights, hf_shapes(MOE), params=["model.norm.weight"])
+    assert list(part.entries) == ["model.norm.weight"]
+    for n, p in m.named_parameters():       # placeholders never reached the real weights
+        assert torch.equal(p, before[n]) and p.dtype == torch.float32, n

@@ -1,0 +1,143 @@
+"""Processes of the real-engine vLLM test (run with the vLLM venv's python).
+
+    python vllm_roles.py make CKPT_DIR                      # a tiny random Qwen2 checkpoint
+    python vllm_roles.py trainer CKPT_DIR OUT_DIR PORT      # perturb (optimizer step), save, publish
+    python vllm_roles.py engine CKPT_DIR OUT_DIR PORT       # vLLM: generate, subscribe, pull, generate
+    python vllm_roles.py reference CKPT_DIR OUT_DIR         # vLLM loaded from the perturbed checkpoint
+
+Each writes its results to OUT_DIR as torch files; the test compares them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+TOKEN = "vllm-test-token"
+CHANNEL = "policy"
+PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
+MAX_TOKENS = 12
+
+
+def tiny_config():
+    from transformers import Qwen2Config
+
+    # GQA: 4 query heads, 2 kv heads; head_dim 32 (vLLM CPU attention needs >= 32).
+    return Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                       tie_word_embeddings=False, torch_dtype="float32", bos_token_id=0, eos_token_id=1)
+
+
+def make(ckpt: str) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_config()).float()
+    with torch.no_grad():
+        for p in model.parameters():      # larger weights: greedy tokens depend on them visibly
+            p.normal_(0, 0.3)
+    model.save_pretrained(ckpt, safe_serialization=True)
+
+
+def trainer(ckpt: str, out: str, port: int) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from wbridge import Publisher
+    from wbridge.layout import from_module
+
+    model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    ids = torch.tensor([PROMPT])
+    loss = model(input_ids=ids, labels=torch.flip(ids, [1])).loss
+    loss.backward()
+    opt.step()                       # the perturbation: one optimizer step
+    model.save_pretrained(os.path.join(out, "perturbed"), safe_serialization=True)
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "trainer.pt"))
+    with Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
+        pub.register(from_module(model))
+        v = pub.publish(timeout=60.0)
+        with open(os.path.join(out, "published"), "w") as f:
+            f.write(str(v))
+        # Serve reads until the engine says it is done (bounded).
+        deadline = time.monotonic() + 700
+        while not os.path.exists(os.path.join(out, "engine_done")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def _llm(ckpt: str, extension: bool):
+    from vllm import LLM
+
+    kw = dict(model=ckpt, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              gpu_memory_utilization=0.3, max_model_len=128, max_num_seqs=4, seed=0,
+              enable_prefix_caching=False)
+    if extension:
+        kw["worker_extension_cls"] = "wbridge.integrations.vllm.WBridgeWorkerExtension"
+    return LLM(**kw)
+
+
+def _generate(llm) -> list[int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def engine(ckpt: str, out: str, port: int) -> None:
+    import torch
+
+    llm = _llm(ckpt, extension=True)
+    before = _generate(llm)
+    params_before = llm.collective_rpc("wbridge_parameters")[0]
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(out, "published")):
+        if time.monotonic() > deadline:
+            raise TimeoutError("trainer never published")
+        time.sleep(0.2)
+    t0 = time.perf_counter()
+    n = llm.collective_rpc("wbridge_subscribe", args=(CHANNEL, f"tcp://127.0.0.1:{port}"),
+                           kwargs={"token": TOKEN, "transport": "tcp", "cache_dir": os.path.join(out, "cache")})[0]
+    t1 = time.perf_counter()
+    v = llm.collective_rpc("wbridge_pull", kwargs={"timeout": 60.0})[0]
+    t2 = time.perf_counter()
+    after = _generate(llm)
+    torch.save({"before": before, "after": after, "version": v, "entries": n,
+                "subscribe_s": t1 - t0, "pull_s": t2 - t1,
+                "stats": llm.collective_rpc("wbridge_stats")[0],
+                "staging": llm.collective_rpc("wbridge_staging")[0],
+                "params_before": params_before,
+                "params": llm.collective_rpc("wbridge_parameters")[0]}, os.path.join(out, "engine.pt"))
+    llm.collective_rpc("wbridge_close")
+    open(os.path.join(out, "engine_done"), "w").close()
+
+
+def reference(ckpt: str, out: str) -> None:
+    import torch
+
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(out, "published")):   # the trainer saved ckpt before
+        if time.monotonic() > deadline:
+            raise TimeoutError("trainer never published")
+        time.sleep(0.2)
+    llm = _llm(ckpt, extension=True)
+    torch.save({"tokens": _generate(llm), "params": llm.collective_rpc("wbridge_parameters")[0]},
+               os.path.join(out, "reference.pt"))
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "make":
+        make(sys.argv[2])
+    elif role == "trainer":
+        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif role == "engine":
+        engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif role == "reference":
+        reference(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit(f"unknown role {role}")
