@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from planner import Fused, LayoutBuilder, RankLayout, Shard, Stack, build_plans
+from planner.layout import even_split as split
 from planner.simulate import simulate
 
 SHAPES = "/work/shared/model-shapes.json"
@@ -59,16 +60,6 @@ TRAINERS = {
     "kimi-k2": Trainer(tp=8, pp=16, dp=2, ep=8),
 }
 ROLLOUT_TP, ROLLOUT_REPLICAS = 16, 8
-
-
-def split(n: int, k: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n, k)
-    out, o = [], 0
-    for i in range(k):
-        s = base + (1 if i < extra else 0)
-        out.append((o, s))
-        o += s
-    return out
 
 
 def rows(name: str, shape: tuple[int, ...], k: int, i: int) -> tuple[tuple[int, ...], Shard]:
@@ -154,19 +145,9 @@ class Model:
         h, c = self.h, self.c
         a = p + "self_attn."
         if self.mla:
-            heads = c["num_attention_heads"]
-            qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
             full(b, a + "q_a_proj.weight", (c["q_lora_rank"], h))
-            full(b, a + "q_a_layernorm.weight", (c["q_lora_rank"],))
             full(b, a + "kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h))
-            full(b, a + "kv_a_layernorm.weight", (c["kv_lora_rank"],))
-            for name, shape in ((a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
-                                (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-                                                          c["kv_lora_rank"]))):
-                local, decl = rows(name, shape, k, i)
-                b.add(name, local, DT, decl)
-            local, decl = cols(a + "o_proj.weight", (h, heads * c["v_head_dim"]), k, i)
-            b.add(a + "linear_proj", local, DT, decl)
+            self._mla_tp(b, a, k, i, "linear_proj")
             return
         heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         per = heads // kvh
@@ -180,6 +161,21 @@ class Model:
         full(b, a + "k_norm.weight", (hd,))
         local, decl = cols(a + "o_proj.weight", (h, heads * hd), k, i)
         b.add(a + "linear_proj", local, DT, decl)
+
+    def _mla_tp(self, b: LayoutBuilder, a: str, k: int, i: int, o_proj_local: str) -> None:
+        """MLA parts both sides share: replicated norms, q_b/kv_b split by heads, o_proj by columns."""
+        c = self.c
+        heads = c["num_attention_heads"]
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        full(b, a + "q_a_layernorm.weight", (c["q_lora_rank"],))
+        full(b, a + "kv_a_layernorm.weight", (c["kv_lora_rank"],))
+        for name, shape in ((a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
+                            (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+                                                      c["kv_lora_rank"]))):
+            local, decl = rows(name, shape, k, i)
+            b.add(name, local, DT, decl)
+        local, decl = cols(a + "o_proj.weight", (self.h, heads * c["v_head_dim"]), k, i)
+        b.add(a + o_proj_local, local, DT, decl)
 
     # -------------------------------------------------------------- rollout (vLLM/SGLang-style)
     def rollout_rank(self, tp: int, rank: int) -> LayoutBuilder:
@@ -223,21 +219,11 @@ class Model:
         h, c = self.h, self.c
         a = p + "self_attn."
         if self.mla:
-            heads = c["num_attention_heads"]
-            qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
             qa = (c["q_lora_rank"], h)
             kva = (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
             b.add(a + "fused_qkv_a_proj", (qa[0] + kva[0], h), DT, Fused(0, (
                 Shard(a + "q_a_proj.weight", qa), Shard(a + "kv_a_proj_with_mqa.weight", kva))))
-            full(b, a + "q_a_layernorm.weight", (c["q_lora_rank"],))
-            full(b, a + "kv_a_layernorm.weight", (c["kv_lora_rank"],))
-            for name, shape in ((a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
-                                (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-                                                          c["kv_lora_rank"]))):
-                local, decl = rows(name, shape, k, i)
-                b.add(name, local, DT, decl)
-            local, decl = cols(a + "o_proj.weight", (h, heads * c["v_head_dim"]), k, i)
-            b.add(a + "o_proj", local, DT, decl)
+            self._mla_tp(b, a, k, i, "o_proj")
             return
         heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         qh = heads // k
@@ -288,11 +274,11 @@ def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
         for r, v in p.bytes_per_source().items():
             loads[r] = loads.get(r, 0) + v
     mean = sum(loads.values()) / len(sources)
-    return dict(model=key, layout_s=t1 - t0, plan_s=t2 - t1, sim_s=t3 - t2,
-                rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                ops=sum(len(p) for p in plans.values()), bytes=sim.total_bytes,
-                makespan_s=sim.makespan_s, lower_bound_s=sim.lower_bound_s, makespan_ratio=sim.ratio,
-                src_max_over_mean=max(loads.values()) / mean, sources_used=len(loads))
+    return {"model": key, "layout_s": t1 - t0, "plan_s": t2 - t1, "sim_s": t3 - t2,
+            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "ops": sum(len(p) for p in plans.values()), "bytes": sim.total_bytes,
+            "makespan_s": sim.makespan_s, "lower_bound_s": sim.lower_bound_s, "makespan_ratio": sim.ratio,
+            "src_max_over_mean": max(loads.values()) / mean, "sources_used": len(loads)}
 
 
 def main() -> None:

@@ -7,19 +7,25 @@ parts ``(rank, start, stop)`` (byte ranges of the item) and updates the per-rank
 1. Items with one candidate go to it. The others, longest first, go whole to the least-loaded
    candidate (ties rotate with ``rotate``, so destinations planned one at a time spread over
    replicas).
-2. Rebalancing: while the busiest rank that holds a movable part can give ``delta`` bytes of one
-   of its parts to a less-loaded candidate ``c`` (``delta <= (load_max - load_c) / 2``, whole
-   parts only if smaller than the gap, split parts never below ``min_split`` bytes), do so. Each
-   move strictly lowers the sum of squared loads, so it terminates (and is capped anyway).
+2. Rebalancing, per candidate class (items with the same candidate set), largest class first:
+   while the class's busiest rank holding a part of the class can give ``delta`` bytes of one of
+   them to the class's least-loaded rank ``c`` (``delta <= (load_max - load_c) / 2``, a whole
+   part only if smaller than the gap, split parts never below ``min_split`` bytes), do so. Each
+   move strictly lowers the sum of squared loads, so it terminates (and is capped anyway);
+   overlapping classes get a few sweeps.
 
-Bound: when it stops, the busiest rank ``r`` that holds movable parts satisfies, for every
-candidate ``c`` of every part on ``r``: ``load[c] > load[r] - 2 * (min_split + align)``. So when
-the items' candidate sets form disjoint classes (DP replica groups), the busiest rank of a class
-serves at most ``mean(class) + 2 * (min_split + align)`` bytes; splits happen only on the way.
+Bound: a class stops when its busiest holder ``r`` has no move towards its least-loaded rank
+``c``, which implies ``load[r] - load[c] < 2 * (min_split + align)`` (otherwise moving
+``delta = gap / 2`` rounded down to ``align`` is a valid split, or the part is smaller than the
+gap and moves whole). So when the candidate sets form disjoint classes (DP replica groups),
+within every class the ranks holding its items differ from the class minimum by less than
+``2 * (min_split + align)``: the busiest serves less than ``mean(class) + 2 * (min_split +
+align)`` bytes. Splits happen only on the way. (With ``max_moves`` exhausted the last state is
+returned; the cap only bounds planning time.)
 """
 from __future__ import annotations
 
-from typing import MutableMapping, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 
 Part = list  # [rank, start, stop] (mutable while balancing)
 
@@ -54,45 +60,68 @@ def assign(weights: Sequence[int], candidates: Sequence[Sequence[int]],
 
 def _rebalance(parts: list[list[Part]], multi: list[int], candidates: Sequence[Sequence[int]],
                loads: MutableMapping[int, int], min_split: int, align: int, max_moves: int) -> None:
-    held: dict[int, dict[int, tuple[int, Part]]] = {}
+    by_class: dict[tuple[int, ...], list[int]] = {}
     for i in multi:
+        by_class.setdefault(tuple(candidates[i]), []).append(i)
+    order = sorted(by_class.items(), key=lambda kv: (-sum(parts[i][0][2] for i in kv[1]), kv[0]))
+    budget = max_moves
+    for _sweep in range(3):  # overlapping classes disturb each other; a few sweeps settle them
+        moved = False
+        for cls, items in order:
+            n = _rebalance_class(cls, items, parts, loads, min_split, align, budget)
+            budget -= n
+            moved |= n > 0
+        if not moved or budget <= 0:
+            return
+
+
+def _rebalance_class(cls: tuple[int, ...], items: list[int], parts: list[list[Part]],
+                     loads: MutableMapping[int, int], min_split: int, align: int, budget: int) -> int:
+    """Moves bytes of this class's items from its busiest holder to its least-loaded rank."""
+    held: dict[int, dict[int, Part]] = {r: {} for r in cls}
+    for i in items:
         for p in parts[i]:
-            held.setdefault(p[0], {})[id(p)] = (i, p)
-    for _ in range(max_moves):
-        movable = [r for r, h in held.items() if h]
-        if not movable:
-            return
-        r = max(movable, key=lambda x: (loads[x], -x))
-        lr = loads[r]
-        move = None
-        for i, p in sorted(held[r].values(), key=lambda ip: ip[1][1] - ip[1][2]):
-            size = p[2] - p[1]
-            c = min((x for x in candidates[i] if x != r), key=lambda x: (loads.get(x, 0), x))
-            gap = lr - loads.get(c, 0)
-            if gap <= 0:
-                continue
-            delta = (gap // 2) // align * align
-            if delta >= size:
-                move = (i, p, c, size)
-                break
-            if delta >= min_split and size - delta >= min_split:
-                move = (i, p, c, delta)
-                break
-            if size < gap:
-                move = (i, p, c, size)
-                break
+            held[p[0]][id(p)] = p
+    index_of = {id(p): i for i in items for p in parts[i]}
+    moves = 0
+    while moves < budget:
+        r = max((x for x in cls if held[x]), key=lambda x: (loads.get(x, 0), -x), default=None)
+        if r is None:
+            return moves
+        c = min((x for x in cls if x != r), key=lambda x: (loads.get(x, 0), x))
+        gap = loads.get(r, 0) - loads.get(c, 0)
+        if gap <= 0:
+            return moves
+        move = _find_move(held[r].values(), gap, min_split, align)
         if move is None:
-            return
-        i, p, c, delta = move
-        size = p[2] - p[1]
-        if delta == size:
+            return moves
+        p, delta = move
+        if delta == p[2] - p[1]:
             del held[r][id(p)]
             p[0] = c
-            held.setdefault(c, {})[id(p)] = (i, p)
+            held[c][id(p)] = p
         else:
             q = [c, p[2] - delta, p[2]]
             p[2] -= delta
+            i = index_of[id(p)]
             parts[i].append(q)
-            held.setdefault(c, {})[id(q)] = (i, q)
+            index_of[id(q)] = i
+            held[c][id(q)] = q
         loads[r] -= delta
         loads[c] = loads.get(c, 0) + delta
+        moves += 1
+    return moves
+
+
+def _find_move(held: Iterable[Part], gap: int, min_split: int, align: int) -> tuple[Part, int] | None:
+    """A part (largest first) and how many of its bytes to move across a load ``gap``."""
+    delta = (gap // 2) // align * align
+    for p in sorted(held, key=lambda p: p[1] - p[2]):
+        size = p[2] - p[1]
+        if delta >= size:
+            return p, size
+        if delta >= min_split and size - delta >= min_split:
+            return p, delta
+        if size < gap:
+            return p, size
+    return None

@@ -24,8 +24,8 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ Addr = tuple[int, int, tuple[int, ...]]  # (region, byte offset of the box origi
 class _Group:
     """One disjoint box of a canonical tensor and the source ranks holding exactly its bytes."""
 
-    __slots__ = ("offsets", "sizes", "addrs", "rank_addr", "ranks", "_entries")
+    __slots__ = ("_entries", "addrs", "offsets", "rank_addr", "ranks", "sizes")
 
     def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
         self.offsets = offsets
@@ -453,13 +453,15 @@ def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
 
 def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, min_split_bytes: int,
                  transforms: Mapping[str, str] | None) -> dict[int, Plan]:
-    from .validate import validate_plan  # validate imports runs/plan only; keep the module graph flat
+    from .validate import (
+        validate_plan,  # validate imports runs/plan only; keep the module graph flat
+    )
 
     transforms = dict(transforms or {})
     if min_split_bytes < 1:
         raise PlanError(f"min_split_bytes must be positive, got {min_split_bytes}")
     sources = sorted(sources, key=lambda s: s.rank)
-    for a, b in zip(sources, sources[1:]):
+    for a, b in itertools.pairwise(sources):
         if a.rank == b.rank:
             raise PlanError(f"source rank {a.rank} given twice")
     dests = list(dests)
@@ -500,7 +502,7 @@ def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, 
         own = {r: v - before.get(r, 0) for r, v in base_loads.items() if v != before.get(r, 0)}
         srcs = _emit(ch, parts)
         base = Plan(copies[0].rank, srcs, ch.needed)
-        validate_plan(base, sources, copies[0], cache=vcache)
+        validate_plan(base, sources, copies[0], cache=vcache, samples=64)
         for j, d in enumerate(copies):
             perm = _rotation(own, loads, classes, j)
             ops = sorted((SourceOps(perm.get(s.src_rank, s.src_rank), s.src_region, s.src_offset,

@@ -20,10 +20,11 @@ or ``Flat`` and call ``local_tensor``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, Union
 
 from .dtypes import itemsize as _itemsize
 from .errors import LayoutError
@@ -36,6 +37,20 @@ def row_major_strides(shape: Sequence[int]) -> Shape:
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * int(shape[i + 1])
     return tuple(strides)
+
+
+def even_split(n: int, k: int) -> list[tuple[int, int]]:
+    """``(offset, size)`` of ``k`` near-equal consecutive parts of ``n``; the first ``n % k`` parts
+    are one larger (Megatron/torch.chunk-style uneven splits start the same way)."""
+    if k < 1:
+        raise LayoutError(f"cannot split {n} into {k} parts")
+    base, extra = divmod(int(n), int(k))
+    out, o = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        out.append((o, size))
+        o += size
+    return out
 
 
 def _ints(values: Iterable[int], what: str) -> Shape:
@@ -85,7 +100,7 @@ class Box:
     def ends(self) -> Shape:
         return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         if other.ndim != self.ndim:
             raise LayoutError(f"cannot intersect boxes of rank {self.ndim} and {other.ndim}")
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
@@ -185,7 +200,7 @@ class RankLayout:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RankLayout":
+    def from_dict(cls, d: dict) -> RankLayout:
         try:
             return cls(
                 rank=int(d["rank"]),
@@ -204,7 +219,7 @@ class RankLayout:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "RankLayout":
+    def from_json(cls, text: str | bytes) -> RankLayout:
         return cls.from_dict(json.loads(text))
 
 
@@ -262,7 +277,7 @@ class Stack:
     A part may itself be ``Fused`` (vLLM's ``w13_weight[e] = [gate_e; up_e]``).
     """
 
-    parts: tuple["Shard | Fused", ...]
+    parts: tuple[Shard | Fused, ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))
@@ -283,7 +298,7 @@ class Flat:
             (str(n), _ints(s, f"{n} global_shape"), int(a), int(b)) for n, s, a, b in self.segments))
 
 
-Declaration = Union[Shard, Fused, Stack, Flat]
+Declaration = Shard | Fused | Stack | Flat
 
 
 def _shard_pieces(name: str, decl: Shard, local_shape: Shape, base: int, strides: Shape) -> list[Piece]:
@@ -449,7 +464,7 @@ def _check_disjoint(name: str, pieces: Sequence[Piece], shape: Shape) -> None:
     if total > numel:
         raise LayoutError(f"{name}: pieces map {total} elements into a local tensor of {numel}")
     spans.sort(key=lambda s: s[0])
-    for (alo, ahi, a), (blo, bhi, b) in zip(spans, spans[1:]):
+    for (alo, ahi, a), (blo, bhi, b) in itertools.pairwise(spans):
         # Only dense (row-major contiguous) pieces can be checked cheaply; overlaps of strided
         # pieces with holes (fused parts) are excluded by construction of the declarations.
         if blo < ahi and ahi - alo == a.box.numel and bhi - blo == b.box.numel:

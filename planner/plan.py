@@ -7,8 +7,8 @@ Offsets are byte offsets inside the named regions of the source and destination 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -117,7 +117,7 @@ class Plan:
         }, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Plan":
+    def from_json(cls, text: str | bytes) -> Plan:
         try:
             d = json.loads(text)
             return cls(int(d["dst_rank"]),
@@ -125,3 +125,41 @@ class Plan:
                        int(d["needed_bytes"]))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed plan record: {e}") from e
+
+
+def summarize(plans: Mapping[int, Plan] | Iterable[Plan]) -> dict:
+    """Totals over many destinations: bytes per source and per destination, ops, balance.
+
+    ``balance_max_over_mean`` is over the source ranks that serve anything.
+    """
+    plan_list = list(plans.values()) if isinstance(plans, Mapping) else list(plans)
+    per_src: dict[int, int] = {}
+    for p in plan_list:
+        for r, v in p.bytes_per_source().items():
+            per_src[r] = per_src.get(r, 0) + v
+    loads = list(per_src.values()) or [0]
+    mean = sum(loads) / len(loads)
+    return {
+        "destinations": len(plan_list),
+        "ops": sum(len(p) for p in plan_list),
+        "bytes": sum(p.total_bytes for p in plan_list),
+        "needed_bytes": sum(p.needed_bytes for p in plan_list),
+        "bytes_per_source": dict(sorted(per_src.items())),
+        "bytes_per_destination": {p.dst_rank: p.total_bytes for p in sorted(plan_list, key=lambda p: p.dst_rank)},
+        "balance_max_over_mean": (max(loads) / mean) if mean else 1.0,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """A short human-readable rendering of ``Plan.summary()`` or ``summarize()``."""
+    lines = []
+    if "dst_rank" in summary:
+        lines.append(f"plan for destination rank {summary['dst_rank']}: {summary['ops']} reads, "
+                     f"{summary['bytes']} of {summary['needed_bytes']} needed bytes")
+    else:
+        lines.append(f"{summary['destinations']} destinations: {summary['ops']} reads, "
+                     f"{summary['bytes']} of {summary['needed_bytes']} needed bytes")
+    for r, v in summary["bytes_per_source"].items():
+        lines.append(f"  source rank {r}: {v} bytes")
+    lines.append(f"  balance (max/mean bytes per source): {summary['balance_max_over_mean']:.3f}")
+    return "\n".join(lines)

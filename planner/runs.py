@@ -7,8 +7,8 @@ into one run, so an intersection of whole rows is one run, not one run per row.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 

@@ -15,8 +15,8 @@ or ingress. No schedule of these plans can beat it; ``ratio = makespan / lower_b
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import numpy as np
 

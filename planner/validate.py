@@ -14,7 +14,7 @@ Checks, for one destination's plan:
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -71,7 +71,7 @@ class _Info:
             self._mapped = mapped_intervals(self.layout)
         return self._mapped
 
-    def share(self, other: "_Info") -> None:
+    def share(self, other: _Info) -> None:
         """Reuses ``other``'s mapped intervals (same tensors object, so same bytes mapped)."""
         if self._mapped is None and other.layout.tensors is self.layout.tensors:
             self._mapped = other._mapped

@@ -6,20 +6,10 @@ byte buffers.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from planner.layout import Flat, Fused, LayoutBuilder, RankLayout, Shard, Stack
-
-
-def split(n: int, k: int) -> list[tuple[int, int]]:
-    """``(offset, size)`` of ``k`` near-equal parts of ``n`` (uneven when ``k`` does not divide)."""
-    base, extra = divmod(n, k)
-    out, o = [], 0
-    for i in range(k):
-        s = base + (1 if i < extra else 0)
-        out.append((o, s))
-        o += s
-    return out
+from planner.layout import even_split as split
 
 
 def shard(name: str, shape: tuple[int, ...], dim: int, part: tuple[int, int]) -> tuple[tuple[int, ...], Shard]:
@@ -72,7 +62,7 @@ def case_replicas() -> tuple[list[RankLayout], list[RankLayout]]:
     return sharded(t, tp=1, dp=3), sharded(t, tp=1, dp=2, rank0=10)
 
 
-QKV = dict(q=(8 * 4, 6), k=(2 * 4, 6), v=(2 * 4, 6))  # 8 query heads, 2 kv heads, head_dim 4, hidden 6
+QKV = {"q": (8 * 4, 6), "k": (2 * 4, 6), "v": (2 * 4, 6)}  # 8 query heads, 2 kv heads, head_dim 4, hidden 6
 
 
 def case_fused_qkv() -> tuple[list[RankLayout], list[RankLayout]]:

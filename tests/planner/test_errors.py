@@ -6,7 +6,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from planner import LayoutBuilder, Plan, PlanError, Shard, SourceOps, build_plan, build_plans, validate_plan
+from planner import (
+    LayoutBuilder,
+    Plan,
+    PlanError,
+    Shard,
+    SourceOps,
+    build_plan,
+    build_plans,
+    validate_plan,
+)
 
 from .cases import sharded
 
@@ -72,11 +81,11 @@ def _mutate(plan: Plan, **cols) -> Plan:
 
 
 @pytest.mark.parametrize("cols, pattern", [
-    (dict(src_offset=lambda a: a + 4), "unmapped source bytes|source rank"),
-    (dict(dst_offset=lambda a: a + 4), "overlap|unmapped destination|outside"),
-    (dict(nbytes=lambda a: a - 4), "reads .* bytes but"),
-    (dict(src_offset=lambda a: a + 10**6), "outside region"),
-    (dict(dst_region=lambda a: a + 3), "region 3 does not exist"),
+    ({"src_offset": lambda a: a + 4}, "unmapped source bytes|source rank"),
+    ({"dst_offset": lambda a: a + 4}, "overlap|unmapped destination|outside"),
+    ({"nbytes": lambda a: a - 4}, "reads .* bytes but"),
+    ({"src_offset": lambda a: a + 10**6}, "outside region"),
+    ({"dst_region": lambda a: a + 3}, "region 3 does not exist"),
 ])
 def test_validate_rejects_broken_plans(cols, pattern):
     src, dst, plan = _good()

@@ -4,11 +4,22 @@ Every example executes its plans on byte buffers with the three checks of ``help
 """
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner import Flat, Fused, LayoutBuilder, Shard, Stack, TensorSpec, build_plan, build_plans
+from planner import (
+    Flat,
+    Fused,
+    LayoutBuilder,
+    Shard,
+    Stack,
+    TensorSpec,
+    build_plan,
+    build_plans,
+)
 
 from .helpers import check_plans
 
@@ -20,7 +31,7 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 def _cuts(data, n: int, k: int) -> list[tuple[int, int]]:
     pts = sorted(data.draw(st.lists(st.integers(0, n), min_size=k - 1, max_size=k - 1)))
     edges = [0] + pts + [n]
-    return [(a, b - a) for a, b in zip(edges, edges[1:])]
+    return [(a, b - a) for a, b in itertools.pairwise(edges)]
 
 
 def _shard_side(data, specs, ranks, dtype):
