@@ -25,6 +25,7 @@ building the synthetic layouts). Run: ``PYTHONPATH=. .venv/bin/python benchmarks
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -263,10 +264,14 @@ def layouts(key: str) -> tuple[list[RankLayout], list[RankLayout]]:
 
 def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
     t0 = time.perf_counter()
+    gc.disable()  # building millions of small layout objects; nothing cyclic to collect
     sources, dests = layouts(key)
+    gc.enable()
     t1 = time.perf_counter()
+    c1 = time.process_time()
     plans = build_plans(sources, dests)
     t2 = time.perf_counter()
+    c2 = time.process_time()
     sim = simulate(plans, bandwidth=bandwidth, latency_s=latency, queue_depth=depth)
     t3 = time.perf_counter()
     loads: dict[int, int] = {}
@@ -274,7 +279,8 @@ def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
         for r, v in p.bytes_per_source().items():
             loads[r] = loads.get(r, 0) + v
     mean = sum(loads.values()) / len(sources)
-    return {"model": key, "layout_s": t1 - t0, "plan_s": t2 - t1, "sim_s": t3 - t2,
+    return {"model": key, "layout_s": t1 - t0, "plan_s": t2 - t1, "plan_cpu_s": c2 - c1, "sim_s": t3 - t2,
+            "load_avg": os.getloadavg()[0],
             "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "ops": sum(len(p) for p in plans.values()), "bytes": sim.total_bytes,
             "makespan_s": sim.makespan_s, "lower_bound_s": sim.lower_bound_s, "makespan_ratio": sim.ratio,
@@ -298,7 +304,8 @@ def main() -> None:
                "--latency", str(args.latency), "--depth", str(args.depth)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        print(f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s, peak RSS {r['rss_gb']:.2f} GB, "
+        print(f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s "
+              f"(CPU {r['plan_cpu_s']:.2f}s, load average {r['load_avg']:.1f}), peak RSS {r['rss_gb']:.2f} GB, "
               f"ops {r['ops']}, bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
               f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
               f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
