@@ -311,7 +311,8 @@ class TcpPrepared:
     nbytes: int
 
     def __repr__(self) -> str:
-        return f"TcpPrepared(peer={self.peer.label}, reads={self.nreads}, bytes={self.nbytes}, streams={len(self.frames)})"
+        return (f"TcpPrepared(peer={self.peer.label}, reads={self.nreads}, bytes={self.nbytes}, "
+                f"streams={len(self.frames)})")
 
 
 class TcpTransport(Transport):
@@ -523,8 +524,9 @@ class TcpTransport(Transport):
                 kind, payload = w.recv_frame(sock, (w.FrameType.DATA, w.FrameType.ERROR))
                 if kind is w.FrameType.ERROR:
                     raise TransportError(f"tcp: peer {peer.label} refused a read: {payload.decode(errors='replace')}")
-                if int.from_bytes(payload, "little") != fr.nbytes:
-                    raise w.ProtocolError(f"DATA of {int.from_bytes(payload, 'little')} bytes for a READ of {fr.nbytes}")
+                got = int.from_bytes(payload, "little")
+                if got != fr.nbytes:
+                    raise w.ProtocolError(f"peer {peer.label} sent DATA of {got} bytes for a READ of {fr.nbytes}")
                 w.recv_into_views(sock, fr.views, lambda: _left(deadline, peer, "read"))
         except BaseException as e:
             # The stream's state is unknown (frames in flight): drop it; the next read reconnects.

@@ -36,6 +36,7 @@ TOKEN = "conformance-token"
 #: Served regions: odd sizes so no read lines up with a page by accident.
 REGIONS = [{"size": (4 << 20) + 123, "seed": 11}, {"size": (1 << 20) - 7, "seed": 12}]
 TIMEOUT = 20.0
+STARTUP = 90.0  # a loaded CI machine may take long to import torch and engines in a fresh process
 GARBAGE = 0xC3
 
 
@@ -56,7 +57,7 @@ def variant(request):
 @pytest.fixture(scope="module")
 def server(variant):
     name, opts = variant
-    with Peer(name, REGIONS, token=TOKEN, options=opts, timeout=TIMEOUT) as peer:
+    with Peer(name, REGIONS, token=TOKEN, options=opts, timeout=STARTUP) as peer:
         yield peer
         assert peer.stop() == 0, "serving process did not exit cleanly"
 
@@ -255,7 +256,8 @@ def test_dead_peer_raises_within_timeout(variant, reader_factory, how):
     applies(variant, how)
     name, opts = variant
     size = 64 << 20
-    with Peer(name, [{"size": size, "seed": 3}], token=TOKEN, options=opts, fill="pattern", timeout=TIMEOUT) as peer:
+    with Peer(name, [{"size": size, "seed": 3}], token=TOKEN, options=opts, fill="pattern",
+              timeout=STARTUP) as peer:
         r = Reader(variant, peer, size)
         try:
             r.connect()
