@@ -157,7 +157,7 @@ def raw_mooncake(size: int, op_size: int, repeat: int) -> dict:
 def raw_nixl(size: int, op_size: int, repeat: int) -> dict:
     from nixl_cu12 import nixl_agent, nixl_agent_config
 
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout (as transports.nixl does)
     dst = np.full(size, 0xA5, dtype=np.uint8)
     a = nixl_agent(f"raw-reader-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
     reg = a.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")

@@ -59,6 +59,10 @@ try:
 except ImportError:
     from nixl import nixl_agent, nixl_agent_config  # other builds of the same API
 
+# NIXL's Python logger prints an INFO line per agent and backend to *stdout* (its own handler), which
+# corrupts machine-readable output such as ``wbridge bench transport --json``; warnings still show.
+logging.getLogger("nixl").setLevel(logging.WARNING)
+
 _log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 _env_lock = threading.Lock()
