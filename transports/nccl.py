@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._util import hex_field, int_field, memory_view, str_field, token_key
+from ._wire import recv_exact as _recv_exact
 from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import AuthError, TransportError
 
@@ -66,17 +67,6 @@ ENTRY = np.dtype([("region", "<i8"), ("offset", "<i8"), ("nbytes", "<i8")])
 def _send(sock: socket.socket, kind: int, payload: dict | None = None, raw: bytes = b"") -> None:
     body = json.dumps(payload or {}, separators=(",", ":")).encode()
     sock.sendall(HEADER.pack(MAGIC, kind, 4 + len(body) + len(raw)) + struct.pack("<I", len(body)) + body + raw)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
 
 
 def _recv(sock: socket.socket, expect: Sequence[int] | None = None) -> tuple[int, dict, bytes]:
