@@ -147,6 +147,20 @@ def _make_group(store: Any, rank: int, backend: str, host: str, timeout: float, 
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
+def _destroy(pg: Any, backend: str) -> None:
+    """Ends a group now: NCCL communicators want an explicit shutdown; gloo closes in its destructor."""
+    if pg is None or backend != "nccl":
+        return
+    for name in ("shutdown", "abort"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except RuntimeError as e:
+                _log.debug("nccl: %s of a pull group failed: %r", name, e)
+
+
 def _post(pg: Any, backend: str, device: str, tensors: list, peer: int, send: bool) -> list:
     """Posts one send (or recv) per tensor, tag = position: the batch_isend_irecv of a bare group."""
     op = pg.send if send else pg.recv
@@ -444,6 +458,7 @@ class _Server:
         except BaseException as e:  # noqa: BLE001 - reported to the reader and the log
             result["error"] = f"serving side: {e}"
         finally:
+            _destroy(pg, backend)
             del pg
 
     def close(self, timeout: float) -> None:
@@ -730,6 +745,7 @@ class NcclTransport(Transport):
                 raise
             raise TransportError(f"nccl: pull from peer {peer.label} failed: {e!r}") from e
         finally:
+            _destroy(pg, prepared.backend)
             del pg
 
     def _drop(self, peer: NcclPeer) -> None:
