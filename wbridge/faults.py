@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
+import time
 from typing import Any, Sequence
+
+import numpy as np
 
 from transports.base import ReadBatch, Region, Transport
 
@@ -91,10 +96,95 @@ class Slow(Delegating):
             time.sleep(min(self.delay, timeout))
 
 
-WRAPPERS = {"flip-bit": FlipBit, "slow": Slow}
+def split_batch(batch: ReadBatch, at: int) -> tuple[ReadBatch, ReadBatch]:
+    """The reads of ``batch`` before and after its byte ``at`` (in batch order); a read that
+    straddles ``at`` is cut in two."""
+    n = batch.nbytes
+    start = np.cumsum(n) - n
+    end = start + n
+    head = start < at
+    tail = end > at
+    skip = np.clip(at - start, 0, None)[tail]
+    first = ReadBatch(batch.src_region[head], batch.src_offset[head], batch.dst_region[head],
+                      batch.dst_offset[head], np.minimum(end[head], at) - start[head])
+    second = ReadBatch(batch.src_region[tail], batch.src_offset[tail] + skip, batch.dst_region[tail],
+                       batch.dst_offset[tail] + skip, n[tail] - skip)
+    return first, second
+
+
+class Pause(Delegating):
+    """Stops reads number ``on_reads`` (1-based, counting batches of at least ``min_ops`` reads)
+    half-way: the first half of the batch's bytes is read, a line is appended to ``signal_path``,
+    then the read waits until ``release_path`` exists (or ``hold`` seconds, or the read's timeout)
+    before reading the second half. Tests kill a peer or cut a link while a pull is stopped there;
+    without ``release_path`` it is a reader that sleeps ``hold`` seconds between its ops."""
+
+    def __init__(self, inner: Transport, signal_path: str | None = None, release_path: str | None = None,
+                 hold: float = 60.0, on_reads: Sequence[int] = (1,), min_ops: int = 1) -> None:
+        super().__init__(inner)
+        self.signal_path, self.release_path = signal_path, release_path
+        self.hold = hold
+        self.on_reads = set(on_reads)
+        self.min_ops = min_ops
+        self.reads = 0
+        self._count = threading.Lock()  # sources are read from parallel threads
+
+    def prepare(self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
+                batch: ReadBatch) -> Any:
+        halves = []
+        if batch.total_bytes >= 2:  # both halves then hold at least one byte
+            halves = [self.inner.prepare(peer, remote_regions, local_regions, b)
+                      for b in split_batch(batch, batch.total_bytes // 2)]
+        return (self.inner.prepare(peer, remote_regions, local_regions, batch), halves, batch)
+
+    def read(self, prepared: Any, *, timeout: float) -> None:
+        whole, halves, batch = prepared
+        with self._count:
+            if len(batch) >= self.min_ops:
+                self.reads += 1
+            pause = len(batch) >= self.min_ops and self.reads in self.on_reads and len(halves) == 2
+        if not pause:
+            self.inner.read(whole, timeout=timeout)
+            return
+        deadline = time.monotonic() + timeout
+        self.inner.read(halves[0], timeout=timeout)
+        if self.signal_path:
+            with open(self.signal_path, "a") as f:
+                f.write(f"{os.getpid()} paused read {self.reads} after {int(batch.total_bytes // 2)} bytes\n")
+        until = min(deadline, time.monotonic() + self.hold)
+        while time.monotonic() < until and not (self.release_path and os.path.exists(self.release_path)):
+            time.sleep(min(0.01, max(0.0, until - time.monotonic())))
+        self.inner.read(halves[1], timeout=max(0.001, deadline - time.monotonic()))
+
+    def release(self, prepared: Any) -> None:
+        whole, halves, _ = prepared
+        for p in (whole, *halves):
+            self.inner.release(p)
+
+
+WRAPPERS = {"flip-bit": FlipBit, "slow": Slow, "pause": Pause}
 
 
 def wrapper(kind: str, **kwargs: Any):
     """A ``transport_wrapper`` for ``Subscriber``: ``wrapper("slow", delay=2.0)``."""
     cls = WRAPPERS[kind]
     return lambda t: cls(t, **kwargs)
+
+
+class FailConnect(Delegating):
+    """``connect`` fails with ``TransportError`` when the wrapped transport is named ``only``
+    (an unusable same-host path, say), to exercise fallback to the next transport."""
+
+    def __init__(self, inner: Transport, only: str = "local") -> None:
+        super().__init__(inner)
+        self.only = only
+
+    def connect(self, endpoint: bytes, *, timeout: float) -> Any:
+        from transports.errors import TransportError
+
+        if self.inner.name == self.only:
+            raise TransportError(f"{self.only}: connect refused by fault injection")
+        return self.inner.connect(endpoint, timeout=timeout)
+
+
+WRAPPERS["fail-connect"] = FailConnect

@@ -18,9 +18,10 @@ def rdma_present() -> bool:
         return False
 
 
-def choose_transport(preference: str, served: Mapping[str, object], same_host: bool) -> tuple[str, str]:
-    """``(name, reason)``. ``auto`` is RDMA-first: nixl or mooncake where RDMA devices exist, then
-    ``local`` on the same host, then ``nccl`` when the publisher serves it, then ``tcp``."""
+def candidates(preference: str, served: Mapping[str, object], same_host: bool) -> list[tuple[str, str]]:
+    """Transports to try, best first, each with the reason it was chosen. ``auto`` is RDMA-first:
+    nixl or mooncake where RDMA devices exist, then ``local`` on the same host, then ``nccl`` when
+    the publisher serves it, then ``tcp``. A named transport is the only candidate."""
     if preference != "auto":
         if preference not in served:
             raise TransportError(f"transport {preference!r} requested but the publisher serves only "
@@ -29,17 +30,23 @@ def choose_transport(preference: str, served: Mapping[str, object], same_host: b
             _transports.get(preference)
         except _transports.MissingExtraError as e:
             raise MissingExtraError(str(e)) from e
-        return preference, "requested"
+        return [(preference, "requested")]
     here = set(_transports.available())
+    out = []
     if rdma_present():
-        for name in RDMA_FIRST:
-            if name in served and name in here:
-                return name, "RDMA devices present"
+        out += [(n, "RDMA devices present") for n in RDMA_FIRST if n in served and n in here]
     if same_host and "local" in served and "local" in here:
-        return "local", "publisher on the same host"
+        out.append(("local", "publisher on the same host"))
     if "nccl" in served and "nccl" in here:
-        return "nccl", "no one-sided path; both sides opted into nccl"
+        out.append(("nccl", "no one-sided path; both sides opted into nccl"))
     if "tcp" in served and "tcp" in here:
-        return "tcp", "different host" if not same_host else "local transport unavailable"
-    raise TransportError(f"no common transport: the publisher serves {sorted(served)}, "
-                         f"this process has {sorted(here)}")
+        out.append(("tcp", "different host" if not same_host else "fallback"))
+    if not out:
+        raise TransportError(f"no common transport: the publisher serves {sorted(served)}, "
+                             f"this process has {sorted(here)}")
+    return out
+
+
+def choose_transport(preference: str, served: Mapping[str, object], same_host: bool) -> tuple[str, str]:
+    """The first of ``candidates``."""
+    return candidates(preference, served, same_host)[0]

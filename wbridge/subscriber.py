@@ -36,11 +36,11 @@ from transports.base import ReadBatch
 
 from . import checksum as _checksum
 from .channel import Keys, VersionRecord
-from .errors import (IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
+from .errors import (AuthError, IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
                      WaitTimeout, WBridgeError, translated)
 from .lifecycle import Closeable, quietly
 from .records import open_sealed, seal
-from .selection import choose_transport
+from .selection import candidates
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
 
@@ -124,6 +124,7 @@ class Subscriber(Closeable):
         self._id: int | None = None
         self._lease = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self._store = open_store(store, connect_timeout=connect_timeout)
 
     # ------------------------------------------------------------------------------------------
@@ -302,33 +303,54 @@ class Subscriber(Closeable):
             plan = build_plan(layouts, self._layout)
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
-        sources = []
+        sources: list[_Source] = []
         me = host_identity()
-        for src_ops in plan.sources:
-            d = records[src_ops.src_rank]
-            name, reason = choose_transport(self.preference, d["transports"], d["host"] == me)
-            self.stats.transports[src_ops.src_rank] = (name, reason)
-            log.info("subscriber %s reads publisher rank %d over %s (%s)", self.name, src_ops.src_rank, name, reason)
-            served = d["transports"][name]
-            sources.append(_Source(
-                rank=src_ops.src_rank, transport=name, endpoint=_unb64(served["endpoint"]),
-                regions=[[_unb64(x) for x in slot] for slot in served["regions"]],
-                batch=ReadBatch(src_ops.src_region, src_ops.src_offset, src_ops.dst_region,
-                                src_ops.dst_offset, src_ops.nbytes)))
-        for src in sources:
-            t = self._transport(src.transport)
-            left = max(0.1, deadline - time.monotonic())
-            with translated():
-                src.peer = t.connect(src.endpoint, timeout=left)
-        if self._pool is None or self._pool._max_workers < len(sources):  # noqa: SLF001
+        try:
+            for src_ops in plan.sources:
+                d = records[src_ops.src_rank]
+                batch = ReadBatch(src_ops.src_region, src_ops.src_offset, src_ops.dst_region,
+                                  src_ops.dst_offset, src_ops.nbytes)
+                sources.append(self._connect(src_ops.src_rank, d, batch, d["host"] == me, deadline))
+        except BaseException:
+            for src in sources:
+                quietly(self._transports[src.transport].disconnect, src.peer)
+            raise
+        if self._pool_size < len(sources):
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=max(1, len(sources)),
-                                            thread_name_prefix="wbridge-pull")
+            self._pool_size = max(1, len(sources))
+            self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="wbridge-pull")
         if self.staged:
             self._commit = _commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
         self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
         return self._session
+
+    def _connect(self, rank: int, record: dict, batch: ReadBatch, same_host: bool, deadline: float) -> _Source:
+        """Connects to one publisher rank over the best transport that works; ``auto`` falls back
+        to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
+        tried = []
+        options = candidates(self.preference, record["transports"], same_host)
+        for i, (name, reason) in enumerate(options):
+            served = record["transports"][name]
+            src = _Source(rank=rank, transport=name, endpoint=_unb64(served["endpoint"]),
+                          regions=[[_unb64(x) for x in slot] for slot in served["regions"]], batch=batch)
+            try:
+                t = self._transport(name)
+                with translated():
+                    src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
+            except TransportError as e:
+                if isinstance(e, AuthError) or i == len(options) - 1:
+                    raise
+                tried.append(f"{name}: {e}")
+                log.warning("subscriber %s: %s to publisher rank %d failed (%s); trying %s",
+                            self.name, name, rank, e, options[i + 1][0])
+                continue
+            if tried:
+                reason = f"{reason}; after {'; '.join(tried)}"
+            self.stats.transports[rank] = (name, reason)
+            log.info("subscriber %s reads publisher rank %d over %s (%s)", self.name, rank, name, reason)
+            return src
+        raise TransportError(f"publisher rank {rank}: no transport connected")  # unreachable
 
     def _transport(self, name: str) -> _transports.Transport:
         t = self._transports.get(name)
@@ -412,7 +434,7 @@ class Subscriber(Closeable):
         self._deregister_local()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-            self._pool = None
+            self._pool, self._pool_size = None, 0
         store = getattr(self, "_store", None)
         if store is not None:
             quietly(store.close)

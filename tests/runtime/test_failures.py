@@ -94,3 +94,18 @@ def test_killed_publisher_fails_the_pull_cleanly(store, staged: bool) -> None:
         sub.stop()
         for p in pubs:
             p.stop()
+
+
+@pytest.mark.timeout(60)
+def test_auto_falls_back_to_tcp_when_local_cannot_connect(store) -> None:
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, model_kind="tiny", transport=["tcp", "local"])
+    sub = Worker("sub", SubActor, store.url, 1, 0, fused=False, model_kind="tiny", transport="auto",
+                 fault=("fail-connect", {"only": "local"}))
+    try:
+        pub.call("publish", 1)
+        got = sub.call("pull", min_version=1)
+        assert got["bad"] == []
+        (name, reason), = got["transports"].values()
+        assert name == "tcp" and "local" in reason, reason
+    finally:
+        sub.stop(), pub.stop()
