@@ -9,7 +9,8 @@ Checks, for one destination's plan:
   destination's pieces map: so every mapped byte is written exactly once;
 * every op reads only mapped source bytes;
 * (``check_data``) on a deterministic sample of ops, the first and last byte of the source range
-  and of the destination range are the same byte of the same element of the same canonical tensor.
+  and of the destination range are the same byte of the same element of the same canonical tensor,
+  whose spec (shape, dtype) agrees on both sides. (``build_plans`` checks every spec up front.)
 """
 from __future__ import annotations
 
@@ -237,4 +238,8 @@ def _check_sample(plan: Plan, src_map: Mapping[int, _Info], dest: _Info, samples
                 if a is None or a != b:
                     raise PlanError(f"destination rank {plan.dst_rank}: read from source rank {s.src_rank} "
                                     f"copies {a} into {b}")
+                sa, sb = lay.specs[a[0]], dest.specs[a[0]]
+                if sa != sb:
+                    raise PlanError(f"{a[0]!r}: {sa.shape}/{sa.dtype} on source rank {s.src_rank} but "
+                                    f"{sb.shape}/{sb.dtype} on destination rank {plan.dst_rank}")
         pos += m

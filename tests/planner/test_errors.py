@@ -110,3 +110,13 @@ def test_unknown_source_rank():
     src, dst, plan = _good()
     with pytest.raises(PlanError, match="unknown source rank 1"):
         validate_plan(plan, src[:1], dst)
+
+
+def test_validate_catches_spec_disagreement():
+    # Same bytes, same element count, but the destination says bfloat16 where the source says float16.
+    src = [_one(0, "w", (4, 4), "float16")]
+    dst = _one(3, "w", (4, 4), "float16")
+    plan = build_plan(src, dst)
+    other = _one(3, "w", (4, 4), "bfloat16")
+    with pytest.raises(PlanError, match=r"'w'.*float16 on source rank 0.*bfloat16 on destination rank 3"):
+        validate_plan(plan, src, other)

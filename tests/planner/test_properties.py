@@ -162,3 +162,27 @@ def test_random_layouts_one_at_a_time(data):
     dests = _world(data, specs, dtype, 50, 2)
     plans = {d.rank: build_plan(sources, d, min_split_bytes=16) for d in dests}
     check_plans(plans, sources, dests)
+
+
+def _replicate(layouts, copies: int, rank0: int):
+    """``copies`` identical replicas of a world (same tensors, new ranks), as trainers/rollouts are."""
+    from planner import RankLayout
+
+    n = len(layouts)
+    return [RankLayout(rank0 + c * n + i, lay.tensors, lay.specs, lay.region_sizes)
+            for c in range(copies) for i, lay in enumerate(layouts)]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_replicated_worlds_share_plans_and_balance(data):
+    """Identical destination replicas are planned once and rotated over identical source replicas."""
+    dtype = data.draw(st.sampled_from(["float32", "bfloat16"]))
+    specs = _specs(data, dtype)
+    base_src = _world(data, specs, dtype, 0, 1)
+    base_dst = _world(data, specs, dtype, 0, 1)
+    dp = data.draw(st.integers(1, 3))
+    sources = _replicate(base_src, dp, 0)
+    dests = _replicate(base_dst, data.draw(st.integers(1, 4)), 1000)
+    plans = build_plans(sources, dests, min_split_bytes=16)
+    check_plans(plans, sources, dests)
