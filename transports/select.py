@@ -80,13 +80,13 @@ def _check_caps(side: str, caps: Mapping[str, Any]) -> None:
         raise TransportError(f"{side} capabilities: 'transports' must be a list")
 
 
-def choose_transport(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
-                     preference: str = "auto") -> tuple[str, str]:
-    """``(name, reason)`` for reading from the peer described by ``remote_caps``.
+def candidates(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
+               preference: str = "auto") -> list[tuple[str, str]]:
+    """Every usable transport for reading from the peer described by ``remote_caps``, best first, each
+    with its reason (the ``auto`` order; a named ``preference`` is the only candidate).
 
-    ``preference`` is ``auto`` or a transport name. Raises ``MissingExtraError`` (naming the extra)
-    when a named transport's dependency is missing here, ``TransportError`` when the peer lacks it
-    or when the two sides share no transport at all.
+    Raises ``MissingExtraError`` (naming the extra) when a named transport's dependency is missing
+    here, ``TransportError`` when the peer lacks it or when the two sides share no transport at all.
     """
     _check_caps("local", local_caps)
     _check_caps("remote", remote_caps)
@@ -99,22 +99,31 @@ def choose_transport(local_caps: Mapping[str, Any], remote_caps: Mapping[str, An
             raise TransportError(f"transport {preference!r} is installed but not usable in this process")
         if preference not in there:
             raise TransportError(f"transport {preference!r} requested but the peer offers only {sorted(there)}")
-        return preference, "requested"
+        return [(preference, "requested")]
     both = here & there
-    if local_caps["rdma"] and remote_caps["rdma"]:
-        for name in RDMA_FIRST:
-            if name in both:
-                return name, f"RDMA devices on both sides ({', '.join(local_caps['rdma'])} here); {name} on both"
-    if "local" in both and local_caps["host"] and local_caps["host"] == remote_caps["host"]:
-        return "local", "same host"
+    rdma = bool(local_caps["rdma"] and remote_caps["rdma"])
+    out = []
+    if rdma:
+        out += [(name, f"RDMA devices on both sides ({', '.join(local_caps['rdma'])} here); {name} on both")
+                for name in RDMA_FIRST if name in both]
+    same_host = bool(local_caps["host"]) and local_caps["host"] == remote_caps["host"]
+    if "local" in both and same_host:
+        out.append(("local", "same host"))
     if "nccl" in both and local_caps["nccl"] and remote_caps["nccl"]:
-        return "nccl", "no one-sided path; both sides opted in to nccl"
+        out.append(("nccl", "no one-sided path; both sides opted in to nccl"))
     if "tcp" in both:
-        rdma_note = "no RDMA on both sides" if not (local_caps["rdma"] and remote_caps["rdma"]) else \
-            "RDMA on both sides but no common RDMA transport"
-        return "tcp", f"different hosts, {rdma_note}" if local_caps["host"] != remote_caps["host"] else \
-            f"same host but local unavailable, {rdma_note}"
-    raise TransportError(f"no common transport: this process has {sorted(here)}, the peer {sorted(there)}")
+        rdma_note = "RDMA on both sides but no common RDMA transport" if rdma else "no RDMA on both sides"
+        out.append(("tcp", f"same host but local unavailable, {rdma_note}" if same_host else
+                    f"different hosts, {rdma_note}"))
+    if not out:
+        raise TransportError(f"no common transport: this process has {sorted(here)}, the peer {sorted(there)}")
+    return out
 
 
-__all__ = ["CAPABILITY_KEYS", "RDMA_FIRST", "capabilities", "choose_transport", "host_identity", "rdma_devices"]
+def choose_transport(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
+                     preference: str = "auto") -> tuple[str, str]:
+    """``(name, reason)``: the first of ``candidates`` (same arguments, same errors)."""
+    return candidates(local_caps, remote_caps, preference)[0]
+
+
+__all__ = ["CAPABILITY_KEYS", "RDMA_FIRST", "candidates", "capabilities", "choose_transport", "host_identity", "rdma_devices"]

@@ -8,7 +8,7 @@ import pytest
 
 import transports
 from transports import MissingExtraError, TransportError
-from transports.select import capabilities, choose_transport, host_identity
+from transports.select import candidates, capabilities, choose_transport, host_identity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,6 +62,17 @@ def test_policy_errors(case):
     _, local, remote, pref, exc, words = case
     with pytest.raises(exc, match=words):
         choose_transport(local, remote, pref)
+
+
+@pytest.mark.parametrize("local, remote, want", [
+    (caps(rdma=IB, nccl=True), caps(rdma=IB, nccl=True), ["nixl", "mooncake", "local", "nccl", "tcp"]),
+    (caps(nccl=True), caps(host="h2", nccl=True), ["nccl", "tcp"]),
+    (caps(["tcp", "local"]), caps(["tcp", "local"], host="h2"), ["tcp"]),
+], ids=["everything", "nccl-then-tcp", "tcp-only"])
+def test_candidates_in_fallback_order(local, remote, want):
+    got = candidates(local, remote)
+    assert [n for n, _ in got] == want and all(reason for _, reason in got)
+    assert choose_transport(local, remote) == got[0]
 
 
 def test_missing_extra_names_the_extra(monkeypatch):
