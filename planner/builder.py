@@ -453,9 +453,8 @@ def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
 
 def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, min_split_bytes: int,
                  transforms: Mapping[str, str] | None) -> dict[int, Plan]:
-    from .validate import (
-        validate_plan,  # validate imports runs/plan only; keep the module graph flat
-    )
+    # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
+    from .validate import validate_plan
 
     transforms = dict(transforms or {})
     if min_split_bytes < 1:
@@ -494,13 +493,12 @@ def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, 
     out: dict[int, Plan] = {}
     vcache: dict = {}
     for copies, ch in chunked:
-        k = len(copies)
-        base_loads = {r: v // k for r, v in loads.items()}
-        before = dict(base_loads)
+        # The base plan balances against the load so far, scaled to one copy's share.
+        base_loads = {r: v // len(copies) for r, v in loads.items()}
         parts = assign(ch.nbytes, [g.ranks for g in ch.group], base_loads, min_split=min_split_bytes,
                        align=align, rotate=copies[0].rank)
-        own = {r: v - before.get(r, 0) for r, v in base_loads.items() if v != before.get(r, 0)}
         srcs = _emit(ch, parts)
+        own = {s.src_rank: s.total_bytes for s in srcs}
         base = Plan(copies[0].rank, srcs, ch.needed)
         validate_plan(base, sources, copies[0], cache=vcache, samples=64)
         for j, d in enumerate(copies):
