@@ -1,0 +1,474 @@
+"""GPU stall per RL step: wbridge's sync modes against the gather-and-broadcast baseline.
+
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/stall.py`` (or ``wbridge bench stall``).
+
+Real processes emulate an RL loop: 4 trainers (TP=2 x DP=2) and 2 rollout engines (TP=2, fused
+layout) of a synthetic Qwen-like model (``--model``). A training step is ``--train-s`` seconds of
+CPU work that starts by writing the next version's values into the trainer's shards; a generation
+step is ``--gen-s`` seconds of CPU work that starts by checking, bit for bit, the version the
+rollout holds (``synthetic.mismatches``; a mismatch aborts the run). The work runs at the lowest
+CPU priority (``_common.Compute``; ``--no-nice`` to compete as equals), standing in for GPU kernels
+that leave the host CPUs to the weight transfer. ``--steps`` steps per mode:
+
+* ``gather-bcast`` (baseline A, sync): generate, train, then everyone joins the gather + bucketed
+  broadcast (``_common``) and a final barrier: one on-policy step after another.
+* ``sync``: the same loop with ``Publisher(mode="sync")``: trainers publish (returns when every
+  rollout acked), rollouts pull.
+* ``one_step_off`` / ``async`` (``max_staleness=2``): trainers and rollouts run freely. Trainers
+  publish after every step (publish() waits as the mode says). Rollouts pull in a background thread
+  while they generate (``--pull background``, default; into a second copy of their weights, copied
+  into the live weights at a step boundary, as an engine must, so that a step never runs on half a
+  version) or between steps (``--pull between``). Generation step k+1 needs a version at most one
+  (one_step_off) or two (async) versions behind the trainers' k-th update; a rollout blocks only
+  when it holds none.
+
+Stall (per process per step): time blocked in publish(), in a pull or a version swap, or in the
+baseline's gather/broadcast/barrier. Not stall: waiting for the other side's compute in the sync
+loops (the algorithm's data dependency, the same in both). The average is over all 6 processes
+(each stands for a GPU); ratios are baseline stall over mode stall (higher is better).
+
+Last line: ``stall: async_vs_baseline=<r> one_step_off_vs_baseline=<r> sync_vs_baseline=<r>``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (BUCKET_BYTES, MODEL_SIZES, TOKEN, Compute, baseline_rollout_update,  # noqa: E402
+                     baseline_trainer_update, bucket_plan, call_all, fmt_ratio, free_port, gather, init_groups,
+                     load_targets, machine, model_config, ratio, start_actors, stop_all, trainer_boxes,
+                     write_json)
+
+TP, DP, ROLLOUTS = 2, 2, 2
+STALENESS = {"sync": 0, "one_step_off": 1, "async": 2}
+
+
+class _Side:
+    """What trainers and rollouts share: a model, emulated compute, the baseline's groups."""
+
+    def __init__(self, model: str, store_url: str, nice: bool) -> None:
+        self.cfg = model_config(model)
+        self.store_url = store_url
+        self.compute = Compute(nice)
+        self.groups = None
+        self.buckets = bucket_plan(self.cfg.specs(), BUCKET_BYTES)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.groups.world)
+
+    def close(self) -> None:
+        self.compute.close()
+        if self.groups is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.groups = None
+
+
+class Trainer(_Side):
+    def __init__(self, rank: int, model: str, store_url: str, nice: bool) -> None:
+        from wbridge.synthetic import make_tensors
+
+        super().__init__(model, store_url, nice)
+        self.rank = rank
+        self.tensors = make_tensors(self.cfg, TP, rank % TP, fused=False, version=None)
+        self.pub = None
+
+    def _set(self, content: int):
+        from wbridge.synthetic import set_version
+
+        return lambda: set_version(self.tensors, content)
+
+    def train(self, seconds: float, content: int) -> float:
+        return self.compute.step(seconds, self._set(content))[0]
+
+    # -- baseline ------------------------------------------------------------------------------
+    def dist_init(self, port: int) -> None:
+        self.groups = init_groups(self.rank, TP * DP, ROLLOUTS, TP, port)
+        self.boxes = trainer_boxes(self.cfg, TP)
+
+    def baseline_update(self) -> float:
+        t0 = time.perf_counter()
+        baseline_trainer_update(self.groups, self.rank, self.cfg, self.tensors, self.boxes, self.buckets)
+        self.barrier()
+        return time.perf_counter() - t0
+
+    # -- wbridge -------------------------------------------------------------------------------
+    def open(self, channel: str, mode: str, transport: str) -> None:
+        from wbridge import Publisher
+
+        self.pub = Publisher(channel, self.store_url, rank=self.rank, world_size=TP * DP, token=TOKEN, mode=mode,
+                             max_staleness=STALENESS[mode] if mode == "async" else None, transport=transport)
+        self.pub.register(self.tensors)
+
+    def publish(self, timeout: float) -> float:
+        t0 = time.perf_counter()
+        self.pub.publish(timeout=timeout)
+        return time.perf_counter() - t0
+
+    def loop(self, steps: int, seconds: float, base: int, timeout: float) -> dict:
+        """Free-running: train, publish, repeat; versions base+2 .. base+steps+1."""
+        stalls, snaps = [], []
+        t_start = time.perf_counter()
+        for k in range(1, steps + 1):
+            self.train(seconds, base + k + 1)
+            stalls.append(self.publish(timeout))
+            snaps.append(self.pub.stats[-1].stall_s)
+        wall = time.perf_counter() - t_start
+        self.pub.wait_acked(steps + 1, timeout=timeout)  # keep serving until every rollout has the last one
+        return {"stalls": stalls, "snapshot_s": snaps, "wall_s": wall}
+
+    def close_channel(self) -> None:
+        if self.pub is not None:
+            self.pub.close()
+            self.pub = None
+
+    def close(self) -> None:
+        self.close_channel()
+        super().close()
+
+
+class Rollout(_Side):
+    def __init__(self, idx: int, model: str, store_url: str, nice: bool) -> None:
+        from wbridge.synthetic import make_tensors
+
+        super().__init__(model, store_url, nice)
+        self.idx = idx
+        self.tensors = make_tensors(self.cfg, TP, idx, fused=True, version=None, fill_value=0xFF)
+        self.shadow = None
+        self.sub = None
+        self.held = 0             # content version in the live tensors (0: none)
+        self.checked_version = 0  # the last content version checked
+        self.checked = 0
+        self.background = False
+
+    def _check(self, content: int):
+        from wbridge.synthetic import mismatches
+
+        def run() -> None:
+            bad = mismatches(self.tensors, content)
+            if bad:
+                raise RuntimeError(f"rollout {self.idx}: NOT bit-exact at content version {content} in "
+                                   f"{len(bad)} tensors, e.g. {bad[:3]}")
+            self.checked += 1
+        return run
+
+    def generate(self, seconds: float) -> float:
+        """One generation step; it starts by checking the weights it runs on (not yet checked)."""
+        fn = self._check(self.held) if self.held and self.checked_version != self.held else None
+        self.checked_version = self.held
+        return self.compute.step(seconds, fn)[0]
+
+    # -- baseline ------------------------------------------------------------------------------
+    def dist_init(self, port: int) -> None:
+        self.groups = init_groups(TP * DP + self.idx, TP * DP, ROLLOUTS, TP, port)
+        self.targets = load_targets(self.tensors)
+
+    def baseline_update(self, content: int) -> float:
+        t0 = time.perf_counter()
+        baseline_rollout_update(self.groups, self.cfg, self.targets, self.buckets)
+        self.barrier()
+        self.held = content
+        return time.perf_counter() - t0
+
+    # -- wbridge -------------------------------------------------------------------------------
+    def open(self, channel: str, transport: str, background: bool) -> None:
+        from wbridge import Subscriber
+        from wbridge.synthetic import make_tensors
+
+        if background and self.shadow is None:
+            self.shadow = make_tensors(self.cfg, TP, self.idx, fused=True, version=None, fill_value=0xFF)
+        self.sub = Subscriber(channel, self.store_url, token=TOKEN, transport=transport, name=f"rollout-{self.idx}")
+        self.sub.register(self.shadow if background else self.tensors)
+        self.background = background
+
+    def pull(self, version: int, base: int, timeout: float) -> float:
+        """Blocking pull of at least ``version`` into the registered tensors; returns the seconds."""
+        t0 = time.perf_counter()
+        v = self.sub.pull(min_version=version, timeout=timeout)
+        if self.background:
+            self._swap()
+        self.held = base + v
+        return time.perf_counter() - t0
+
+    def _swap(self) -> None:
+        for name, (t, _) in self.tensors.items():
+            t.copy_(self.shadow[name][0])
+
+    def loop(self, steps: int, seconds: float, base: int, lag: int, timeout: float) -> dict:
+        """Free-running: generate, then make sure the next step's weights are recent enough.
+
+        Generation step k+1 needs channel version >= k + 1 - lag (version 1 is the initial one,
+        the trainers' k-th update is version k + 1). ``between``: at each boundary pull the newest
+        version if there is a newer one (blocking). ``background``: a thread pulls each new version
+        into the shadow copy; at a boundary the newest complete one is copied in (a swap).
+        """
+        final = steps + 1
+        stalls, waits = [], []
+        t_start = time.perf_counter()
+        if not self.background:
+            held_v = self.held - base
+            for k in range(1, steps + 1):
+                self.generate(seconds)
+                t0 = time.perf_counter()
+                latest = self.sub.latest() or 0
+                if latest > held_v or held_v < k + 1 - lag:
+                    held_v = self.sub.pull(min_version=max(held_v + 1, k + 1 - lag), timeout=timeout)
+                    self.held = base + held_v
+                stalls.append(time.perf_counter() - t0)
+            wall = time.perf_counter() - t_start
+            while held_v < final:  # drain, not counted: the trainers wait for the last acks
+                held_v = self.sub.pull(min_version=held_v + 1, timeout=timeout)
+            self.held = base + held_v
+        else:
+            state = {"ready": self.held - base, "error": None}
+            cv = threading.Condition()
+            swapped = {"v": self.held - base}
+
+            def puller() -> None:
+                try:
+                    while state["ready"] < final:
+                        v = self.sub.pull(min_version=state["ready"] + 1, timeout=timeout)
+                        with cv:
+                            state["ready"] = v
+                            cv.notify_all()
+                            while swapped["v"] < v:  # the shadow is ours again only after the swap
+                                cv.wait()
+                except BaseException as e:  # noqa: BLE001 - surfaced by the main thread
+                    with cv:
+                        state["error"] = e
+                        cv.notify_all()
+
+            th = threading.Thread(target=puller, name="bg-pull", daemon=True)
+            th.start()
+
+            def boundary(need: int) -> None:
+                with cv:
+                    while state["ready"] < need and state["error"] is None:
+                        cv.wait(timeout)
+                    if state["error"] is not None:
+                        raise state["error"]
+                    if state["ready"] > swapped["v"]:
+                        self._swap()
+                        swapped["v"] = state["ready"]
+                        self.held = base + swapped["v"]
+                        cv.notify_all()
+
+            for k in range(1, steps + 1):
+                self.generate(seconds)
+                t0 = time.perf_counter()
+                boundary(k + 1 - lag)
+                stalls.append(time.perf_counter() - t0)
+            wall = time.perf_counter() - t_start
+            boundary(final)  # drain, not counted
+            th.join(timeout)
+        self.compute.step(0.0, self._check(self.held))
+        self.checked_version = self.held
+        return {"stalls": stalls, "wall_s": wall, "final": self.held - base, "checked": self.checked}
+
+    def close_channel(self) -> None:
+        if self.sub is not None:
+            self.sub.close()
+            self.sub = None
+
+    def close(self) -> None:
+        self.close_channel()
+        super().close()
+
+
+# ----------------------------------------------------------------------------------------------
+
+def run_sync_loop(trainers, rollouts, a, update) -> dict:
+    """Generate, train, update, one after another; ``update(k)`` returns per-process stall seconds."""
+    t_stalls = [[] for _ in trainers]
+    r_stalls = [[] for _ in rollouts]
+    t0 = time.perf_counter()
+    for k in range(1, a.steps + 1):
+        call_all(rollouts, "generate", a.gen_s, timeout=a.timeout)
+        call_all(trainers, "train", a.train_s, a.base + k + 1, timeout=a.timeout)
+        ts, rs = update(k + 1)
+        for lst, s in zip(t_stalls + r_stalls, ts + rs):
+            lst.append(s)
+    wall = time.perf_counter() - t0
+    call_all(rollouts, "generate", 0.0, timeout=a.timeout)  # checks the last version
+    return {"trainer_stalls": t_stalls, "rollout_stalls": r_stalls, "wall_s": wall}
+
+
+def mode_baseline(trainers, rollouts, a) -> dict:
+    def update(v: int):
+        for t in trainers:
+            t.send("baseline_update")
+        for r in rollouts:
+            r.send("baseline_update", a.base + v)
+        res = gather(trainers + rollouts, a.timeout)
+        return res[:len(trainers)], res[len(trainers):]
+
+    call_all(trainers, "train", 0.0, a.base + 1, timeout=a.timeout)
+    update(1)  # the initial weights, not counted
+    return run_sync_loop(trainers, rollouts, a, update)
+
+
+def open_channel(trainers, rollouts, a, mode: str, background: bool) -> None:
+    channel = f"stall-{mode}-{a.base}"
+    call_all(trainers, "open", channel, mode, a.transport, timeout=a.timeout)
+    for r in rollouts:
+        r.send("open", channel, a.transport, background)
+    gather(rollouts, a.timeout)
+    # the initial weights (version 1), not counted
+    call_all(trainers, "train", 0.0, a.base + 1, timeout=a.timeout)
+    for r in rollouts:
+        r.send("pull", 1, a.base, a.timeout)
+    call_all(trainers, "publish", a.timeout, timeout=a.timeout)
+    gather(rollouts, a.timeout)
+
+
+def mode_sync(trainers, rollouts, a) -> dict:
+    open_channel(trainers, rollouts, a, "sync", background=False)
+
+    def update(v: int):
+        for r in rollouts:
+            r.send("pull", v, a.base, a.timeout)
+        ts = call_all(trainers, "publish", a.timeout, timeout=a.timeout)
+        return ts, gather(rollouts, a.timeout)
+
+    try:
+        return run_sync_loop(trainers, rollouts, a, update)
+    finally:
+        call_all(rollouts, "close_channel", timeout=a.timeout)
+        call_all(trainers, "close_channel", timeout=a.timeout)
+
+
+def mode_free(trainers, rollouts, a, mode: str, background: bool) -> dict:
+    open_channel(trainers, rollouts, a, mode, background)
+    try:
+        for t in trainers:
+            t.send("loop", a.steps, a.train_s, a.base, a.timeout)
+        for r in rollouts:
+            r.send("loop", a.steps, a.gen_s, a.base, STALENESS[mode], a.timeout)
+        tres = gather(trainers, a.timeout * (a.steps + 2))
+        rres = gather(rollouts, a.timeout)
+    finally:
+        call_all(rollouts, "close_channel", timeout=a.timeout)
+        call_all(trainers, "close_channel", timeout=a.timeout)
+    return {"trainer_stalls": [r["stalls"] for r in tres], "rollout_stalls": [r["stalls"] for r in rres],
+            "snapshot_s": [r["snapshot_s"] for r in tres],
+            "wall_s": max(r["wall_s"] for r in tres + rres),
+            "checked": [r["checked"] for r in rres]}
+
+
+def summarize(res: dict, steps: int) -> dict:
+    def avg(lists):  # mean over processes of the per-step mean
+        per_proc = [sum(x) / len(x) for x in lists if x]
+        return sum(per_proc) / len(per_proc) if per_proc else 0.0
+
+    t, r = avg(res["trainer_stalls"]), avg(res["rollout_stalls"])
+    nt, nr = len(res["trainer_stalls"]), len(res["rollout_stalls"])
+    return {"trainer_stall_s": t, "rollout_stall_s": r, "stall_s": (t * nt + r * nr) / (nt + nr),
+            "step_wall_s": res["wall_s"] / steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import transports
+
+    ap = argparse.ArgumentParser(prog="stall", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=MODEL_SIZES, default="512m")
+    ap.add_argument("--steps", type=int, default=5, help="RL steps per mode")
+    ap.add_argument("--train-s", type=float, default=3.0, help="seconds of one training step")
+    ap.add_argument("--gen-s", type=float, default=3.0, help="seconds of one generation step")
+    ap.add_argument("--transport", default="auto", help="subscriber transport (auto: local on one host)")
+    ap.add_argument("--pull", choices=["background", "between"], default="background",
+                    help="how rollouts pull in one_step_off and async")
+    ap.add_argument("--modes", default="gather-bcast,sync,one_step_off,async")
+    ap.add_argument("--no-nice", action="store_true", help="emulated compute at normal CPU priority")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--json", action="store_true", help="write benchmarks/results/stall.json")
+    ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/stall.png")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    modes = a.modes.split(",")
+    if "gather-bcast" not in modes:
+        ap.error("--modes must include the baseline gather-bcast")
+
+    from wbridge.store import open_store
+
+    cfg = model_config(a.model)
+    info = machine()
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        if not a.quiet:
+            print(f"[{time.perf_counter() - t_start:5.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    log(f"stall: {cfg.nbytes / 2**20:.0f} MiB model, {TP * DP} trainers, {ROLLOUTS} rollouts, {a.steps} steps "
+        f"of {a.train_s}s train / {a.gen_s}s generate, transport {a.transport}, pull {a.pull}, "
+        f"transports here {transports.available()}")
+    store_url = f"tcp://127.0.0.1:{free_port()}"
+    store = open_store(store_url, host_store=True)
+    import stall as mod  # the actor classes by an importable name (also under runpy)
+
+    nice = not a.no_nice
+    specs = [(f"trainer-{r}", mod.Trainer, (r, a.model, store_url, nice), {}) for r in range(TP * DP)]
+    specs += [(f"rollout-{i}", mod.Rollout, (i, a.model, store_url, nice), {}) for i in range(ROLLOUTS)]
+    results: dict[str, Any] = {}
+    try:
+        acts = start_actors(specs, timeout=a.timeout)
+        trainers, rollouts = acts[:TP * DP], acts[TP * DP:]
+        try:
+            call_all(acts, "dist_init", free_port(), timeout=a.timeout)
+            a.base = 0
+            for mode in modes:
+                a.base += 1000  # content versions of each mode differ from every other mode's
+                if mode == "gather-bcast":
+                    res = mode_baseline(trainers, rollouts, a)
+                elif mode == "sync":
+                    res = mode_sync(trainers, rollouts, a)
+                else:
+                    res = mode_free(trainers, rollouts, a, mode, background=(a.pull == "background"))
+                results[mode] = {**summarize(res, a.steps), "raw": res}
+                s = results[mode]
+                log(f"  {mode:>13}: stall/step trainers {s['trainer_stall_s'] * 1e3:8.1f} ms, rollouts "
+                    f"{s['rollout_stall_s'] * 1e3:8.1f} ms, all {s['stall_s'] * 1e3:8.1f} ms; "
+                    f"{s['step_wall_s']:.2f} s/step; every pull bit-exact")
+        finally:
+            stop_all(acts)
+    finally:
+        store.close()
+
+    base = results["gather-bcast"]["stall_s"]
+    for mode, s in results.items():
+        s["vs_baseline"] = ratio(base, s["stall_s"])
+    wall = time.perf_counter() - t_start
+    print(f"{'mode':>13} {'trainer ms':>10} {'rollout ms':>10} {'all ms':>9} {'s/step':>7} {'vs baseline':>11}")
+    for mode, s in results.items():
+        print(f"{mode:>13} {s['trainer_stall_s'] * 1e3:>10.1f} {s['rollout_stall_s'] * 1e3:>10.1f} "
+              f"{s['stall_s'] * 1e3:>9.1f} {s['step_wall_s']:>7.2f} {fmt_ratio(s['vs_baseline']):>11}")
+    print(f"wall time {wall:.0f}s")
+    if a.json or a.plot:
+        data = {"config": {**vars(a), "model_bytes": cfg.nbytes, "tp": TP, "dp": DP, "rollouts": ROLLOUTS},
+                "machine": info, "modes": results, "wall_s": wall}
+        path = write_json("stall.json", data)
+        print(f"results: {os.path.relpath(path)}")
+        if a.plot:
+            from plots import plot_stall
+
+            print(f"plot: {os.path.relpath(plot_stall(data))}")
+
+    def r(mode: str) -> str:
+        return fmt_ratio(results[mode]["vs_baseline"]) if mode in results else "n/a"
+
+    print(f"stall: async_vs_baseline={r('async')} one_step_off_vs_baseline={r('one_step_off')} "
+          f"sync_vs_baseline={r('sync')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
