@@ -48,6 +48,34 @@ def box_runs(sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: 
     return src, dst, block * itemsize
 
 
+KEY_SHIFT = 48  # sort keys: region << 48 | byte offset (regions up to 256 TiB)
+
+
+def sort_order(keys: np.ndarray) -> np.ndarray | None:
+    """A stable sorting permutation of ``keys``, or None when they are already sorted.
+
+    Runs are emitted as ascending runs (a box's rows in order), so the keys are a concatenation
+    of sorted runs: order the runs by their first key, and keep that if the result is sorted
+    (runs that do not interleave, the usual case): O(n + r log r) instead of O(n log n).
+    """
+    n = len(keys)
+    if n < 2:
+        return None
+    brk = np.flatnonzero(keys[1:] < keys[:-1]) + 1
+    if not len(brk):
+        return None
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.append(starts, n))
+    by_first = np.argsort(keys[starts], kind="stable")
+    lens_sorted = lens[by_first]
+    perm = np.repeat(starts[by_first] - (np.cumsum(lens_sorted) - lens_sorted), lens_sorted)
+    perm += np.arange(n, dtype=perm.dtype)
+    k = keys[perm]
+    if not (k[1:] < k[:-1]).any():
+        return perm
+    return np.argsort(keys, kind="stable")
+
+
 def coalesce(src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray,
              dst_offset: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
     """Sorts runs by source address and merges neighbours contiguous on both sides.
@@ -56,11 +84,11 @@ def coalesce(src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndar
     """
     if len(nbytes) == 0:
         return src_region, src_offset, dst_region, dst_offset, nbytes
-    if len(nbytes) > 1 and src_region.min() == src_region.max():
-        order = np.argsort(src_offset, kind="stable")  # one region: a single-key sort is faster
+    order = sort_order((src_region << KEY_SHIFT) + src_offset)
+    if order is None:
+        sr, so, dr, do, nb = src_region, src_offset, dst_region, dst_offset, nbytes
     else:
-        order = np.lexsort((src_offset, src_region))
-    sr, so, dr, do, nb = (a[order] for a in (src_region, src_offset, dst_region, dst_offset, nbytes))
+        sr, so, dr, do, nb = (a[order] for a in (src_region, src_offset, dst_region, dst_offset, nbytes))
     if len(nb) > 1:
         cont = np.empty(len(nb), dtype=bool)
         cont[0] = False
@@ -78,9 +106,12 @@ def merge_intervals(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray
     """Sorted, merged ``(region, start, stop)`` of possibly touching (not overlapping) intervals."""
     if len(nbytes) == 0:
         return region, offset, offset
-    order = np.lexsort((offset, region))
-    r, a = region[order], offset[order]
-    b = a + nbytes[order]
+    order = sort_order((region << KEY_SHIFT) + offset)
+    if order is None:
+        r, a, b = region, offset, offset + nbytes
+    else:
+        r, a = region[order], offset[order]
+        b = a + nbytes[order]
     if len(r) > 1:
         new = np.ones(len(r), dtype=bool)
         new[1:] = (r[1:] != r[:-1]) | (a[1:] > np.maximum.accumulate(b)[:-1])

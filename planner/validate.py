@@ -23,9 +23,9 @@ from .dtypes import itemsize as _itemsize
 from .errors import PlanError
 from .layout import LocalTensor, Piece, RankLayout
 from .plan import Plan
-from .runs import piece_intervals
+from .runs import KEY_SHIFT, piece_intervals, sort_order
 
-_SHIFT = 48  # interval keys: region << 48 | byte offset (regions up to 256 TiB)
+_SHIFT = KEY_SHIFT
 
 
 def mapped_intervals(layout: RankLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -192,12 +192,11 @@ def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankL
         return
     keys = np.concatenate(dkeys)
     lens = np.concatenate(dlens)
-    order = np.argsort(keys, kind="stable")
-    k, n = keys[order], lens[order]
+    order = sort_order(keys)
+    k, n = (keys, lens) if order is None else (keys[order], lens[order])
     over = np.flatnonzero(k[1:] < k[:-1] + n[:-1])
     if len(over):
-        i = int(order[over[0] + 1])
-        key = int(keys[i])
+        key = int(k[over[0] + 1])
         raise PlanError(f"destination rank {d}: {len(over)} reads overlap in the destination, e.g. at "
                         f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}")
     bad = _uncovered(keys, lens, starts, stops)

@@ -80,3 +80,18 @@ def test_balance_reported_in_summary():
     s = p.summary()
     assert s["bytes"] == s["needed_bytes"] == 256 and s["bytes_per_source"] == {0: 128, 1: 128}
     assert s["balance_max_over_mean"] == 1.0
+
+
+def test_sort_order_matches_a_plain_stable_sort():
+    import numpy as np
+
+    from planner.runs import sort_order
+
+    rng = np.random.default_rng(0)
+    for case in range(200):
+        runs = [np.sort(rng.integers(0, 50 if case % 2 else 10**9, rng.integers(1, 20)))
+                for _ in range(rng.integers(1, 12))]
+        keys = np.concatenate(runs).astype(np.int64)
+        order = sort_order(keys)
+        got = keys if order is None else keys[order]
+        assert np.array_equal(got, np.sort(keys, kind="stable"))
