@@ -129,11 +129,11 @@ def canonical_shapes(canonical: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _unique_tags(rng: np.random.Generator, n: int) -> np.ndarray:
-    # Values in [1, 2): 52 random mantissa bits each; redraw on the (astronomically rare) collision.
-    while True:
-        tags = 1.0 + rng.random(n)
-        if len(np.unique(tags)) == n:
-            return tags
+    """Tag ``i`` is ``i + f_i`` with a random fraction ``f_i`` in [0.25, 0.75): the integer part
+    decodes in O(1), the fraction (about 28 random bits) exposes any value transform."""
+    if n >= 1 << 24:
+        raise LayoutError(f"a dimension of {n} elements is too large to trace (limit {1 << 24})")
+    return np.arange(n, dtype=np.float64) + 0.25 + 0.5 * rng.random(n)
 
 
 class _Tags:
@@ -170,14 +170,23 @@ def _select(tid: np.ndarray, t: int, ids: list[int]) -> np.ndarray | slice:
     return slice(None) if ids == [t] else np.nonzero(tid == t)[0]
 
 
+CHUNK = 1 << 22     # elements per step of the large array passes (bounds temporaries)
+
+
 def _lookup(values: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Index of each value in ``table`` (-1 where absent)."""
-    order = np.argsort(table)
-    st = table[order]
-    pos = np.searchsorted(st, values)
-    pos = np.clip(pos, 0, len(st) - 1)
-    hit = st[pos] == values
-    return np.where(hit, order[pos], -1)
+    """Index of each value in ``table`` (tags of ``_unique_tags``), -1 where it is none (NaN:
+    never written; anything else: a transformed value)."""
+    out = np.empty(values.shape, dtype=np.int32)
+    n = len(table)
+    with np.errstate(invalid="ignore"):
+        for a in range(0, values.size, CHUNK):
+            v = values[a:a + CHUNK]
+            i = np.floor(v)
+            ok = (i >= 0) & (i < n)
+            idx = np.where(ok, i, 0).astype(np.int64)
+            ok &= table[idx] == v
+            out[a:a + CHUNK] = np.where(ok, idx, -1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,11 +321,12 @@ def _box_of(m: _Map, t: int, gshape: tuple[int, ...], sel: np.ndarray | None = N
     sizes = hi - lo + 1
     if np.any(sizes <= 0) or int(np.prod(sizes)) != c.shape[1]:
         return None
-    rel = c - lo[:, None]
-    flat = np.ravel_multi_index(tuple(rel), tuple(int(s) for s in sizes))
-    if not np.array_equal(flat, np.arange(c.shape[1])):
-        return None
-    return tuple(int(x) for x in lo), tuple(int(x) for x in sizes)
+    dims = tuple(int(s) for s in sizes)
+    for d in range(nd):       # row-major box: coordinate d is lo[d] + its index along d
+        ramp = (lo[d] + np.arange(dims[d], dtype=c.dtype)).reshape([-1 if k == d else 1 for k in range(nd)])
+        if not (c[d].reshape(dims) == ramp).all():
+            return None
+    return tuple(int(x) for x in lo), dims
 
 
 def _as_shard(m: _Map, names: Sequence[str], shapes: Sequence[tuple]) -> Declaration | None:
@@ -458,6 +468,37 @@ def _declare(param: str, m: _Map, names, shapes, depth: int = 0, view: View = ()
                       f"is not expressible as shards/fused/stacked slices (shape {m.shape})")
 
 
+def _pieces_ordered(param: str, shape: tuple[int, ...], items: Sequence[tuple[View, Declaration]]) -> bool:
+    """Fast sufficient check that canonical elements land in increasing order: each piece is a
+    row-major box (ordered inside); pieces of one tensor, taken in local order, must cover
+    increasing, non-interleaved canonical flat ranges."""
+    from planner.layout import pieces_for, row_major_strides
+
+    strides = row_major_strides(shape)
+    spans: dict[str, list[tuple[int, int, int]]] = {}
+    for view, decl in items:
+        base = sum(i * st for i, st in zip(view, strides))
+        for p in pieces_for(param, decl, shape[len(view):]):
+            if not p.box.numel:
+                continue
+            g = row_major_strides(_shards_shape(decl, p.tensor))
+            start = sum(o * st for o, st in zip(p.box.offsets, g))
+            end = sum((o + s - 1) * st for o, s, st in zip(p.box.offsets, p.box.sizes, g))
+            spans.setdefault(p.tensor, []).append((base + p.offset, start, end))
+    for lst in spans.values():
+        lst.sort()
+        if any(b[1] <= a[2] for a, b in zip(lst, lst[1:])):
+            return False
+    return True
+
+
+def _shards_shape(decl: Declaration, name: str) -> tuple[int, ...]:
+    for s in _shards(decl):
+        if s.name == name:
+            return s.global_shape
+    raise LayoutError(f"{name}: not in declaration {decl!r}")
+
+
 def _check_order(param: str, m: _Map, names, shapes) -> None:
     """Each canonical tensor's elements must appear in increasing order (a slicing copy)."""
     ids = _ids(m.tid)
@@ -465,8 +506,17 @@ def _check_order(param: str, m: _Map, names, shapes) -> None:
         if t < 0:
             continue
         sel = _select(m.tid, t, ids)
-        flat = np.ravel_multi_index(tuple(m.coords[:len(shapes[t]), sel]), shapes[t])
-        if np.any(np.diff(flat) <= 0):
+        c = m.coords[:len(shapes[t])]
+        c = c if isinstance(sel, slice) else c[:, sel]
+        last, bad = -1, False
+        for a in range(0, c.shape[1], CHUNK):
+            flat = np.ravel_multi_index(tuple(c[:, a:a + CHUNK]), shapes[t])
+            if flat[0] <= last or np.any(np.diff(flat) <= 0):
+                bad = True
+                break
+            last = int(flat[-1])
+        if bad:
+            flat = np.ravel_multi_index(tuple(c), shapes[t])
             dup = len(np.unique(flat)) != len(flat)
             raise LayoutError(
                 f"{param}: the loader {'copies elements of ' + names[t] + ' more than once' if dup else 'reorders ' + names[t]}"
@@ -521,8 +571,13 @@ def trace_load_weights(module: Any, load_weights: Callable[[Iterable[tuple[str, 
                                       f"is missing or its name is not what the loader expects)")
                 unmapped[n] = k
                 continue
-            _check_order(n, m, names, [tuple(s) for s in tags.shapes])
-            items = _declare(n, m, names, tags.shapes)
+            try:
+                items = _declare(n, m, names, tags.shapes)
+            except LayoutError:
+                _check_order(n, m, names, tags.shapes)     # the clearer message, if it applies
+                raise
+            if not _pieces_ordered(n, tuple(all_params[n].shape), items):
+                _check_order(n, m, names, tags.shapes)     # exact element check on the rare doubt
             if k:
                 unmapped[n] = k
                 padded = all(isinstance(d, Shard) and d.padded for _, d in items)
@@ -563,10 +618,8 @@ def _trace_group(module: Any, load_weights: Callable, tags: _Tags, group: Sequen
 
 
 def _decode_tensor(name: str, shape: tuple[int, ...], v0: np.ndarray, tags: _Tags) -> np.ndarray:
-    nan = np.isnan(v0)
-    tid = np.full(v0.shape, -1, dtype=np.int32)
-    tid[~nan] = _lookup(v0[~nan], tags.tensor)
-    bad = (~nan) & (tid < 0)
+    tid = _lookup(v0, tags.tensor)          # NaN (never written) matches no tag: -1
+    bad = (tid < 0) & ~np.isnan(v0)
     if bad.any():
         i = int(np.argmax(bad))
         raise LayoutError(f"{name}: element {tuple(int(x) for x in np.unravel_index(i, shape))} holds {v0[i]!r}, "
