@@ -117,15 +117,17 @@ class Pause(Delegating):
     half-way: the first half of the batch's bytes is read, a line is appended to ``signal_path``,
     then the read waits until ``release_path`` exists (or ``hold`` seconds, or the read's timeout)
     before reading the second half. Tests kill a peer or cut a link while a pull is stopped there;
-    without ``release_path`` it is a reader that sleeps ``hold`` seconds between its ops."""
+    without ``release_path`` it is a reader that sleeps ``hold`` seconds between its ops. Only
+    batches of ``min_ops`` to ``max_ops`` reads count (``max_ops=1``: verification re-reads)."""
 
     def __init__(self, inner: Transport, signal_path: str | None = None, release_path: str | None = None,
-                 hold: float = 60.0, on_reads: Sequence[int] = (1,), min_ops: int = 1) -> None:
+                 hold: float = 60.0, on_reads: Sequence[int] = (1,), min_ops: int = 1,
+                 max_ops: int | None = None) -> None:
         super().__init__(inner)
         self.signal_path, self.release_path = signal_path, release_path
         self.hold = hold
         self.on_reads = set(on_reads)
-        self.min_ops = min_ops
+        self.min_ops, self.max_ops = min_ops, max_ops
         self.reads = 0
         self._count = threading.Lock()  # sources are read from parallel threads
 
@@ -139,10 +141,11 @@ class Pause(Delegating):
 
     def read(self, prepared: Any, *, timeout: float) -> None:
         whole, halves, batch = prepared
+        counted = self.min_ops <= len(batch) <= (self.max_ops or len(batch))
         with self._count:
-            if len(batch) >= self.min_ops:
+            if counted:
                 self.reads += 1
-            pause = len(batch) >= self.min_ops and self.reads in self.on_reads and len(halves) == 2
+            pause = counted and self.reads in self.on_reads and len(halves) == 2
         if not pause:
             self.inner.read(whole, timeout=timeout)
             return

@@ -1,0 +1,60 @@
+"""Across test hosts (network namespaces joined by a bridge): a link cut in the middle of a pull and
+restored. (Listening addresses: ``test_listen.py``.)
+
+Workers are forked from the harness's forkserver and then join their host's namespace (``in_netns``),
+so every process has its own address: 10.123.0.1 (A), 10.123.0.2 (B), 10.123.0.3 (C)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.etcd_fixture import EtcdServer, etcd_binary
+from tests.runtime.harness import Worker
+
+from .actors import FaultPub, FaultSub, in_netns, pause_fault, release, wait_paused
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
+
+PULL_TIMEOUT = 4.0
+SLACK = 6.0
+
+
+@pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)")
+def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
+    net = network(3)
+    a, b, c = net.hosts
+    server = EtcdServer(host=c.addr, prefix_cmd=c.exec_prefix)  # the store on a third host
+    fault, paused, go = pause_fault(tmp_path, on_reads=(2,))
+    pub = sub = None
+    try:
+        server.start()
+        url = server.url + "/cut/"
+        pub = Worker("pub@A", in_netns, a.name, FaultPub, url, 0, 1, 1, model_kind="tiny", host=a.addr,
+                     transport="tcp", mode="async", max_staleness=10)
+        sub = Worker("sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny",
+                     host=b.addr, transport="tcp", fault=fault)
+        pub.call("publish", 1)
+        first = sub.call("pull", min_version=1)
+        assert first["bad"] == [] and first["transports"][0][0] == "tcp"
+
+        pub.call("publish", 2)
+        sub.send("try_pull", timeout=PULL_TIMEOUT)
+        wait_paused(paused, 1)          # half of version 2 is in
+        net.cut(a)                      # the publisher's host drops off the network
+        release(go)
+        r = sub.result(PULL_TIMEOUT + 30)
+        assert r["error"] in ("TransportError", "TimeoutError_"), r
+        assert r["elapsed"] <= PULL_TIMEOUT + SLACK, r
+        assert r["version"] is None, "a failed pull must not claim a complete version"
+        assert sub.call("check", 2) != [], "the second half never arrived"
+
+        net.restore(a)
+        r = sub.call("pull", min_version=2, timeout=30.0)
+        assert r["v"] == 2 and r["bad"] == [], r
+        pub.call("publish", 3)
+        r = sub.call("pull", min_version=3, timeout=30.0)
+        assert r["v"] == 3 and r["bad"] == [], r
+    finally:
+        for w in (sub, pub):
+            if w is not None:
+                w.stop()
+        server.close()
