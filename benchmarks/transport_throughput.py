@@ -17,7 +17,8 @@ neighbours, and both sides of a ratio are measured minutes apart. The last line 
 
     transport_throughput: tcp_vs_iperf3=<r> local_vs_memcpy=<r> mooncake_vs_raw=<r> nixl_vs_raw=<r> tcp_vs_mooncake_tcp=<r>
 
-(``n/a`` where a side could not be measured). Targets: tcp >= 0.9x iperf3; local >= 0.9x memcpy;
+(``n/a`` where a side could not be measured). Each wbridge transport is measured right after what
+it is compared with, and the whole set ``--rounds`` times. Targets: tcp >= 0.9x iperf3; local >= 0.9x memcpy;
 mooncake and nixl >= 0.95x their raw engines; wbridge tcp >= 1.3x raw Mooncake over tcp.
 """
 from __future__ import annotations
@@ -201,6 +202,30 @@ def raw_nixl(size: int, op_size: int, repeat: int) -> dict:
 
 
 # -- the run ------------------------------------------------------------------------------------
+def _measure(item: str, size: int, op: int, rep: int, streams: int) -> dict:
+    """One measurement: ``{"what", "median", "best", "verified"}`` (GB/s), or the same with ``error``."""
+    try:
+        if item == "memcpy":
+            median, best = memcpy(size, rep)
+            return {"what": "memcpy (numpy, 1 thread)", "median": median, "best": best, "verified": "-"}
+        if item == "iperf3":
+            got = {s: iperf3_ceiling(size, s) for s in sorted({1, streams})}
+            best = max([x for x in got.values() if x], default=None)
+            label = ", ".join(f"-P {s}: {'n/a' if x is None else f'{x:.2f}'}" for s, x in got.items())
+            return {"what": f"iperf3 loopback (best of {label})", "median": best, "best": best, "verified": "-"}
+        if item in ("mooncake-raw", "nixl-raw"):
+            r = (raw_mooncake if item == "mooncake-raw" else raw_nixl)(size, op, rep)
+            extra = f" (per-op {r['single_gbps']:.2f}, batch {r['batch_gbps']:.2f})" if "single_gbps" in r else ""
+            return {"what": r["engine"] + extra, "median": r["gbps"], "best": r["best"], "verified": r["verified"]}
+        r = run_bench(item, size, op, streams, repeat=rep)
+        ok = r["verified"] and r["server_status"] == 0
+        return {"what": f"wbridge {item}", "median": r["gbps"], "best": r["gbps_best"] if ok else None,
+                "verified": ok}
+    except Exception as e:  # noqa: BLE001 - one failing item must not hide the others
+        return {"what": item if "raw" in item or item in ("memcpy", "iperf3") else f"wbridge {item}",
+                "median": None, "best": None, "verified": False, "error": f"error: {e!r}"[:120]}
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "n/a" if not a or not b else f"{a / b:.2f}"
 
@@ -210,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=parse_size, default=parse_size("1GiB"))
     ap.add_argument("--op-size", type=parse_size, default=parse_size("4MiB"))
     ap.add_argument("--streams", type=int, default=4, help="tcp streams (and iperf3's second run)")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5, help="timed reads per measurement")
+    ap.add_argument("--rounds", type=int, default=2, help="times the whole set is measured (best counts)")
     ap.add_argument("--transports", default=",".join(transports.available()),
                     help="comma-separated wbridge transports to run (default: all installed)")
     ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
@@ -219,39 +245,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw_server:
         return raw_server(args.raw_server[0], int(args.raw_server[1]))
     size, op, rep = args.size, args.op_size, args.repeat
-    rows: list[dict] = []
-    gb: dict[str, float | None] = {}
-
-    for name in [t for t in args.transports.split(",") if t]:
-        _log(f"wbridge {name} ...")
-        try:
-            r = run_bench(name, size, op, args.streams, repeat=rep)
-            gb[name] = r["gbps_best"] if r["verified"] and r["server_status"] == 0 else None
-            rows.append({"what": f"wbridge {name}", "GB/s": r["gbps"], "best": r["gbps_best"], "bit-exact": r["verified"]})
-        except Exception as e:  # noqa: BLE001 - one failing transport must not hide the others
-            gb[name] = None
-            rows.append({"what": f"wbridge {name}", "GB/s": None, "best": None, "bit-exact": f"error: {e!r}"[:120]})
-    _log("ceilings ...")
-    copy_median, gb["memcpy"] = memcpy(size, rep)
-    rows.append({"what": "memcpy (numpy, 1 thread)", "GB/s": copy_median, "best": gb["memcpy"], "bit-exact": "-"})
-    iperf = [iperf3_ceiling(size, s) for s in sorted({1, args.streams})]
-    gb["iperf3"] = max([x for x in iperf if x], default=None)
-    rows.append({"what": f"iperf3 loopback (best of -P {sorted({1, args.streams})}: "
-                         f"{', '.join('n/a' if x is None else f'{x:.2f}' for x in iperf)})",
-                 "GB/s": gb["iperf3"], "best": gb["iperf3"], "bit-exact": "-"})
-    for engine, fn in (("mooncake-raw", raw_mooncake), ("nixl-raw", raw_nixl)):
-        _log(f"{engine} ...")
-        try:
-            r = fn(size, op, rep)
-            gb[engine] = r["best"] if r["verified"] else None
-            extra = f" (per-op {r['single_gbps']:.2f}, batch {r['batch_gbps']:.2f})" if "single_gbps" in r else ""
-            rows.append({"what": r["engine"] + extra, "GB/s": r["gbps"], "best": r["best"], "bit-exact": r["verified"]})
-        except Exception as e:  # noqa: BLE001 - an engine missing here is reported, not fatal
-            gb[engine] = None
-            rows.append({"what": engine, "GB/s": None, "best": None, "bit-exact": f"unavailable: {e!r}"[:120]})
+    names = [t for t in args.transports.split(",") if t]
+    # Each wbridge transport right next to what it is compared with, the whole set ``rounds`` times
+    # (neighbours' load changes by the minute here; the best of each item over the rounds counts).
+    order = []
+    for name in names:
+        order += {"tcp": ["iperf3", "tcp"], "local": ["memcpy", "local"], "mooncake": ["mooncake-raw", "mooncake"],
+                  "nixl": ["nixl-raw", "nixl"]}.get(name, [name])
+    order += [ref for ref in ("iperf3", "memcpy", "mooncake-raw", "nixl-raw") if ref not in order]
+    runs: dict[str, list[dict]] = {item: [] for item in order}
+    for rnd in range(args.rounds):
+        for item in order:
+            _log(f"round {rnd + 1}/{args.rounds}: {item} ...")
+            runs[item].append(_measure(item, size, op, rep, args.streams))
+    rows, gb = [], {}
+    for item in order:
+        ok = [r for r in runs[item] if r.get("best") and r["verified"] is not False]
+        gb[item] = max((r["best"] for r in ok), default=None)
+        last = runs[item][-1]
+        rows.append({"what": last["what"], "GB/s": statistics.median([r["median"] for r in ok]) if ok else None,
+                     "best": gb[item], "bit-exact": last["verified"] if not last.get("error") else last["error"]})
 
     width = max(len(r["what"]) for r in rows)
-    print(f"transport throughput: {size} bytes in {op}-byte ops, {rep} timed reads each (GB/s median, best)")
+    print(f"transport throughput: {size} bytes in {op}-byte ops, {args.rounds} rounds of {rep} timed reads "
+          "(GB/s: median, best)")
     print(f"{'what'.ljust(width)}  {'median':>7}  {'best':>7}  bit-exact")
 
     def num(x: float | None) -> str:
@@ -261,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['what'].ljust(width)}  {num(r['GB/s']):>7}  {num(r['best']):>7}  {r['bit-exact']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "op_size": op, "repeat": rep, "rows": rows, "gbps": gb}, f, indent=1)
+            json.dump({"size": size, "op_size": op, "repeat": rep, "rounds": args.rounds, "rows": rows, "gbps": gb,
+                       "runs": runs}, f, indent=1)
     print(f"transport_throughput: tcp_vs_iperf3={_ratio(gb.get('tcp'), gb['iperf3'])} "
           f"local_vs_memcpy={_ratio(gb.get('local'), gb['memcpy'])} "
           f"mooncake_vs_raw={_ratio(gb.get('mooncake'), gb.get('mooncake-raw'))} "
