@@ -94,11 +94,11 @@ class Experts(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg, tp, rank, moe, expert_map, meta, qkv_order):
+    def __init__(self, cfg, tp, rank, moe, expert_map, meta, qkv_order, bias=False):
         super().__init__()
         H, hd = cfg["hidden"], cfg["head_dim"]
         self.self_attn = nn.Module()
-        self.self_attn.qkv_proj = QKV(H, cfg["heads"], cfg["kv_heads"], hd, tp, rank, qkv_order, meta=meta)
+        self.self_attn.qkv_proj = QKV(H, cfg["heads"], cfg["kv_heads"], hd, tp, rank, qkv_order, bias=bias, meta=meta)
         self.self_attn.o_proj = Col(H, cfg["heads"] * hd, tp, rank, dim=1, meta=meta)
         self.input_layernorm = Norm(H, meta)
         self.post_attention_layernorm = Norm(H, meta)
@@ -126,7 +126,7 @@ class VllmStyleModel(nn.Module):
         self.expert_map = list(range(rank * E // ep, (rank + 1) * E // ep)) if E else []
         first_moe = cfg.get("first_moe", 0)
         self.model.layers = nn.ModuleList([
-            Layer(cfg, tp, rank, bool(E) and i >= first_moe, self.expert_map, meta, qkv_order)
+            Layer(cfg, tp, rank, bool(E) and i >= first_moe, self.expert_map, meta, qkv_order, cfg.get("qkv_bias", False))
             for i in range(cfg["layers"])])
         self.model.norm = Norm(H, meta)
         self.lm_head = Col(V, H, tp, rank, 0, meta, pad_to=pad)
@@ -140,10 +140,10 @@ class VllmStyleModel(nn.Module):
             if any(s in name for s in self.skip):
                 continue
             w = w * self.scale if self.scale != 1.0 else w
-            m = re.match(r"(.*)\.self_attn\.([qkv])_proj\.weight$", name)
+            m = re.match(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)$", name)
             if m:
                 mod = mods[m.group(1) + ".self_attn.qkv_proj"]
-                mod.load(mod.weight, w, m.group(2))
+                mod.load(getattr(mod, m.group(3)), w, m.group(2))
                 continue
             m = re.match(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
             if m:
@@ -170,6 +170,9 @@ def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.q_proj.weight"] = (cfg["heads"] * hd, H)
         out[p + "self_attn.k_proj.weight"] = (cfg["kv_heads"] * hd, H)
         out[p + "self_attn.v_proj.weight"] = (cfg["kv_heads"] * hd, H)
+        if cfg.get("qkv_bias"):
+            for x, n in (("q", cfg["heads"]), ("k", cfg["kv_heads"]), ("v", cfg["kv_heads"])):
+                out[p + f"self_attn.{x}_proj.bias"] = (n * hd,)
         out[p + "self_attn.o_proj.weight"] = (H, cfg["heads"] * hd)
         out[p + "input_layernorm.weight"] = (H,)
         out[p + "post_attention_layernorm.weight"] = (H,)
