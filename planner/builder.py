@@ -296,75 +296,69 @@ def _chunks_for(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, 
 
 
 class _Emitter:
-    """Collects runs per source rank and turns them into coalesced ``SourceOps``."""
+    """Collects runs per source rank, in the order given, and turns them into ``SourceOps``.
+
+    Runs should arrive in source-address order per rank (``_emit`` sorts its parts): coalescing
+    then finds them sorted and skips the sort.
+    """
 
     def __init__(self) -> None:
-        # Per rank: five columns of Python ints for single runs, and batches of run arrays
-        # (src_offsets, dst_offsets, nbytes-or-array) with their scalar regions.
-        self.scalars: dict[int, list[list[int]]] = {}
-        self.batches: dict[int, list[tuple]] = {}
+        self.pending: dict[int, list[list[int]]] = {}  # single runs not yet put in a block
+        self.blocks: dict[int, list[tuple[np.ndarray, ...]]] = {}
 
     def add_one(self, rank: int, src_region: int, so: int, dst_region: int, do: int, nb: int) -> None:
-        cols = self.scalars.get(rank)
+        cols = self.pending.get(rank)
         if cols is None:
-            cols = self.scalars[rank] = [[], [], [], [], []]
+            cols = self.pending[rank] = [[], [], [], [], []]
         cols[0].append(src_region)
         cols[1].append(so)
         cols[2].append(dst_region)
         cols[3].append(do)
         cols[4].append(nb)
 
+    def _flush(self, rank: int) -> None:
+        cols = self.pending.pop(rank, None)
+        if cols:
+            self.blocks.setdefault(rank, []).append(tuple(np.asarray(c, dtype=np.int64) for c in cols))
+
     def add(self, rank: int, src_region: int, so: np.ndarray, dst_region: int, do: np.ndarray,
             nb: np.ndarray | int) -> None:
-        if len(so) == 1:
-            self.add_one(rank, src_region, int(so[0]), dst_region, int(do[0]),
-                         int(nb if isinstance(nb, int) else nb[0]))
-            return
-        self.batches.setdefault(rank, []).append((src_region, so, dst_region, do, nb))
+        self._flush(rank)
+        n = len(so)
+        self.blocks.setdefault(rank, []).append((
+            np.full(n, src_region, dtype=np.int64), so, np.full(n, dst_region, dtype=np.int64), do,
+            np.full(n, nb, dtype=np.int64) if isinstance(nb, int) else nb))
 
     def finish(self) -> tuple[SourceOps, ...]:
         out = []
-        for rank in sorted(set(self.scalars) | set(self.batches)):
-            batches = self.batches.get(rank, [])
-            cols: list[list[np.ndarray]] = [[], [], [], [], []]
-            if batches:
-                lens = np.array([len(b[1]) for b in batches], dtype=np.int64)
-                cols[0].append(np.repeat(np.array([b[0] for b in batches], dtype=np.int64), lens))
-                cols[1].append(np.concatenate([b[1] for b in batches]))
-                cols[2].append(np.repeat(np.array([b[2] for b in batches], dtype=np.int64), lens))
-                cols[3].append(np.concatenate([b[3] for b in batches]))
-                scalar_nb = np.array([b[4] if isinstance(b[4], int) else -1 for b in batches], dtype=np.int64)
-                nb = np.repeat(scalar_nb, lens)
-                if (scalar_nb < 0).any():
-                    nb[nb < 0] = np.concatenate([b[4] for b in batches if not isinstance(b[4], int)])
-                cols[4].append(nb)
-            sc = self.scalars.get(rank)
-            if sc is not None:
-                for i in range(5):
-                    cols[i].append(np.asarray(sc[i], dtype=np.int64))
-            out.append(SourceOps(rank, *coalesce(*(np.concatenate(c) for c in cols))))
+        for rank in sorted(set(self.pending) | set(self.blocks)):
+            self._flush(rank)
+            blocks = self.blocks[rank]
+            cols = blocks[0] if len(blocks) == 1 else [np.concatenate([b[i] for b in blocks]) for i in range(5)]
+            out.append(SourceOps(rank, *coalesce(*cols)))
         return tuple(out)
 
 
 def _emit(ch: _Chunks, parts: list[list[list[int]]]) -> tuple[SourceOps, ...]:
-    em = _Emitter()
+    todo = []
     for i, plist in enumerate(parts):
         g = ch.group[i]
-        isz = ch.itemsize[i]
-        w = ch.nbytes[i]
+        delta = ch.delta[i]
         for rank, a, b in plist:
             if b <= a:
                 continue
             region, base, strides = g.addr_of(rank)
-            delta = ch.delta[i]
-            src_base = base + sum(d * s for d, s in zip(delta, strides)) * isz if any(delta) else base
-            rs, rd, run = box_runs(ch.sizes[i], strides, ch.dst_strides[i], isz)
-            if len(rs) == 1:  # one contiguous run (most chunks): stay in Python ints
-                em.add_one(rank, region, src_base + a, ch.dst_region[i], ch.dst_base[i] + a, b - a)
-                continue
-            if a == 0 and b == w:
-                em.add(rank, region, rs + src_base, ch.dst_region[i], rd + ch.dst_base[i], run)
-                continue
+            src_base = base + sum(d * s for d, s in zip(delta, strides)) * ch.itemsize[i] if any(delta) else base
+            todo.append((rank, region, src_base, a, b, i, strides))
+    todo.sort(key=lambda x: x[:4])  # source-address order per rank: coalescing needs no sort
+    em = _Emitter()
+    for rank, region, src_base, a, b, i, strides in todo:
+        rs, rd, run = box_runs(ch.sizes[i], strides, ch.dst_strides[i], ch.itemsize[i])
+        if len(rs) == 1:  # one contiguous run (most chunks): stay in Python ints
+            em.add_one(rank, region, src_base + a, ch.dst_region[i], ch.dst_base[i] + a, b - a)
+        elif a == 0 and b == ch.nbytes[i]:
+            em.add(rank, region, rs + src_base, ch.dst_region[i], rd + ch.dst_base[i], run)
+        else:
             js = np.arange(a // run, -(-b // run), dtype=np.int64)
             st = np.maximum(js * run, a)
             en = np.minimum(js * run + run, b)
