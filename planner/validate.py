@@ -189,8 +189,11 @@ def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankL
             raise PlanError(f"destination rank {d}: {len(bad)} reads from source rank {s.src_rank} touch "
                             f"unmapped source bytes, e.g. {int(s.nbytes[i])} bytes at "
                             f"{_describe(info, int(s.src_region[i]), int(s.src_offset[i]))}")
-        dkeys.append((s.dst_region << _SHIFT) + s.dst_offset)
-        dlens.append(s.nbytes)
+        # Rows that continue each other in the destination (a strided source box landing in a
+        # dense destination slice) merge first: same union, same overlaps, far fewer to sort.
+        k, n = _touching_merged((s.dst_region << _SHIFT) + s.dst_offset, s.nbytes)
+        dkeys.append(k)
+        dlens.append(n)
     total = plan.total_bytes
     dinfo = _info(dest, cache)
     starts, stops = dinfo.mapped
@@ -222,6 +225,16 @@ def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankL
     if check_data:
         used = {s.src_rank for s in plan.sources}
         _check_sample(plan, {r: _info(lay, cache) for r, lay in src_map.items() if r in used}, dinfo, samples)
+
+
+def _touching_merged(keys: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merges consecutive intervals where one ends exactly where the next starts."""
+    if len(keys) < 2:
+        return keys, nbytes
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1] + nbytes[:-1])))
+    if len(starts) == len(keys):
+        return keys, nbytes
+    return keys[starts], np.add.reduceat(nbytes, starts)
 
 
 def _key_safe(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> bool:
