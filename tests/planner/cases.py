@@ -58,7 +58,7 @@ def case_row_to_col() -> tuple[list[RankLayout], list[RankLayout]]:
 
 
 def case_replicas() -> tuple[list[RankLayout], list[RankLayout]]:
-    t = {"w": ((16, 4), None), "b": ((4,), None)}
+    t = {"w": ((16, 4), None), "b": ((4,), None), "scale": ((), None)}
     return sharded(t, tp=1, dp=3), sharded(t, tp=1, dp=2, rank0=10)
 
 
