@@ -61,7 +61,8 @@ class Col(nn.Module):
     def load(self, param, w, shard=None):
         start = self.rank * self.n
         size = max(0, min(self.n, w.shape[self.dim] - start))
-        param.data.narrow(self.dim, 0, size).copy_(w.narrow(self.dim, start, size))
+        if size:          # a rank past the real vocabulary holds padding only
+            param.data.narrow(self.dim, 0, size).copy_(w.narrow(self.dim, start, size))
 
 
 class Norm(nn.Module):

@@ -222,3 +222,23 @@ def test_groups_and_parking_leave_real_weights_alone():
     assert list(part.entries) == ["model.norm.weight"]
     for n, p in m.named_parameters():       # placeholders never reached the real weights
         assert torch.equal(p, before[n]) and p.dtype == torch.float32, n
+
+
+def test_deepseek_style_replication_matches_full_trace():
+    """The Kimi-K2 extraction recipe (kimi_extract.py) on a small DeepseekV3-architecture config:
+    a two-layer, two-experts-per-rank trace expanded by name pattern equals the full trace."""
+    from .engines import DeepseekStyleModel, deepseek_shapes
+
+    c = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+             num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
+             num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+             qk_rope_head_dim=8, v_head_dim=16)
+    tp = ep = 4
+    for rank in (0, 3):
+        small = DeepseekStyleModel(c, tp=tp, rank=rank, ep=ep, layers=2, experts=2 * ep)
+        r = trace_load_weights(small, small.load_weights, deepseek_shapes(c, layers=2, experts=2 * ep))
+        r = expand_experts(r, small.expert_map, list(range(rank * 4, rank * 4 + 4)))
+        r = with_shapes(expand_layers(r, {0: 0, 1: 1, 2: 1, 3: 1}), deepseek_shapes(c))
+        full = DeepseekStyleModel(c, tp=tp, rank=rank, ep=ep)
+        want = trace_load_weights(full, full.load_weights, deepseek_shapes(c))
+        assert r.entries == want.entries and r.unmapped == want.unmapped
