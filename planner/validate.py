@@ -33,7 +33,7 @@ def mapped_intervals(layout: RankLayout) -> tuple[np.ndarray, np.ndarray]:
     items = []
     for t in layout.tensors:
         isz = _itemsize(t.dtype)
-        if t.unmapped_numel == 0 and len(t.pieces) > 1:
+        if len(t.pieces) > 1 and t.unmapped_numel == 0:
             # Disjoint pieces (a LayoutError otherwise) covering every element: the whole tensor.
             items.append((t.region, t.offset, (t.numel,), (1,), isz))
             continue
@@ -238,9 +238,12 @@ def _touching_merged(keys: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, 
 
 
 def _key_safe(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> bool:
-    """Whether ``region << 48 | offset`` keys are exact (no sign or overflow surprises)."""
-    return (region.min() >= 0 and region.max() < (1 << 14) and offset.min() >= 0
-            and int((offset + nbytes).max()) < (1 << _SHIFT))
+    """Whether ``region << 48 | offset`` keys are exact: ``0 <= region < 2**14`` and
+    ``0 <= offset < 2**48`` (an OR over non-negative values stays below a power of two only if
+    each does; a negative value sets the sign bit). A read running past ``2**48`` then fails
+    the mapped-bytes check."""
+    return 0 <= int(np.bitwise_or.reduce(region)) < (1 << 14) and \
+        0 <= int(np.bitwise_or.reduce(offset)) < (1 << _SHIFT)
 
 
 def _check_bounds(what: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
