@@ -36,6 +36,9 @@ from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
 
 MODES = ("sync", "one_step_off", "async")
+STAMP_BYTES = 32            # uint64 magic, version, state, epoch
+STAMP_MAGIC = 0x57425354414D5031  # "WBSTAMP1"
+STAMP_STABLE, STAMP_WRITING = 0, 1
 
 
 def served_transports(transport: str | Sequence[str]) -> list[str]:
@@ -66,6 +69,7 @@ class _Registration:
     slots: list[Any]                   # staging buffers (torch uint8), or live tensors (zero copy)
     regions: dict[str, list[list[Any]]] = field(default_factory=dict)  # transport -> slot -> regions
     copies: list[list[tuple[Any, Any]]] = field(default_factory=list)   # slot -> (dst, src) views
+    stamps: list[Any] = field(default_factory=list)                       # slot -> stamp buffer
     epoch: int = 0
 
 
@@ -157,10 +161,18 @@ class Publisher(Closeable):
         reg = _Registration(layout, live, slots)
         if not self.zero_copy:
             reg.copies = [_copy_pairs(slot[0], live.values(), layout, device) for slot in slots]
+        # Each slot's last region is its stamp: the version it holds and whether it is being
+        # written. Readers check it after their reads (a seqlock in the data plane), so a store
+        # that lies about fences cannot make them commit a slot that changed under them.
+        reg.stamps = [self._staging_buffer(STAMP_BYTES, "cpu") for _ in slots]
+        for stamp in reg.stamps:
+            stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
         with translated():
             for name, t in self._transports.items():
-                reg.regions[name] = [[t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
-                                     for slot in slots]
+                reg.regions[name] = [
+                    [t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
+                    + [t.register(address(stamp), STAMP_BYTES, device="cpu")]
+                    for slot, stamp in zip(slots, reg.stamps)]
         count = self._store.add(self.keys.reg, 1)
         reg.epoch = (count - 1) // self.world_size + 1
         latest = VersionRecord.read(self._store, self.keys, self.token)
@@ -208,7 +220,10 @@ class Publisher(Closeable):
         self._wait_before_snapshot(v, slot, deadline)
         t1 = time.perf_counter()
         self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
+        stamp = reg.stamps[slot].numpy().view(np.uint64)
+        stamp[1:] = (v, STAMP_WRITING, reg.epoch)    # before the first byte of the slot changes
         sums = self._snapshot(reg, slot)
+        stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t2 = time.perf_counter()
         if sums is not None:
             key = self.keys.sums(v, self.rank)
@@ -222,6 +237,7 @@ class Publisher(Closeable):
             self._wait_acked(v, deadline, f"publisher rank {self.rank}: acks of version {v}")
         if self.zero_copy:
             # The trainer mutates the live tensors as soon as we return: fence v off.
+            stamp[2] = STAMP_WRITING
             self._store.add(self.keys.fence(slot), 1)
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes

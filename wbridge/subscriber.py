@@ -39,6 +39,7 @@ from .channel import Keys, VersionRecord
 from .errors import (AuthError, IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
                      WaitTimeout, WBridgeError, translated)
 from .lifecycle import Closeable, quietly
+from .publisher import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .records import open_sealed, seal
 from .selection import candidates
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
@@ -82,6 +83,9 @@ class _Source:
     batch: ReadBatch
     peer: Any = None
     prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared read
+    stamp: Any = None                                        # where the slot's stamp is read to
+    stamp_region: Any = None
+    stamp_prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared stamp read
 
 
 @dataclass
@@ -125,6 +129,7 @@ class Subscriber(Closeable):
         self._lease = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
+        self._newest = 0  # the newest version number seen; records older than it are refused
         self._store = open_store(store, connect_timeout=connect_timeout)
 
     # ------------------------------------------------------------------------------------------
@@ -213,6 +218,10 @@ class Subscriber(Closeable):
             return rec.v
 
     def _wait_version(self, want: int, deadline: float, timeout: float) -> VersionRecord:
+        # Never go back: a store replaying an older (genuinely signed) version record must not
+        # roll this subscriber back to stale weights.
+        want = max(want, self._newest)
+
         def probe():
             rec = VersionRecord.read(self._store, self.keys, self.token)
             if rec is None or rec.v < want:
@@ -223,8 +232,10 @@ class Subscriber(Closeable):
                 return None  # zero-copy versions are readable only while their publish() runs
             return rec
         try:
-            return Store.wait_until(probe, max(0.0, deadline - time.monotonic()),
-                                    f"version >= {want} on channel {self.channel!r}")
+            rec = Store.wait_until(probe, max(0.0, deadline - time.monotonic()),
+                                   f"version >= {want} on channel {self.channel!r}")
+            self._newest = max(self._newest, rec.v)
+            return rec
         except WaitTimeout:
             raise WaitTimeout(f"subscriber {self.name}: no version >= {want} on channel "
                               f"{self.channel!r} within {timeout:.1f}s (is a publisher running?)") from None
@@ -242,10 +253,15 @@ class Subscriber(Closeable):
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
             self._read_all(session, rec.slot, deadline)
+            if self.verify and rec.checksums:
+                try:
+                    self._verify(session, rec, deadline)
+                except IntegrityError:
+                    self._check_stamps(session, rec, deadline)  # a slot reused under us is staleness
+                    raise
+            self._check_stamps(session, rec, deadline)
             if self._store.get_int(fence_key) != rec.fence:
                 raise StaleVersionError(f"version {rec.v} was overwritten during the read")
-            if self.verify and rec.checksums:
-                self._verify(session, rec, deadline)
         finally:
             self._store.set(reading_key, b"0")
         for dst, src in self._commit:  # staged: every read succeeded, now commit
@@ -284,6 +300,30 @@ class Subscriber(Closeable):
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def _check_stamps(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
+        """Reads every source's slot stamp after the data: unless each still says "version v,
+        stable", the slot changed under the reads (the seqlock check; the store's fence is only a
+        hint, since the store is not trusted)."""
+        want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
+
+        def one(src: _Source) -> None:
+            t = self._transports[src.transport]
+            prep = src.stamp_prepared.get(rec.slot)
+            with translated():
+                if prep is None:
+                    stamp_index = len(src.regions[rec.slot]) - 1
+                    prep = t.prepare(src.peer, src.regions[rec.slot], [src.stamp_region],
+                                     ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]))
+                    src.stamp_prepared[rec.slot] = prep
+                t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+            got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
+            if got != want:
+                raise StaleVersionError(f"publisher rank {src.rank}: slot {rec.slot} holds version "
+                                        f"{got[1]} (state {got[2]}), not version {rec.v}")
+
+        for f in [self._pool.submit(one, src) for src in session.sources]:
+            f.result()
 
     # ------------------------------------------------------------------------------------------
     def _setup(self, rec: VersionRecord, deadline: float) -> _Session:
@@ -338,6 +378,8 @@ class Subscriber(Closeable):
                 t = self._transport(name)
                 with translated():
                     src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
+                    src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
+                    src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
             except TransportError as e:
                 if isinstance(e, AuthError) or i == len(options) - 1:
                     raise
@@ -403,8 +445,10 @@ class Subscriber(Closeable):
             t = self._transports.get(src.transport)
             if t is None:
                 continue
-            for prep in src.prepared.values():
+            for prep in [*src.prepared.values(), *src.stamp_prepared.values()]:
                 quietly(t.release, prep)
+            if src.stamp_region is not None:
+                quietly(t.deregister, src.stamp_region)
             if src.peer is not None:
                 quietly(t.disconnect, src.peer)
 

@@ -9,13 +9,8 @@ from tests.runtime.harness import Worker, call_all, free_port
 
 from .actors import FaultPub, FaultSub, release, wait_paused
 
-VERIFY_RACE = ("runtime hole: Subscriber._apply checks the slot's fence before _verify, whose re-reads of "
-               "partly covered chunks then race with the slot's reuse: a legitimate reuse (async mode) "
-               "fails the pull with IntegrityError instead of a StaleVersionError retry (soak: ~5% of pulls)")
-
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(strict=True, reason=VERIFY_RACE)
 def test_slot_reused_during_verification_retries(tmp_path) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     pubs = [Worker(f"pub{r}", FaultPub, url, r, 2, 2, host_store=(r == 0), model_kind="tiny", mode="async",
