@@ -6,9 +6,9 @@ Real processes emulate an RL loop: 4 trainers (TP=2 x DP=2) and 2 rollout engine
 layout) of a synthetic Qwen-like model (``--model``). A training step is ``--train-s`` seconds of
 CPU work that starts by writing the next version's values into the trainer's shards; a generation
 step is ``--gen-s`` seconds of CPU work that starts by checking, bit for bit, the version the
-rollout holds (``synthetic.mismatches``; a mismatch aborts the run). The work runs at the lowest
-CPU priority (``_common.Compute``; ``--no-nice`` to compete as equals), standing in for GPU kernels
-that leave the host CPUs to the weight transfer. ``--steps`` steps per mode:
+rollout holds (``synthetic.mismatches``; a mismatch aborts the run). The work runs at a lower CPU
+priority (``_common.Compute``, ``--nice 10``; ``--nice 0`` competes as an equal), standing in for
+GPU kernels that leave the host CPUs to the weight transfer. ``--steps`` steps per mode:
 
 * ``gather-bcast`` (baseline A, sync): generate, train, then everyone joins the gather + bucketed
   broadcast (``_common``) and a final barrier: one on-policy step after another.
@@ -48,12 +48,16 @@ from _common import (BUCKET_BYTES, MODEL_SIZES, TOKEN, Compute, baseline_rollout
 
 TP, DP, ROLLOUTS = 2, 2, 2
 STALENESS = {"sync": 0, "one_step_off": 1, "async": 2}
+# The benchmark's own memory-heavy work (writing a version's values, checking one) runs a quarter
+# into a step, away from the step boundaries where snapshots, pulls and swaps happen: it has no
+# GPU counterpart, and on a GPU node it would not share host memory bandwidth with the transfer.
+BOOKKEEPING_AT = 0.25
 
 
 class _Side:
     """What trainers and rollouts share: a model, emulated compute, the baseline's groups."""
 
-    def __init__(self, model: str, store_url: str, nice: bool) -> None:
+    def __init__(self, model: str, store_url: str, nice: int) -> None:
         self.cfg = model_config(model)
         self.store_url = store_url
         self.compute = Compute(nice)
@@ -75,7 +79,7 @@ class _Side:
 
 
 class Trainer(_Side):
-    def __init__(self, rank: int, model: str, store_url: str, nice: bool) -> None:
+    def __init__(self, rank: int, model: str, store_url: str, nice: int) -> None:
         from wbridge.synthetic import make_tensors
 
         super().__init__(model, store_url, nice)
@@ -89,7 +93,7 @@ class Trainer(_Side):
         return lambda: set_version(self.tensors, content)
 
     def train(self, seconds: float, content: int) -> float:
-        return self.compute.step(seconds, self._set(content))[0]
+        return self.compute.step(seconds, self._set(content), at=BOOKKEEPING_AT)[0]
 
     # -- baseline ------------------------------------------------------------------------------
     def dist_init(self, port: int) -> None:
@@ -107,7 +111,7 @@ class Trainer(_Side):
         from wbridge import Publisher
 
         self.pub = Publisher(channel, self.store_url, rank=self.rank, world_size=TP * DP, token=TOKEN, mode=mode,
-                             max_staleness=STALENESS[mode] if mode == "async" else None, transport=transport)
+                             max_staleness=STALENESS[mode] if mode == "async" else None, transport=[transport])
         self.pub.register(self.tensors)
 
     def publish(self, timeout: float) -> float:
@@ -138,7 +142,7 @@ class Trainer(_Side):
 
 
 class Rollout(_Side):
-    def __init__(self, idx: int, model: str, store_url: str, nice: bool) -> None:
+    def __init__(self, idx: int, model: str, store_url: str, nice: int) -> None:
         from wbridge.synthetic import make_tensors
 
         super().__init__(model, store_url, nice)
@@ -166,7 +170,7 @@ class Rollout(_Side):
         """One generation step; it starts by checking the weights it runs on (not yet checked)."""
         fn = self._check(self.held) if self.held and self.checked_version != self.held else None
         self.checked_version = self.held
-        return self.compute.step(seconds, fn)[0]
+        return self.compute.step(seconds, fn, at=BOOKKEEPING_AT)[0]
 
     # -- baseline ------------------------------------------------------------------------------
     def dist_init(self, port: int) -> None:
@@ -252,9 +256,13 @@ class Rollout(_Side):
             th.start()
 
             def boundary(need: int) -> None:
+                deadline = time.monotonic() + timeout
                 with cv:
                     while state["ready"] < need and state["error"] is None:
-                        cv.wait(timeout)
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise TimeoutError(f"rollout {self.idx}: no version >= {need} within {timeout:.0f}s")
+                        cv.wait(left)
                     if state["error"] is not None:
                         raise state["error"]
                     if state["ready"] > swapped["v"]:
@@ -384,11 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="RL steps per mode")
     ap.add_argument("--train-s", type=float, default=3.0, help="seconds of one training step")
     ap.add_argument("--gen-s", type=float, default=3.0, help="seconds of one generation step")
-    ap.add_argument("--transport", default="auto", help="subscriber transport (auto: local on one host)")
+    ap.add_argument("--transport", default="local", help="the transport publishers serve and rollouts use")
     ap.add_argument("--pull", choices=["background", "between"], default="background",
                     help="how rollouts pull in one_step_off and async")
     ap.add_argument("--modes", default="gather-bcast,sync,one_step_off,async")
-    ap.add_argument("--no-nice", action="store_true", help="emulated compute at normal CPU priority")
+    ap.add_argument("--nice", type=int, default=10,
+                    help="CPU niceness of the emulated compute (0: equal priority with the transfer)")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json", action="store_true", help="write benchmarks/results/stall.json")
     ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/stall.png")
@@ -415,12 +424,12 @@ def main(argv: list[str] | None = None) -> int:
     store = open_store(store_url, host_store=True)
     import stall as mod  # the actor classes by an importable name (also under runpy)
 
-    nice = not a.no_nice
+    nice = a.nice
     specs = [(f"trainer-{r}", mod.Trainer, (r, a.model, store_url, nice), {}) for r in range(TP * DP)]
     specs += [(f"rollout-{i}", mod.Rollout, (i, a.model, store_url, nice), {}) for i in range(ROLLOUTS)]
     results: dict[str, Any] = {}
     try:
-        acts = start_actors(specs, timeout=a.timeout)
+        acts = start_actors(specs, timeout=max(a.timeout, 300.0))
         trainers, rollouts = acts[:TP * DP], acts[TP * DP:]
         try:
             call_all(acts, "dist_init", free_port(), timeout=a.timeout)

@@ -22,10 +22,12 @@ before every wbridge pull the destinations are overwritten with garbage.
 
 Efficiency (wbridge, zero copy): (bytes all rollouts needed / the transport's own throughput) over
 the measured pull window (first read to last byte). The throughput is measured in the same run,
-with nothing else running, by bare bulk reads (``_common.BulkReader``: the transport API and a
-serving process, as ``transports.bench.run_bench`` does, 4 MiB ops) from as many readers at once
-as there are rollouts, each reading as many bytes as one rollout needs. 1.0 means the update moved
-its bytes as fast as the bare transport does; the headline is the lowest over the transports.
+with nothing else running, by bare bulk reads with the pulls' traffic pattern
+(``_common.BulkReader``: the transport API and serving processes, as ``transports.bench.run_bench``
+does, 4 MiB ops): as many readers at once as there are rollouts, each reading as many bytes as one
+rollout needs, half from each of two serving processes (the DP replicas), in parallel. 1.0 means
+the update moved its bytes as fast as the bare transport does; the headline is the lowest over
+the transports.
 
 Peak RSS (``ru_maxrss``) of trainer rank 0 and rollout rank 0 comes from separate process sets for
 wbridge and for the baselines, read after the zero-copy runs, after the staged runs and after
@@ -270,10 +272,11 @@ class Run:
 
 
 def transport_yardstick(transport: str, size: int, repeat: int, timeout: float) -> dict:
-    """What the transport alone moves with as many concurrent readers as there are rollouts (zero
-    copy reads live memory, which the local transport reaches with process_vm_readv: measured so)."""
+    """What the bare transport moves with the pulls' traffic pattern: as many readers at once as
+    there are rollouts, each reading its bytes half from each of DP serving processes (zero copy
+    reads live memory, which the local transport reaches with process_vm_readv: measured so)."""
     options = {"method": "vm"} if transport == "local" else None
-    return concurrent_bulk_gbps(transport, size, ROLLOUTS, repeat, options, timeout)
+    return concurrent_bulk_gbps(transport, size, ROLLOUTS, DP, repeat, options, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     def actors():
         specs = [(f"trainer-{r}", mod.Trainer, (r, a.model, store_url), {}) for r in range(TP * DP)]
         specs += [(f"rollout-{i}", mod.Rollout, (i, a.model, store_url), {}) for i in range(ROLLOUTS)]
-        acts = start_actors(specs, timeout=a.timeout)
+        acts = start_actors(specs, timeout=max(a.timeout, 300.0))
         return acts[:TP * DP], acts[TP * DP:]
 
     def record_rss(label: str, trainers, rollouts) -> None:
@@ -353,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         per_rollout = max(r["bytes"] for r in run.rows) // ROLLOUTS
         for name in names:
             bench[name] = transport_yardstick(name, per_rollout, a.bench_repeat, a.timeout)
-            run.log(f"  {name} bare bulk reads, {ROLLOUTS} readers x {per_rollout / 2**20:.0f} MiB in 4 MiB ops: "
+            run.log(f"  {name} bare bulk reads, {ROLLOUTS} readers x {per_rollout / 2**20:.0f} MiB from {DP} "
+                    f"sources each, 4 MiB ops: "
                     f"{bench[name]['gbps']:.2f} GB/s together, {bench[name]['solo_gbps']:.2f} GB/s alone")
         # the baselines, in a fresh process set
         run.log("baselines (torch.distributed gloo):")
