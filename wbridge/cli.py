@@ -64,14 +64,13 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    import transports
 
-    from .selection import rdma_present
-    from .store import host_identity
+    from transports.select import capabilities
 
-    print(f"host identity : {host_identity()}")
-    print(f"transports    : {', '.join(transports.available())}")
-    print(f"rdma devices  : {'yes' if rdma_present() else 'no'}")
+    caps = capabilities()
+    print(f"host identity : {caps['host']}")
+    print(f"transports    : {', '.join(caps['transports'])}")
+    print(f"rdma devices  : {', '.join(caps['rdma']) or 'none'}")
     try:
         import torch
 

@@ -118,16 +118,17 @@ class Pause(Delegating):
     then the read waits until ``release_path`` exists (or ``hold`` seconds, or the read's timeout)
     before reading the second half. Tests kill a peer or cut a link while a pull is stopped there;
     without ``release_path`` it is a reader that sleeps ``hold`` seconds between its ops. Only
-    batches of ``min_ops`` to ``max_ops`` reads count (``max_ops=1``: verification re-reads)."""
+    batches of ``min_ops`` to ``max_ops`` reads and at least ``min_bytes`` bytes count
+    (``max_ops=1``: verification re-reads; ``min_bytes`` skips the few bytes of slot stamps)."""
 
     def __init__(self, inner: Transport, signal_path: str | None = None, release_path: str | None = None,
                  hold: float = 60.0, on_reads: Sequence[int] = (1,), min_ops: int = 1,
-                 max_ops: int | None = None) -> None:
+                 max_ops: int | None = None, min_bytes: int = 1024) -> None:
         super().__init__(inner)
         self.signal_path, self.release_path = signal_path, release_path
         self.hold = hold
         self.on_reads = set(on_reads)
-        self.min_ops, self.max_ops = min_ops, max_ops
+        self.min_ops, self.max_ops, self.min_bytes = min_ops, max_ops, min_bytes
         self.reads = 0
         self._count = threading.Lock()  # sources are read from parallel threads
 
@@ -141,7 +142,8 @@ class Pause(Delegating):
 
     def read(self, prepared: Any, *, timeout: float) -> None:
         whole, halves, batch = prepared
-        counted = self.min_ops <= len(batch) <= (self.max_ops or len(batch))
+        counted = (self.min_ops <= len(batch) <= (self.max_ops or len(batch))
+                   and batch.total_bytes >= self.min_bytes)
         with self._count:
             if counted:
                 self.reads += 1

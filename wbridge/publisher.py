@@ -31,7 +31,7 @@ from .channel import Keys, SubscriberTracker, VersionRecord, now
 from .errors import UsageError, WaitTimeout, WBridgeError, translated
 from .lifecycle import Closeable, quietly
 from .records import seal
-from .selection import RDMA_FIRST, rdma_present
+from .selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
 
@@ -180,6 +180,7 @@ class Publisher(Closeable):
         record = {
             "rank": self.rank, "world_size": self.world_size, "epoch": reg.epoch,
             "layout": layout.to_dict(), "host": host_identity(), "pid": os.getpid(),
+            "caps": publisher_capabilities(list(self._transports)),
             "slots": self.slots, "zero_copy": self.zero_copy, "device": device,
             "transports": {
                 name: {"endpoint": _b64(t.endpoint()),

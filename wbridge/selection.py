@@ -1,52 +1,32 @@
-"""Which transport a subscriber uses to read from one publisher rank, and why."""
+"""Which transport a subscriber uses to read from one publisher rank, and why.
+
+The policy itself lives in ``transports.select`` (pure, shared with the transport tests); this
+adapter feeds it the capabilities each publisher rank advertises in its signed record.
+"""
 from __future__ import annotations
 
-import os
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
-import transports as _transports
+from transports import select as _select
 
-from .errors import MissingExtraError, TransportError
+from .errors import translated
 
-RDMA_FIRST = ("nixl", "mooncake")
+RDMA_FIRST = _select.RDMA_FIRST
 
 
 def rdma_present() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
+    return bool(_select.rdma_devices())
 
 
-def candidates(preference: str, served: Mapping[str, object], same_host: bool) -> list[tuple[str, str]]:
-    """Transports to try, best first, each with the reason it was chosen. ``auto`` is RDMA-first:
-    nixl or mooncake where RDMA devices exist, then ``local`` on the same host, then ``nccl`` when
-    the publisher serves it, then ``tcp``. A named transport is the only candidate."""
-    if preference != "auto":
-        if preference not in served:
-            raise TransportError(f"transport {preference!r} requested but the publisher serves only "
-                                 f"{sorted(served)}")
-        try:
-            _transports.get(preference)
-        except _transports.MissingExtraError as e:
-            raise MissingExtraError(str(e)) from e
-        return [(preference, "requested")]
-    here = set(_transports.available())
-    out = []
-    if rdma_present():
-        out += [(n, "RDMA devices present") for n in RDMA_FIRST if n in served and n in here]
-    if same_host and "local" in served and "local" in here:
-        out.append(("local", "publisher on the same host"))
-    if "nccl" in served and "nccl" in here:
-        out.append(("nccl", "no one-sided path; both sides opted into nccl"))
-    if "tcp" in served and "tcp" in here:
-        out.append(("tcp", "different host" if not same_host else "fallback"))
-    if not out:
-        raise TransportError(f"no common transport: the publisher serves {sorted(served)}, "
-                             f"this process has {sorted(here)}")
-    return out
+def publisher_capabilities(served: Sequence[str]) -> dict[str, Any]:
+    """What a publisher rank advertises: the transports it serves; nccl only when served."""
+    return _select.capabilities(nccl="nccl" in served, transports=list(served))
 
 
-def choose_transport(preference: str, served: Mapping[str, object], same_host: bool) -> tuple[str, str]:
-    """The first of ``candidates``."""
-    return candidates(preference, served, same_host)[0]
+def candidates(preference: str, local: Mapping[str, Any], remote: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Transports to try for one publisher rank, best first, each with its reason."""
+    with translated():
+        return _select.candidates(local, remote, preference)
+
+
+__all__ = ["RDMA_FIRST", "candidates", "publisher_capabilities", "rdma_present"]

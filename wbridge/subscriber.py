@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 import transports as _transports
+from transports import select as _select
 from planner.builder import build_plan
 from planner.layout import Declaration, LayoutBuilder, RankLayout
 from planner.plan import Plan
@@ -105,7 +106,8 @@ class Subscriber(Closeable):
                  verify: bool = False, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
                  lease_ttl: float = 10.0, name: str | None = None, host: str = "127.0.0.1",
                  transport_options: Mapping[str, Mapping[str, Any]] | None = None,
-                 transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None) -> None:
+                 transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None,
+                 nccl: bool = False) -> None:
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
         self.name = name or f"{host_identity().split('/')[0]}:{os.getpid()}"
@@ -130,6 +132,7 @@ class Subscriber(Closeable):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._newest = 0  # the newest version number seen; records older than it are refused
+        self._caps = _select.capabilities(nccl=nccl)  # nccl: opt in to the two-sided fallback
         self._store = open_store(store, connect_timeout=connect_timeout)
 
     # ------------------------------------------------------------------------------------------
@@ -344,13 +347,12 @@ class Subscriber(Closeable):
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
         sources: list[_Source] = []
-        me = host_identity()
         try:
             for src_ops in plan.sources:
                 d = records[src_ops.src_rank]
                 batch = ReadBatch(src_ops.src_region, src_ops.src_offset, src_ops.dst_region,
                                   src_ops.dst_offset, src_ops.nbytes)
-                sources.append(self._connect(src_ops.src_rank, d, batch, d["host"] == me, deadline))
+                sources.append(self._connect(src_ops.src_rank, d, batch, deadline))
         except BaseException:
             for src in sources:
                 quietly(self._transports[src.transport].disconnect, src.peer)
@@ -365,11 +367,14 @@ class Subscriber(Closeable):
         self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
         return self._session
 
-    def _connect(self, rank: int, record: dict, batch: ReadBatch, same_host: bool, deadline: float) -> _Source:
+    def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> _Source:
         """Connects to one publisher rank over the best transport that works; ``auto`` falls back
         to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
         tried = []
-        options = candidates(self.preference, record["transports"], same_host)
+        remote = record.get("caps")
+        if not isinstance(remote, dict):
+            raise StoreError(f"publisher rank {rank}: record lacks its capabilities")
+        options = candidates(self.preference, self._caps, remote)
         for i, (name, reason) in enumerate(options):
             served = record["transports"][name]
             src = _Source(rank=rank, transport=name, endpoint=_unb64(served["endpoint"]),

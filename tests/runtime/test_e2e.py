@@ -10,7 +10,7 @@ from .actors import PubActor, SubActor
 from .harness import Worker, call_all, free_port
 
 TP, DP = 2, 2
-E2E_TRANSPORTS = [t for t in ("tcp", "local", "mooncake", "nixl") if t in transports.available()]
+E2E_TRANSPORTS = [t for t in ("tcp", "local", "mooncake", "nixl", "nccl") if t in transports.available()]
 
 
 def start_publishers(url: str, **kwargs) -> list[Worker]:

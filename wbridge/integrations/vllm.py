@@ -218,6 +218,23 @@ class WBridgeWorkerExtension:
             for name, t in self._wbridge_staging.items():
                 p = params[name]
                 p.weight_loader(p, t)
+        _repack_cpu_moe(model)
+
+
+def _repack_cpu_moe(model: Any) -> None:
+    """Works around vLLM 0.32 on CPU: a weight update of an unquantized fused-MoE layer copies the
+    new weights in kernel *input* format but skips the CPU grouped-GEMM prepack
+    (``fused_experts.process_weights_after_loading`` runs only on the first load), so the kernel
+    would read unpacked weights. Re-run that prepack, as start-up does."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for mod in model.modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(mod, "w13_weight") and "CPU" in type(experts).__name__:
+            experts.process_weights_after_loading(mod)
 
     def wbridge_stats(self) -> list[dict]:
         return list(getattr(self, "_wbridge_stats", []))
