@@ -31,6 +31,53 @@ def tiny_config():
                        tie_word_embeddings=False, torch_dtype="float32", bos_token_id=0, eos_token_id=1)
 
 
+def tiny_moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                          tie_word_embeddings=False, torch_dtype="float32", bos_token_id=0, eos_token_id=1)
+
+
+def make_moe(ckpt: str, seed: int = 0) -> None:
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_moe_config()).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(ckpt, safe_serialization=True)
+
+
+def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
+    """MoE: the publisher is a transformers Qwen3-MoE (experts fused [E, 2I, H], traced) holding
+    the perturbed weights; the engine started from ``ckpt`` pulls them."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from wbridge import Publisher
+    from wbridge.integrations.transformers import entries
+
+    llm = _llm(ckpt, extension=True)
+    before = _generate(llm)
+    trainer = Qwen3MoeForCausalLM.from_pretrained(perturbed, torch_dtype=torch.float32)
+    with Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
+        pub.register(entries(trainer))
+        pub.publish(timeout=60.0)
+        llm.collective_rpc("wbridge_subscribe", args=(CHANNEL, f"tcp://127.0.0.1:{port}"),
+                           kwargs={"token": TOKEN, "transport": "tcp", "cache_dir": None})
+        v = llm.collective_rpc("wbridge_pull", kwargs={"timeout": 60.0})[0]
+        after = _generate(llm)
+        staging = llm.collective_rpc("wbridge_staging")[0]
+        llm.collective_rpc("wbridge_close")
+    torch.save({"before": before, "after": after, "version": v, "staging": staging,
+                "trainer": {k: v.detach().clone() for k, v in trainer.state_dict().items()}},
+               os.path.join(out, "moe_engine.pt"))
+
+
 def make(ckpt: str) -> None:
     import torch
     from transformers import Qwen2ForCausalLM
@@ -129,6 +176,13 @@ def reference(ckpt: str, out: str) -> None:
                os.path.join(out, "reference.pt"))
 
 
+def moe_reference(ckpt: str, out: str) -> None:
+    import torch
+
+    llm = _llm(ckpt, extension=False)
+    torch.save({"tokens": _generate(llm)}, os.path.join(out, "moe_reference.pt"))
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
     if role == "make":
@@ -139,5 +193,11 @@ if __name__ == "__main__":
         engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif role == "reference":
         reference(sys.argv[2], sys.argv[3])
+    elif role == "make_moe":
+        make_moe(sys.argv[2], int(sys.argv[3]))
+    elif role == "moe_engine":
+        moe_engine(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif role == "moe_reference":
+        moe_reference(sys.argv[2], sys.argv[3])
     else:
         raise SystemExit(f"unknown role {role}")

@@ -116,6 +116,22 @@ class _Reload:
         finalize_layerwise_reload(self.model, self.model_config)
 
 
+def _repack_cpu_moe(model: Any) -> None:
+    """Works around vLLM 0.32 on CPU: a weight update of an unquantized fused-MoE layer copies the
+    new weights in kernel *input* format but skips the CPU grouped-GEMM prepack
+    (``fused_experts.process_weights_after_loading`` runs only on the first load), so the kernel
+    would read unpacked weights. Re-run that prepack, as start-up does."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for mod in model.modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(mod, "w13_weight") and "CPU" in type(experts).__name__:
+            experts.process_weights_after_loading(mod)
+
+
 class WBridgeWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); methods are called through
     ``LLM.collective_rpc`` on every rank.
@@ -219,22 +235,6 @@ class WBridgeWorkerExtension:
                 p = params[name]
                 p.weight_loader(p, t)
         _repack_cpu_moe(model)
-
-
-def _repack_cpu_moe(model: Any) -> None:
-    """Works around vLLM 0.32 on CPU: a weight update of an unquantized fused-MoE layer copies the
-    new weights in kernel *input* format but skips the CPU grouped-GEMM prepack
-    (``fused_experts.process_weights_after_loading`` runs only on the first load), so the kernel
-    would read unpacked weights. Re-run that prepack, as start-up does."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    for mod in model.modules():
-        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and hasattr(mod, "w13_weight") and "CPU" in type(experts).__name__:
-            experts.process_weights_after_loading(mod)
 
     def wbridge_stats(self) -> list[dict]:
         return list(getattr(self, "_wbridge_stats", []))
