@@ -17,8 +17,8 @@ followed, after a random 0-50 ms, by SIGKILL of that subscriber (usually mid-pul
 ``--lease-ttl``). Publishers keep going meanwhile: a dead subscriber holds them back at most until
 its lease lapses. ``max_staleness`` (3) exceeds the 2 slots, so publishers reuse slots under slow
 readers: a ``StaleVersionError`` retry inside the pull (counted as "stale-version retries"), never a
-torn read. (Until the verification race in ``Subscriber._apply`` is fixed, a reuse that hits a
-verification re-read fails that pull with ``IntegrityError`` instead: listed under failed pulls.)
+torn read (the slot stamps read from the publishers' memory after the data catch it, and a reuse
+during verification is staleness too, not an ``IntegrityError``).
 
 Counted:
 - ``pulls``: pulls that returned a version; ``torn``: those whose bytes do not match the version
