@@ -142,11 +142,48 @@ def plot_throughput(data: Mapping[str, Any]) -> str:
     return _save(fig, "throughput.png")
 
 
+def markdown(update: Mapping[str, Any] | None, stall: Mapping[str, Any] | None) -> str:
+    """The results tables of docs/benchmarks.md, from the JSON files."""
+    out = []
+    if update:
+        s = update["summary"]
+        out += ["| method | update s (median) | vs gather-bcast | GB/s | pull window s | efficiency |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for name, m in s["methods"].items():
+            extra = (f"{m['update_gbps']:.2f} | {m['pull_window_s']:.3f} | {m['efficiency']:.2f}"
+                     if "efficiency" in m else " | | ")
+            out.append(f"| {name} | {m['update_s']:.3f} | {m['speedup_vs_gather_bcast']:.2f}x | {extra} |")
+        out += ["", "| bare transport (2 readers x 2 sources) | GB/s together | GB/s, one reader alone |",
+                "|---|---:|---:|"]
+        for name, b in update["bench"].items():
+            out.append(f"| {name} | {b['gbps']:.2f} | {b['solo_gbps']:.2f} |")
+        out += ["", "| peak RSS, MiB | trainer rank 0 | rollout rank 0 |", "|---|---:|---:|"]
+        for label, r in s["rss_mib"].items():
+            out.append(f"| after {label} | {r['trainer0_mib']:.0f} | {r['rollout0_mib']:.0f} |")
+        out.append("")
+    if stall:
+        out += ["| mode | trainer stall ms/step | rollout stall ms/step | all, ms/step | s/step | vs baseline |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for name, m in stall["modes"].items():
+            out.append(f"| {name} | {m['trainer_stall_s'] * 1e3:.1f} | {m['rollout_stall_s'] * 1e3:.1f} | "
+                       f"{m['stall_s'] * 1e3:.1f} | {m['step_wall_s']:.2f} | {m['vs_baseline']:.2f}x |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="plots", description=__doc__.split("\n")[0])
     ap.add_argument("--sweep", action="store_true", help="measure throughput against op size first")
     ap.add_argument("--transports", default=None, help="for --sweep; default: every available transport")
+    ap.add_argument("--markdown", action="store_true", help="print the results as markdown tables instead")
     a = ap.parse_args(argv)
+    if a.markdown:
+        loaded = []
+        for name in ("update_e2e.json", "stall.json"):
+            path = os.path.join(RESULTS_DIR, name)
+            loaded.append(json.load(open(path)) if os.path.exists(path) else None)
+        print(markdown(*loaded))
+        return 0
     if a.sweep:
         import transports
 

@@ -271,11 +271,12 @@ class Run:
         return median([r[key] for r in self.rows if r["method"] == method and not r["warmup"]])
 
 
-def transport_yardstick(transport: str, size: int, repeat: int, timeout: float) -> dict:
+def transport_yardstick(transport: str, size: int, repeat: int, timeout: float, staged: bool = False) -> dict:
     """What the bare transport moves with the pulls' traffic pattern: as many readers at once as
-    there are rollouts, each reading its bytes half from each of DP serving processes (zero copy
-    reads live memory, which the local transport reaches with process_vm_readv: measured so)."""
-    options = {"method": "vm"} if transport == "local" else None
+    there are rollouts, each reading its bytes half from each of DP serving processes. Zero copy
+    reads live memory, which the local transport reaches with process_vm_readv, and is measured
+    so; staged slots are the transport's host buffers (memfd mappings for local), as here."""
+    options = {"method": "vm"} if transport == "local" and not staged else None
     return concurrent_bulk_gbps(transport, size, ROLLOUTS, DP, repeat, options, timeout)
 
 
@@ -354,8 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             stop_all(trainers + rollouts)
         # the yardstick for efficiency, with nothing else running
         per_rollout = max(r["bytes"] for r in run.rows) // ROLLOUTS
-        for name in names:
-            bench[name] = transport_yardstick(name, per_rollout, a.bench_repeat, a.timeout)
+        for name in names + [f"{t}-staged" for t in staged]:
+            bench[name] = transport_yardstick(name.removesuffix("-staged"), per_rollout, a.bench_repeat, a.timeout,
+                                              staged=name.endswith("-staged"))
             run.log(f"  {name} bare bulk reads, {ROLLOUTS} readers x {per_rollout / 2**20:.0f} MiB from {DP} "
                     f"sources each, 4 MiB ops: "
                     f"{bench[name]['gbps']:.2f} GB/s together, {bench[name]['solo_gbps']:.2f} GB/s alone")
@@ -380,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         m = {"update_s": median([r["update_s"] for r in rows]), "versions": len(rows),
              "speedup_vs_gather_bcast": ratio(base, median([r["update_s"] for r in rows]))}
         if "transport" in rows[0]:
-            t = rows[0]["transport"]
-            gbps = bench[t]["gbps"]
+            gbps = bench[method.removeprefix("wbridge-")]["gbps"]
             effs = [(r["bytes"] / (gbps * 1e9)) / r["pull_window_s"] for r in rows]
             m.update({"pull_window_s": median([r["pull_window_s"] for r in rows]), "bytes": rows[0]["bytes"],
                       "bench_gbps": gbps, "efficiency": median(effs),
