@@ -113,7 +113,7 @@ def split_batch(batch: ReadBatch, at: int) -> tuple[ReadBatch, ReadBatch]:
 
 
 class Pause(Delegating):
-    """Stops reads number ``on_reads`` (1-based, counting batches of at least ``min_ops`` reads)
+    """Stops reads number ``on_reads`` (1-based, counting only the batches described below)
     half-way: the first half of the batch's bytes is read, a line is appended to ``signal_path``,
     then the read waits until ``release_path`` exists (or ``hold`` seconds, or the read's timeout)
     before reading the second half. Tests kill a peer or cut a link while a pull is stopped there;
@@ -147,7 +147,8 @@ class Pause(Delegating):
         with self._count:
             if counted:
                 self.reads += 1
-            pause = counted and self.reads in self.on_reads and len(halves) == 2
+            number = self.reads
+        pause = counted and number in self.on_reads and len(halves) == 2
         if not pause:
             self.inner.read(whole, timeout=timeout)
             return
@@ -155,7 +156,7 @@ class Pause(Delegating):
         self.inner.read(halves[0], timeout=timeout)
         if self.signal_path:
             with open(self.signal_path, "a") as f:
-                f.write(f"{os.getpid()} paused read {self.reads} after {int(batch.total_bytes // 2)} bytes\n")
+                f.write(f"{os.getpid()} paused read {number} after {int(batch.total_bytes // 2)} bytes\n")
         until = min(deadline, time.monotonic() + self.hold)
         while time.monotonic() < until and not (self.release_path and os.path.exists(self.release_path)):
             time.sleep(min(0.01, max(0.0, until - time.monotonic())))
