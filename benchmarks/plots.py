@@ -44,8 +44,8 @@ def _save(fig, name: str) -> str:
     return path
 
 
-def plot_update(data: Mapping[str, Any]) -> str:
-    """update_time.png: median update time per method, and trainer-0 peak RSS."""
+def plot_update(data: Mapping[str, Any], name: str = "update_e2e.png") -> str:
+    """update_e2e.png: median update time per method, and trainer-0 peak RSS."""
     plt = _plt()
     methods = data["summary"]["methods"]
     names = list(methods)
@@ -74,7 +74,7 @@ def plot_update(data: Mapping[str, Any]) -> str:
     ax2.set_ylim(0, max(vals) * 1.15)
     fig.suptitle(f"update_e2e ({_machine_note(data['machine'])})", fontsize=9)
     fig.tight_layout()
-    return _save(fig, "update_time.png")
+    return _save(fig, name)
 
 
 def plot_stall(data: Mapping[str, Any]) -> str:
@@ -100,9 +100,9 @@ def plot_stall(data: Mapping[str, Any]) -> str:
     ax.set_ylim(floor * 0.8, top * 12)
     cfg = data["config"]
     ax.legend(loc="lower left", fontsize=8)
-    ax.set_title(f"stall ({cfg['model_bytes'] / 2**20:.0f} MiB model, {cfg['steps']} steps of "
-                 f"{cfg['train_s']}s/{cfg['gen_s']}s, pull {cfg['pull']}; {_machine_note(data['machine'])})",
-                 fontsize=8)
+    ax.set_title(f"stall per step ({cfg['model_bytes'] / 2**20:.0f} MiB model, {cfg['steps']} steps of "
+                 f"{cfg['train_s']}s train / {cfg['gen_s']}s generate, pull {cfg['pull']})\n"
+                 f"{_machine_note(data['machine'])}", fontsize=8)
     fig.tight_layout()
     return _save(fig, "stall.png")
 
@@ -134,10 +134,10 @@ def plot_throughput(data: Mapping[str, Any]) -> str:
     ax.set_xlabel("op size (bytes per read)")
     ax.set_ylabel("GB/s (median)")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
-    ax.set_title(f"one reader, {data['size'] >> 20} MiB region, 4 streams where a transport takes them "
-                 f"({_machine_note(data['machine'])})", fontsize=8)
+    ax.set_title(f"one reader, {data['size'] >> 20} MiB region, 4 streams where a transport takes them,\n"
+                 f"local through memfd ({_machine_note(data['machine'])})", fontsize=8)
     fig.tight_layout()
     return _save(fig, "throughput.png")
 
@@ -189,11 +189,17 @@ def main(argv: list[str] | None = None) -> int:
 
         names = a.transports.split(",") if a.transports else transports.available()
         write_json("throughput.json", sweep(names))
-    for name, fn in (("update_e2e.json", plot_update), ("stall.json", plot_stall), ("throughput.json", plot_throughput)):
-        path = os.path.join(RESULTS_DIR, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                print(os.path.relpath(fn(json.load(f))))
+    for name in sorted(os.listdir(RESULTS_DIR)) if os.path.isdir(RESULTS_DIR) else []:
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(RESULTS_DIR, name)) as f:
+            data = json.load(f)
+        if name.startswith("update_e2e"):  # update_e2e.py --name update_e2e_all: one chart per file
+            print(os.path.relpath(plot_update(data, name.removesuffix(".json") + ".png")))
+        elif name == "stall.json":
+            print(os.path.relpath(plot_stall(data)))
+        elif name == "throughput.json":
+            print(os.path.relpath(plot_throughput(data)))
     return 0
 
 

@@ -298,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="baseline A bucket (default 512, verl's and slime's default)")
     ap.add_argument("--bench-repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--json", action="store_true", help="write benchmarks/results/update_e2e.json")
-    ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/update_time.png")
+    ap.add_argument("--json", action="store_true", help="write benchmarks/results/<name>.json")
+    ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/<name>.png")
+    ap.add_argument("--name", default="update_e2e", help="results file name (default update_e2e)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
 
@@ -408,12 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         data = {"config": {**vars(a), "model_bytes": cfg.nbytes, "model": a.model, "tp": TP, "dp": DP,
                            "rollouts": ROLLOUTS, "transports": names},
                 "machine": info, "summary": summary, "rows": run.rows, "bench": bench, "wall_s": wall}
-        path = write_json("update_e2e.json", data)
+        path = write_json(f"{a.name}.json", data)
         print(f"results: {os.path.relpath(path)}")
         if a.plot:
             from plots import plot_update
 
-            print(f"plot: {os.path.relpath(plot_update(data))}")
+            print(f"plot: {os.path.relpath(plot_update(data, f'{a.name}.png'))}")
 
     def speedup(t: str) -> str:
         m = summary["methods"].get(f"wbridge-{t}")
