@@ -32,6 +32,7 @@ Last line: ``stall: async_vs_baseline=<r> one_step_off_vs_baseline=<r> sync_vs_b
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import threading
@@ -205,8 +206,11 @@ class Rollout(_Side):
         return time.perf_counter() - t0
 
     def _swap(self) -> None:
+        """The engine's copy of a complete version into its live weights (a plain memcpy; on a GPU
+        a device-to-device copy)."""
         for name, (t, _) in self.tensors.items():
-            t.copy_(self.shadow[name][0])
+            src = self.shadow[name][0]
+            ctypes.memmove(t.data_ptr(), src.data_ptr(), t.numel() * t.element_size())
 
     def loop(self, steps: int, seconds: float, base: int, lag: int, timeout: float) -> dict:
         """Free-running: generate, then make sure the next step's weights are recent enough.
