@@ -1,5 +1,6 @@
 """Across test hosts (network namespaces joined by a bridge): a link cut in the middle of a pull and
-restored. (Listening addresses: ``test_listen.py``.)
+restored, the publisher's side (store on a third host) or the subscriber's (store behind the cut).
+(Listening addresses: ``test_listen.py``.)
 
 Workers are forked from the harness's forkserver and then join their host's namespace (``in_netns``),
 so every process has its own address: 10.123.0.1 (A), 10.123.0.2 (B), 10.123.0.3 (C)."""
@@ -58,3 +59,41 @@ def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
             if w is not None:
                 w.stop()
         server.close()
+
+
+STORE_UNBOUNDED = ("runtime hole: store calls inside a pull are bounded by the store's connect_timeout, not "
+                   "by the pull's deadline, and the lease thread shares the subscriber's TcpStore client: a "
+                   "lease refresh blocked on the dead link holds the client's lock, the pull's reading-mark "
+                   "reset waits for it, then reconnects; pull(timeout=2) fails after ~2 + 2 x connect_timeout "
+                   "(11.5 s here; 64 s with the default 30 s) with StoreError")
+
+
+@pytest.mark.xfail(strict=True, reason=STORE_UNBOUNDED)
+def test_subscriber_cut_off_with_its_store_errors_within_its_timeout(network, tmp_path) -> None:
+    """The subscriber's own link goes down mid-pull: publisher and store (tcp://, hosted by the
+    publisher) become unreachable together. The pull must still fail within its timeout."""
+    net = network(2)
+    a, b = net.hosts
+    url = f"tcp://{a.addr}:29700"
+    fault, paused, go = pause_fault(tmp_path, on_reads=(2,))
+    pub = Worker("pub@A", in_netns, a.name, FaultPub, url, 0, 1, 1, host_store=True, model_kind="tiny",
+                 host=a.addr, transport="tcp", mode="async", max_staleness=10)
+    sub = Worker("sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny", host=b.addr,
+                 transport="tcp", fault=fault, connect_timeout=5.0, lease_ttl=1.0)
+    try:
+        pub.call("publish", 1)
+        assert sub.call("pull", min_version=1)["bad"] == []
+        pub.call("publish", 2)
+        sub.send("try_pull", timeout=2.0)
+        wait_paused(paused, 1)
+        net.cut(b)
+        release(go)
+        r = sub.result(60)
+        net.restore(b)
+        assert r["error"] is not None and r["version"] is None, r
+        assert r["elapsed"] <= 2.0 + 3.0, f"pull(timeout=2) failed only after {r['elapsed']:.1f}s: {r}"
+        r = sub.call("pull", min_version=2, timeout=30.0)
+        assert r["v"] == 2 and r["bad"] == [], r
+    finally:
+        sub.stop()
+        pub.stop()
