@@ -51,6 +51,7 @@ def tiny_qwen2(hf: bool) -> torch.nn.Module:
             super().__init__()
             self.self_attn, self.mlp = Attn(), Mlp()
             self.input_layernorm = nn.LayerNorm(H, bias=False)
+            self.post_attention_layernorm = nn.LayerNorm(H, bias=False)
 
     class Inner(nn.Module):
         def __init__(self):

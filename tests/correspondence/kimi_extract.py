@@ -52,10 +52,6 @@ def extract(cfg: dict, rank: int, tp: int = 8, ep: int = 8, per_rank_traced: int
     return traced, res, t1 - t0, t2 - t1
 
 
-def local_shape(cfg, name, view_shape_source):
-    return view_shape_source
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", default="0")
