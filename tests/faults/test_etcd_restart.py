@@ -15,7 +15,7 @@ from .actors import FaultPub, FaultSub, pause_fault, release, wait_paused
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)")]
 
-DOWN_FOR = 1.5  # seconds etcd stays down: longer than a poll, shorter than the lease TTL
+DOWN_FOR = 1.0  # seconds etcd stays down: longer than a poll, shorter than the lease TTL
 
 
 def test_etcd_restart_while_publishing_and_pulling(tmp_path) -> None:
