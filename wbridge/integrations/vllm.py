@@ -247,16 +247,9 @@ class WBridgeWorkerExtension:
     def wbridge_parameters(self) -> dict[str, tuple[str, list[int], bytes]]:
         """The engine's live parameters and buffers as its kernels see them, as
         ``(dtype, shape, raw bytes)``."""
-        import torch
-
         model = self._wbridge_model()
         out = {k: _portable(v) for k, v in model.named_parameters()}
         out.update({f"buffer:{k}": _portable(v) for k, v in model.named_buffers()})
-        # Kernel-side tensors some backends keep as plain attributes (CPU GEMM repacked weights).
-        for mname, mod in model.named_modules():
-            for attr, v in vars(mod).items():
-                if isinstance(v, torch.Tensor) and not attr.startswith("_"):
-                    out[f"attr:{mname}.{attr}"] = _portable(v)
         return out
 
     def wbridge_close(self) -> None:
