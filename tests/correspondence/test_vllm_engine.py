@@ -112,11 +112,14 @@ def test_vllm_pulls_perturbed_weights(tmp_path):
         assert torch.equal(st[k], trained[k]), k
     # What the kernels read: identical to the engine loaded from the perturbed checkpoint.
     assert eng["params"].keys() == ref["params"].keys()
-    changed = 0
     for k, v in eng["params"].items():
         assert torch.equal(v, ref["params"][k]), k
-        changed += not torch.equal(v, eng["params_before"][k])
-    assert changed >= 10
+    # On CPU vLLM keeps linear weights only inside its repacked GEMM handles (the parameters are
+    # emptied); every parameter it still exposes took the optimizer step.
+    held = [k for k, v in eng["params"].items() if v.numel() and not k.startswith("buffer:")]
+    assert len(held) >= 9
+    for k in held:
+        assert not torch.equal(eng["params"][k], eng["params_before"][k]), f"{k} did not change"
 
 
 @pytest.mark.timeout(900)
