@@ -46,6 +46,12 @@ def _trainer(cfg: DemoConfig, rank: int, url: str, results: "mp.Queue", done: "m
                        mode=cfg.mode, transport=_served(cfg.transport)) as pub:
             pub.register(tensors)
             results.put(("ready", rank, None))
+            deadline = time.monotonic() + cfg.timeout
+            while pub.live_subscribers() < cfg.rollout_tp:  # so every rollout sees every version
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"trainer rank {rank}: rollouts did not join within {cfg.timeout}s "
+                                       f"(live: {pub.subscribers()})")
+                time.sleep(0.05)
             for v in range(1, cfg.versions + 1):
                 set_version(tensors, v)            # a fake training step
                 got = pub.publish(timeout=cfg.timeout)

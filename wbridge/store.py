@@ -10,6 +10,7 @@ Values are bytes. The store is not trusted: wbridge signs what it writes (see ``
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -17,7 +18,7 @@ import struct
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from .errors import StoreError, WaitTimeout
@@ -95,6 +96,12 @@ class Store(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    @contextlib.contextmanager
+    def deadline(self, at: float) -> Iterator[None]:
+        """Bounds the calls this thread makes inside the block by ``at`` (``time.monotonic()``).
+        The default bounds nothing more than each call's own timeout."""
+        yield
+
     def get_int(self, key: str, default: int = 0) -> int:
         raw = self.get(key)
         if raw is None:
@@ -162,7 +169,7 @@ def _socket_inodes() -> dict[str, int]:
     return found
 
 
-def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float):
+def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> tuple[object, list[socket.socket]]:
     """``make()`` builds a TCPStore; its client socket to ``port`` then gets send and receive timeouts.
 
     torch's client sets none for most calls, so on a dead link they would block forever; with them a
@@ -173,21 +180,32 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float):
         before = _socket_inodes()
         store = make()
         after = _socket_inodes()
-    tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
-    bounded = 0
+    socks = []
     for inode in after.keys() - before.keys():
         try:
-            with socket.socket(fileno=os.dup(after[inode])) as s:
-                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
-                        and s.getpeername()[1] == port:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-                    bounded += 1
+            s = socket.socket(fileno=os.dup(after[inode]))
         except OSError:
             continue
-    if not bounded:
+        try:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
+                    and s.getpeername()[1] == port:
+                _set_timeouts(s, timeout)
+                socks.append(s)
+                continue
+        except OSError:
+            pass
+        s.close()
+    if not socks:
         raise StoreError(f"cannot find the TCPStore client socket to port {port} to bound its calls")
-    return store
+    # keep the dups: setting their timeouts later bounds a single call by a caller's deadline
+    return store, socks
+
+
+def _set_timeouts(s: socket.socket, seconds: float) -> None:
+    seconds = max(seconds, 0.01)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 class TcpStore(Store):
@@ -202,6 +220,8 @@ class TcpStore(Store):
         self._closed = False
         self._listen: socket.socket | None = None
         self._connect_timeout = connect_timeout
+        self._socks: list[socket.socket] = []
+        self._deadline = threading.local()
         td = datetime.timedelta(seconds=connect_timeout)
         try:
             if is_host:
@@ -213,7 +233,7 @@ class TcpStore(Store):
                 sock.bind((host, self.port))
                 sock.listen(1024)
                 self.port = sock.getsockname()[1]
-                self._store = _bounded_tcpstore(
+                self._store, self._socks = _bounded_tcpstore(
                     lambda: dist.TCPStore(host, self.port, None, True, timeout=td, wait_for_workers=False,
                                           master_listen_fd=sock.fileno(), use_libuv=True),
                     self.port, connect_timeout)
@@ -222,7 +242,7 @@ class TcpStore(Store):
                 sock.detach()
                 self._listen = None
             else:
-                self._store = self._connect(host, self.port, connect_timeout)
+                self._store, self._socks = self._connect(host, self.port, connect_timeout)
         except (RuntimeError, OSError) as e:
             if self._listen is not None:
                 self._listen.close()
@@ -253,24 +273,55 @@ class TcpStore(Store):
         raise StoreError(f"store tcp://{host}:{port} unreachable after {timeout:.1f}s: {last}")
 
     def _call(self, fn: Callable):
-        """``fn(torch_store)``; its socket's timeouts bound it. A client whose call failed is dropped
-        (a late reply would be read as the answer to the next request) and the next call reconnects;
-        the host keeps its server."""
-        with self._lock:
+        """``fn(torch_store)``; its socket's timeouts bound it (by the caller's ``deadline()`` when one
+        is set). A client whose call failed is dropped (a late reply would be read as the answer to
+        the next request) and the next call reconnects; the host keeps its server."""
+        limit = self._connect_timeout
+        deadline = getattr(self._deadline, "at", None)
+        if deadline is not None:
+            limit = min(limit, deadline - time.monotonic())
+            if limit <= 0:
+                raise WaitTimeout(f"store {self.url}: the caller's deadline passed")
+        if not self._lock.acquire(timeout=limit):
+            raise StoreError(f"store {self.url}: busy for {limit:.1f}s")
+        try:
             if self._closed:
                 raise StoreError(f"store {self.url} is closed")
             if self._store is None:
-                self._store = self._connect(self.host, self.port, self._connect_timeout)
+                self._store, self._socks = self._connect(self.host, self.port, limit)
+            if deadline is not None:
+                for s in self._socks:
+                    _set_timeouts(s, limit)
             try:
                 return fn(self._store)
             except (RuntimeError, OSError, ValueError) as e:
                 self._drop_client()
                 unknown = " (the call may or may not have been applied)" if "Timeout" in str(e) else ""
                 raise StoreError(f"store {self.url}: {str(e).splitlines()[0] if str(e) else e!r}{unknown}") from e
+            finally:
+                if deadline is not None and self._store is not None:
+                    for s in self._socks:
+                        _set_timeouts(s, self._connect_timeout)
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def deadline(self, at: float) -> Iterator[None]:
+        """Bounds every call this thread makes inside the block by ``at`` (``time.monotonic()``);
+        an inner block's deadline replaces the outer one until it ends."""
+        prev = getattr(self._deadline, "at", None)
+        self._deadline.at = at
+        try:
+            yield
+        finally:
+            self._deadline.at = prev
 
     def _drop_client(self) -> None:
         if not self.is_host:
             self._store = None
+            for s in self._socks:
+                s.close()
+            self._socks = []
 
     def get(self, key: str) -> bytes | None:
         # One atomic round trip: compare_set(k, S, S) returns S when k is absent and k's value
@@ -300,8 +351,16 @@ class TcpStore(Store):
         self._call(lambda st: st.delete_key(key))
 
     def lease(self, key: str, ttl: float) -> Lease:
-        self.add(key, 1)
-        return Lease(key, ttl, refresh=lambda: self.add(key, 1), revoke=lambda: self.set(key, b"-1"))
+        # Its own connection: a refresh stuck on a dead link must not hold up this client's calls.
+        own = TcpStore(self.host, self.port, is_host=False, connect_timeout=min(self._connect_timeout, ttl))
+        own.add(key, 1)
+
+        def revoke() -> None:
+            try:
+                own.set(key, b"-1")
+            finally:
+                own.close()
+        return Lease(key, ttl, refresh=lambda: own.add(key, 1), revoke=revoke)
 
     def is_alive(self, key: str, ttl: float) -> bool:
         # TCPStore has no server-side expiry: a lease is a counter that its holder bumps; it is
@@ -323,6 +382,9 @@ class TcpStore(Store):
         with self._lock:
             self._closed = True
             store, self._store = self._store, None
+            socks, self._socks = self._socks, []
+        for sk in socks:
+            sk.close()
         del store
         if self._listen is not None:
             self._listen.close()

@@ -175,10 +175,12 @@ class Subscriber(Closeable):
         self._device = device
         self.version = None
         if self._lease is None:
+            # the lease first: publishers only look at subscribers whose record exists, and a
+            # record without a live lease would read as a dead subscriber
+            self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
             key = self.keys.sub(self._id)
             self._store.set(key, seal(self.token, key, {"name": self.name, "ttl": self.lease_ttl,
                                                         "host": host_identity(), "pid": os.getpid()}))
-            self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
@@ -195,8 +197,9 @@ class Subscriber(Closeable):
         self._check_open()
         if self._layout is None:
             raise UsageError(f"subscriber {self.name}: pull() before register()")
-        with self._pull_lock:
-            return self._pull(min_version, time.monotonic() + timeout, timeout)
+        deadline = time.monotonic() + timeout
+        with self._pull_lock, self._store.deadline(deadline):
+            return self._pull(min_version, deadline, timeout)
 
     # ------------------------------------------------------------------------------------------
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
@@ -265,8 +268,13 @@ class Subscriber(Closeable):
             self._check_stamps(session, rec, deadline)
             if self._store.get_int(fence_key) != rec.fence:
                 raise StaleVersionError(f"version {rec.v} was overwritten during the read")
-        finally:
-            self._store.set(reading_key, b"0")
+        except BaseException:
+            # best effort, briefly even past the pull's deadline: keep the original error, and do
+            # not leave a reading mark that would make publishers wait for this slot
+            with self._store.deadline(time.monotonic() + 1.0):
+                quietly(self._store.set, reading_key, b"0")
+            raise
+        self._store.set(reading_key, b"0")
         for dst, src in self._commit:  # staged: every read succeeded, now commit
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, src)

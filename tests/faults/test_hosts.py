@@ -61,14 +61,7 @@ def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
         server.close()
 
 
-STORE_UNBOUNDED = ("runtime hole: store calls inside a pull are bounded by the store's connect_timeout, not "
-                   "by the pull's deadline, and the lease thread shares the subscriber's TcpStore client: a "
-                   "lease refresh blocked on the dead link holds the client's lock, the pull's reading-mark "
-                   "reset waits for it, then reconnects; pull(timeout=2) fails after ~2 + 2 x connect_timeout "
-                   "(11.5 s here; 64 s with the default 30 s) with StoreError")
 
-
-@pytest.mark.xfail(strict=True, reason=STORE_UNBOUNDED)
 def test_subscriber_cut_off_with_its_store_errors_within_its_timeout(network, tmp_path) -> None:
     """The subscriber's own link goes down mid-pull: publisher and store (tcp://, hosted by the
     publisher) become unreachable together. The pull must still fail within its timeout."""
