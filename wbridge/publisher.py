@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from .errors import UsageError, WaitTimeout, WBridgeError, translated
 from .lifecycle import Closeable, quietly
 from .records import seal
 from .selection import RDMA_FIRST, publisher_capabilities, rdma_present
-from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
+from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
 
 MODES = ("sync", "one_step_off", "async")
@@ -179,7 +180,7 @@ class Publisher(Closeable):
         self._next_version = (latest.v if latest else 0) + 1
         record = {
             "rank": self.rank, "world_size": self.world_size, "epoch": reg.epoch,
-            "layout": layout.to_dict(), "host": host_identity(), "pid": os.getpid(),
+            "layout": layout.to_dict(), "host": socket.gethostname(), "pid": os.getpid(),
             "caps": publisher_capabilities(list(self._transports)),
             "slots": self.slots, "zero_copy": self.zero_copy, "device": device,
             "transports": {

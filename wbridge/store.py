@@ -411,16 +411,3 @@ def open_store(url: str, *, host_store: bool = False,
 
         return EtcdStore(url, connect_timeout=connect_timeout)
     raise StoreError(f"unknown store url {url!r}; use tcp://host:port or etcd://host:port")
-
-
-def host_identity() -> str:
-    """Identifies this host and network namespace, for choosing same-host transports."""
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-    except OSError:
-        boot = "?"
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{socket.gethostname()}/{boot}/{netns}"

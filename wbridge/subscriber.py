@@ -20,6 +20,7 @@ import asyncio
 import base64
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,7 @@ from .lifecycle import Closeable, quietly
 from .publisher import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .records import open_sealed, seal
 from .selection import candidates
-from .store import DEFAULT_CONNECT_TIMEOUT, Store, host_identity, open_store
+from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 from .tensors import address, alloc_bytes, byte_view, describe
 
 
@@ -110,7 +111,7 @@ class Subscriber(Closeable):
                  nccl: bool = False) -> None:
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
-        self.name = name or f"{host_identity().split('/')[0]}:{os.getpid()}"
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = token.encode() if isinstance(token, str) else token
         self.keys = Keys(channel)
         self.version: int | None = None
@@ -180,7 +181,7 @@ class Subscriber(Closeable):
             self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
             key = self.keys.sub(self._id)
             self._store.set(key, seal(self.token, key, {"name": self.name, "ttl": self.lease_ttl,
-                                                        "host": host_identity(), "pid": os.getpid()}))
+                                                        "host": socket.gethostname(), "pid": os.getpid()}))
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
