@@ -276,7 +276,7 @@ def test_atheris_run(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "fuzz_tcp_atheris.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     corpus = tmp_path / "corpus"  # the script seeds an empty corpus with well-formed streams
-    done = subprocess.run([sys.executable, script, "-runs=5000", "-max_total_time=40", "-max_len=512",
+    done = subprocess.run([sys.executable, script, "-runs=3000", "-max_total_time=40", "-max_len=512", "-rss_limit_mb=12288",
                            f"-artifact_prefix={tmp_path}/", str(corpus)],
                           capture_output=True, text=True, timeout=150, cwd=root,
                           env=dict(os.environ, PYTHONPATH=root))
