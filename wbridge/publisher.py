@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 import transports as _transports
-from planner.layout import Declaration, LayoutBuilder, RankLayout
+from planner.layout import Declaration, RankLayout
 
 from . import checksum as _checksum
 from .channel import Keys, SubscriberTracker, VersionRecord, now
@@ -34,7 +34,7 @@ from .lifecycle import Closeable, quietly
 from .records import seal
 from .selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
-from .tensors import address, alloc_bytes, byte_view, describe
+from .tensors import address, alloc_bytes, build_layout, byte_view
 
 MODES = ("sync", "one_step_off", "async")
 STAMP_BYTES = 32            # uint64 magic, version, state, epoch
@@ -136,23 +136,7 @@ class Publisher(Closeable):
         self._check_open()
         if not tensors:
             raise UsageError(f"publisher rank {self.rank}: register() needs at least one tensor")
-        builder = LayoutBuilder(self.rank, pack=not self.zero_copy)
-        devices = set()
-        live: dict[str, Any] = {}
-        with translated():
-            for name, entry in tensors.items():
-                try:
-                    tensor, decl = entry
-                except (TypeError, ValueError):
-                    raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
-                shape, dtype, device = describe(name, tensor)
-                builder.add(name, shape, dtype, decl)
-                devices.add(device)
-                live[name] = tensor
-            layout = builder.build()
-        if len(devices) > 1:
-            raise UsageError(f"publisher rank {self.rank}: tensors on several devices {sorted(devices)}")
-        device = devices.pop()
+        layout, live, device = build_layout(self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}")
         self._release_registration()
         if self.zero_copy:
             slots = [[byte_view(t) for t in live.values()]]

@@ -32,7 +32,7 @@ import numpy as np
 import transports as _transports
 from transports import select as _select
 from planner.builder import build_plan
-from planner.layout import Declaration, LayoutBuilder, RankLayout
+from planner.layout import Declaration, RankLayout
 from planner.plan import Plan
 from transports.base import ReadBatch
 
@@ -45,7 +45,7 @@ from .publisher import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .records import open_sealed, seal
 from .selection import candidates
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
-from .tensors import address, alloc_bytes, byte_view, describe
+from .tensors import address, alloc_bytes, build_layout, byte_view
 
 
 log = logging.getLogger("wbridge")
@@ -149,26 +149,10 @@ class Subscriber(Closeable):
             raise UsageError("subscriber register() needs at least one tensor")
         if self._id is None:
             self._id = self._store.add(self.keys.subs, 1)
-        builder = LayoutBuilder(self._id, pack=self.staged)
-        live: dict[str, Any] = {}
-        devices = set()
-        with translated():
-            for name, entry in tensors.items():
-                try:
-                    tensor, decl = entry
-                except (TypeError, ValueError):
-                    raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
-                shape, dtype, device = describe(name, tensor)
-                builder.add(name, shape, dtype, decl)
-                devices.add(device)
-                live[name] = tensor
-            layout = builder.build()
-        if len(devices) > 1:
-            raise UsageError(f"subscriber {self.name}: tensors on several devices {sorted(devices)}")
+        layout, live, device = build_layout(self._id, tensors, pack=self.staged, who=f"subscriber {self.name}")
         self._drop_session()
         self._deregister_local()
         self._layout, self._live = layout, live
-        device = devices.pop()
         if self.staged:
             self._dest = [alloc_bytes(layout.region_sizes[0] if layout.region_sizes else 0, device)]
         else:

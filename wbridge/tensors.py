@@ -65,3 +65,29 @@ def alloc_bytes(n: int, device: str):
     if device == "cpu":
         return torch.empty(max(n, 1), dtype=torch.uint8)
     return torch.empty(max(n, 1), dtype=torch.uint8, device=device)
+
+
+def build_layout(rank: int, tensors: Any, *, pack: bool, who: str):
+    """``(layout, live tensors by name, device)`` of ``{name: (tensor, declaration)}``; the one
+    place both sides turn registered tensors into a ``RankLayout``."""
+    from planner.layout import LayoutBuilder
+
+    from .errors import UsageError, translated
+
+    builder = LayoutBuilder(rank, pack=pack)
+    live: dict[str, Any] = {}
+    devices = set()
+    with translated():
+        for name, entry in tensors.items():
+            try:
+                tensor, decl = entry
+            except (TypeError, ValueError):
+                raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
+            shape, dtype, device = describe(name, tensor)
+            builder.add(name, shape, dtype, decl)
+            devices.add(device)
+            live[name] = tensor
+        layout = builder.build()
+    if len(devices) > 1:
+        raise UsageError(f"{who}: tensors on several devices {sorted(devices)}")
+    return layout, live, devices.pop()
