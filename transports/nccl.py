@@ -147,9 +147,10 @@ def _make_group(store: Any, rank: int, backend: str, host: str, timeout: float, 
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 
-def _destroy(pg: Any, backend: str) -> None:
-    """Ends a group now: NCCL communicators want an explicit shutdown; gloo closes in its destructor."""
-    if pg is None or backend != "nccl":
+def _destroy(pg: Any) -> None:
+    """Ends a group now, not when the garbage collector gets to it: its sockets and communicators
+    must not outlive the pull (a traceback or a cycle can keep the object alive)."""
+    if pg is None:
         return
     for name in ("shutdown", "abort"):
         fn = getattr(pg, name, None)
@@ -458,7 +459,7 @@ class _Server:
         except BaseException as e:  # noqa: BLE001 - reported to the reader and the log
             result["error"] = f"serving side: {e}"
         finally:
-            _destroy(pg, backend)
+            _destroy(pg)
             del pg
 
     def close(self, timeout: float) -> None:
@@ -745,7 +746,7 @@ class NcclTransport(Transport):
                 raise
             raise TransportError(f"nccl: pull from peer {peer.label} failed: {e!r}") from e
         finally:
-            _destroy(pg, prepared.backend)
+            _destroy(pg)
             del pg
 
     def _drop(self, peer: NcclPeer) -> None:

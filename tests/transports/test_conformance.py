@@ -15,11 +15,13 @@ process (``peer.Peer``). A transport joins automatically once its module imports
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -313,8 +315,20 @@ def test_close_idempotent(variant, server, reader_factory):
     assert "closed=True" in repr(t)
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds() -> Counter:
+    """What this process's descriptors point at (socket inodes, files): a multiset, so that descriptors
+    an earlier test's garbage releases meanwhile do not hide (or fake) a leak of this one."""
+    targets: Counter = Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets[os.readlink(f"/proc/self/fd/{fd}")] += 1
+        except OSError:  # the descriptor listdir itself used, closed by now
+            pass
+    return targets
+
+
+def _threads() -> set:
+    return {t.ident for t in threading.enumerate()}
 
 
 def test_no_leaks_over_100_cycles(variant, server, expected):
@@ -342,11 +356,15 @@ def test_no_leaks_over_100_cycles(variant, server, expected):
 
     cycle()  # warm-up: lazily created pools, imports
     base = _settled(server)
-    fds, threads = _fds(), threading.active_count()
+    gc.collect()
+    fds, threads = _fds(), _threads()
     for _ in range(100):
         cycle()
-    assert _fds() == fds, f"client file descriptors: {fds} -> {_fds()}"
-    assert threading.active_count() == threads, f"client threads: {threads} -> {threading.active_count()}"
+    gc.collect()
+    new_fds = _fds() - fds
+    assert not new_fds, f"{sum(new_fds.values())} client file descriptors left open: {list(new_fds)[:5]}"
+    new_threads = [t for t in threading.enumerate() if t.ident not in threads]
+    assert not new_threads, f"client threads left running: {new_threads}"
     assert _settled(server) == base
 
 
