@@ -11,6 +11,24 @@ Call protocol (every publisher rank of the channel, ``world_size`` of them)::
 
 ``publish()`` copies the live tensors into the next staging slot (the trainer's stall in the
 asynchronous modes), waits as the sync mode says, and the last rank to finish commits ``v``.
+
+``publish_async()`` runs that same work on the publisher's one background thread and returns a
+``concurrent.futures.Future`` of ``v``, so the snapshot overlaps the next step's compute::
+
+    fut = None
+    for step in ...:
+        loss = forward_backward()          # only READS the registered tensors: may overlap the copy
+        if fut is not None:
+            fut.result()                   # before any WRITE to a registered tensor
+        optimizer.step()                   # writes the next version's values
+        fut = pub.publish_async(timeout=60.0)
+
+Until the future is done the caller may read the registered tensors but must not write them: a
+write during the copy would publish a torn version that nothing downstream can detect (the slot
+stamps guard the staging slot against reuse, not the live tensors against the trainer). At most one
+publish is in flight: ``publish()``, ``publish_async()``, ``register()`` and ``close()`` first wait
+for it (``close()`` for a bounded time, after telling it to stop waiting on subscribers). One thread
+drives a publisher; ``wait_acked()``, ``subscribers()`` and ``close()`` may come from others.
 """
 from __future__ import annotations
 
@@ -19,6 +37,8 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -30,7 +50,7 @@ from planner.layout import Declaration, RankLayout
 from . import checksum as _checksum
 from .channel import Keys, SubscriberTracker, VersionRecord, now
 from .errors import UsageError, WaitTimeout, WBridgeError, translated
-from .lifecycle import Closeable, quietly
+from .lifecycle import Closeable, log, quietly
 from .records import seal
 from .selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
@@ -40,6 +60,7 @@ MODES = ("sync", "one_step_off", "async")
 STAMP_BYTES = 32            # uint64 magic, version, state, epoch
 STAMP_MAGIC = 0x57425354414D5031  # "WBSTAMP1"
 STAMP_STABLE, STAMP_WRITING = 0, 1
+CLOSE_WAIT_S = 10.0  # how long close() waits for a publish in flight before it tears down anyway
 
 
 def served_transports(transport: str | Sequence[str]) -> list[str]:
@@ -61,6 +82,7 @@ class PublishStats:
     wait_s: float       # time blocked on subscribers (mode semantics and slot leases)
     total_s: float
     nbytes: int
+    background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
 
 
 @dataclass
@@ -72,6 +94,21 @@ class _Registration:
     copies: list[list[tuple[Any, Any]]] = field(default_factory=list)   # slot -> (dst, src) views
     stamps: list[Any] = field(default_factory=list)                       # slot -> stamp buffer
     epoch: int = 0
+    device: str = "cpu"
+    copy_stream: Any = None            # CUDA: the snapshot copy's own stream
+
+
+@dataclass
+class _SharedTracker(SubscriberTracker):
+    """The tracker of a publisher whose background publish and caller threads (``subscribers()``,
+    ``wait_acked()``) scan subscribers at once: ``live()`` updates ``known`` and the store's lease
+    clock, so one scan at a time."""
+
+    lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    def live(self) -> list:
+        with self.lock:
+            return super().live()
 
 
 class Publisher(Closeable):
@@ -99,8 +136,18 @@ class Publisher(Closeable):
         self._lock = threading.Lock()
         self._reg: _Registration | None = None
         self.stats: list[PublishStats] = []
+        self._connect_timeout = connect_timeout
+        # publish_async(): one worker thread, at most one publish in flight, and a stop signal
+        # that close() gives so a publish waiting on subscribers gives up at once.
+        self._start_lock = threading.Lock()    # held while a publish is started (and by close)
+        self._snap_lock = threading.Lock()     # held while the staging slots are written
+        self._stop = threading.Event()
+        self._worker: ThreadPoolExecutor | None = None
+        self._inflight: Future | None = None
+        self._inflight_deadline = 0.0
+        self._worker_ident: int | None = None
         self._store = open_store(store, host_store=host_store, connect_timeout=connect_timeout)
-        self._tracker = SubscriberTracker(self._store, self.keys, self.token)
+        self._tracker = _SharedTracker(self._store, self.keys, self.token)
         self._next_version = 0
         names = served_transports(transport)
         opts = transport_options or {}
@@ -136,6 +183,11 @@ class Publisher(Closeable):
         self._check_open()
         if not tensors:
             raise UsageError(f"publisher rank {self.rank}: register() needs at least one tensor")
+        with self._start_lock:
+            self._settle(self._inflight_deadline + self._connect_timeout, "register()")
+            return self._register(tensors)
+
+    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> int:
         layout, live, device = build_layout(self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}")
         self._release_registration()
         if self.zero_copy:
@@ -143,7 +195,11 @@ class Publisher(Closeable):
         else:
             size = layout.region_sizes[0] if layout.region_sizes else 0
             slots = [[self._staging_buffer(size, device)] for _ in range(self.slots)]
-        reg = _Registration(layout, live, slots)
+        reg = _Registration(layout, live, slots, device=device)
+        if device != "cpu":
+            import torch
+
+            reg.copy_stream = torch.cuda.Stream(device=device)
         if not self.zero_copy:
             reg.copies = [_copy_pairs(slot[0], live.values(), layout, device) for slot in slots]
         # Each slot's last region is its stamp: the version it holds and whether it is being
@@ -194,22 +250,83 @@ class Publisher(Closeable):
 
     # ------------------------------------------------------------------------------------------
     def publish(self, timeout: float = 60.0) -> int:
-        """Snapshots the live tensors as the next version; see the class docstring for who waits."""
+        """Snapshots the live tensors as the next version; see the class docstring for who waits.
+
+        Waits first for a ``publish_async()`` still in flight; ``timeout`` bounds both."""
+        deadline = time.monotonic() + timeout
+        with self._start_lock:
+            ready = self._begin(deadline, "publish()")
+        return self._publish(deadline, ready, background=False)
+
+    def publish_async(self, timeout: float = 60.0) -> "Future[int]":
+        """Starts ``publish(timeout)``'s work on the publisher's background thread and returns a
+        ``Future`` of the version (or of the error ``publish()`` would raise: ``WaitTimeout``,
+        ``StoreError``...; ``UsageError`` if the publisher closes meanwhile).
+
+        Contract: until the future is done the caller may go on READING the registered tensors
+        (the next step's forward and backward) but must not WRITE them; call ``.result()`` right
+        before the optimizer step. A write during the copy publishes a torn version that no
+        check downstream catches. Waits first for the publish already in flight, if any (at most
+        one runs); calling it on a closed or unregistered publisher raises ``UsageError`` at once.
+        On CUDA the copy waits for the work queued so far on the caller's current stream and runs
+        on a stream of its own.
+        """
+        deadline = time.monotonic() + timeout
+        with self._start_lock:
+            ready = self._begin(deadline, "publish_async()")
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"wbridge-publish-{self.channel}-{self.rank}")
+            fut = self._worker.submit(self._publish, deadline, ready, True)
+            self._inflight, self._inflight_deadline = fut, deadline
+        return fut
+
+    def _begin(self, deadline: float, what: str) -> Any:
+        """Under ``_start_lock``: checks the call, waits out the publish in flight, and marks where
+        the caller's writes end (a CUDA event on its current stream; None on the host)."""
         self._check_open()
+        if self._reg is None:
+            raise UsageError(f"publisher rank {self.rank}: {what} before register()")
+        self._settle(deadline, what)
+        self._check_open()  # close() may have begun while we waited
+        device = self._reg.device
+        if device == "cpu":
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def _settle(self, deadline: float, what: str) -> None:
+        """Waits until the publish in flight (if any) is done; its outcome is its future's."""
+        fut = self._inflight
+        if fut is None:
+            return
+        done, _ = wait_futures([fut], timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise WaitTimeout(f"publisher rank {self.rank}: {what} timed out waiting for the publish of "
+                              f"version {self._next_version} still in flight")
+        self._inflight = None
+
+    def _publish(self, deadline: float, ready: Any, background: bool) -> int:
+        """The work of one publish, inline (``publish()``) or on the worker (``publish_async()``)."""
+        if background:
+            self._worker_ident = threading.get_ident()
         reg = self._reg
         if reg is None:
-            raise UsageError(f"publisher rank {self.rank}: publish() before register()")
+            raise UsageError(f"publisher rank {self.rank} of channel {self.channel!r} closed while publishing")
         t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
         v = self._next_version
         slot = v % self.slots
         self._wait_before_snapshot(v, slot, deadline)
         t1 = time.perf_counter()
         self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
         stamp = reg.stamps[slot].numpy().view(np.uint64)
-        stamp[1:] = (v, STAMP_WRITING, reg.epoch)    # before the first byte of the slot changes
-        sums = self._snapshot(reg, slot)
-        stamp[1:] = (v, STAMP_STABLE, reg.epoch)
+        with self._snap_lock:  # close() releases the slots only between snapshots
+            self._check_stopped(v)
+            stamp[1:] = (v, STAMP_WRITING, reg.epoch)    # before the first byte of the slot changes
+            sums = self._snapshot(reg, slot, ready)
+            stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t2 = time.perf_counter()
         if sums is not None:
             key = self.keys.sums(v, self.rank)
@@ -227,7 +344,7 @@ class Publisher(Closeable):
             self._store.add(self.keys.fence(slot), 1)
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
-        self.stats.append(PublishStats(v, t2 - t1, (t1 - t0) + (t3 - t2), t3 - t0, nbytes))
+        self.stats.append(PublishStats(v, t2 - t1, (t1 - t0) + (t3 - t2), t3 - t0, nbytes, background))
         return v
 
     def wait_acked(self, version: int, timeout: float = 60.0) -> None:
@@ -245,7 +362,20 @@ class Publisher(Closeable):
                 for s in self._tracker.live()]
 
     def _wait_acked(self, version: int, deadline: float, what: str) -> None:
-        self._tracker.wait(lambda s: self._tracker.acked(s) >= version, _left(deadline, what), what)
+        self._wait_subscribers(lambda s: self._tracker.acked(s) >= version, deadline, what)
+
+    def _wait_subscribers(self, pred, deadline: float, what: str) -> None:
+        """Waits until ``pred`` holds for every live subscriber; close() cuts the wait short."""
+        def check(s) -> bool:
+            self._check_stopped()
+            return pred(s)
+        self._check_stopped()
+        self._tracker.wait(check, _left(deadline, what), what)
+
+    def _check_stopped(self, v: int | None = None) -> None:
+        if self._stop.is_set():
+            during = f" while publishing version {v}" if v is not None else ""
+            raise UsageError(f"publisher rank {self.rank} of channel {self.channel!r} closed{during}")
 
     def _wait_before_snapshot(self, v: int, slot: int, deadline: float) -> None:
         if self.mode == "one_step_off" and v > 1:
@@ -261,18 +391,27 @@ class Publisher(Closeable):
                 r = self._tracker.reading(s)
                 return r <= 0 or r % self.slots != slot or r >= v
             what = f"publisher rank {self.rank}: readers of slot {slot}"
-            self._tracker.wait(free, _left(deadline, what), what)
+            self._wait_subscribers(free, deadline, what)
 
-    def _snapshot(self, reg: _Registration, slot: int) -> list | None:
-        if self.zero_copy:
-            bufs = reg.slots[0]
-            return _checksum.chunk_sums(bufs) if self.checksums else None
-        for dst, src in reg.copies[slot]:
-            if isinstance(dst, np.ndarray):
-                np.copyto(dst, src)  # a plain memcpy; torch's uint8 copy_ is several times slower here
-            else:
-                dst.copy_(src)
-        return _checksum.chunk_sums(reg.slots[slot]) if self.checksums else None
+    def _snapshot(self, reg: _Registration, slot: int, ready: Any) -> list | None:
+        """Copies the live tensors into ``slot``; returns its checksums (None: not enabled). On
+        CUDA the copy waits for ``ready`` (the caller's writes) on its own stream, and returns only
+        when the bytes have landed: the stamp is about to say "stable"."""
+        if reg.device != "cpu":
+            import torch
+
+            with torch.cuda.stream(reg.copy_stream):
+                if ready is not None:
+                    reg.copy_stream.wait_event(ready)
+                for dst, src in ([] if self.zero_copy else reg.copies[slot]):
+                    dst.copy_(src, non_blocking=True)
+            reg.copy_stream.synchronize()
+        elif not self.zero_copy:
+            for dst, src in reg.copies[slot]:
+                np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here
+        if not self.checksums:
+            return None
+        return _checksum.chunk_sums(reg.slots[0] if self.zero_copy else reg.slots[slot])
 
     # ------------------------------------------------------------------------------------------
     def _release_registration(self) -> None:
@@ -289,12 +428,29 @@ class Publisher(Closeable):
             raise UsageError(f"publisher rank {self.rank} of channel {self.channel!r} is closed")
 
     def close(self) -> None:
-        """Stops serving and releases memory registrations; idempotent."""
+        """Stops serving and releases memory registrations; idempotent. A publish in flight is told
+        to stop waiting on subscribers (its future raises ``UsageError``) and gets ``CLOSE_WAIT_S``
+        to finish; the staging slots are released only between snapshot copies."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._release_registration()
+        self._stop.set()
+        started = self._start_lock.acquire(timeout=CLOSE_WAIT_S)  # no publish starts from here on
+        try:
+            fut = self._inflight
+            if fut is not None and not wait_futures([fut], timeout=CLOSE_WAIT_S).done:
+                log.warning("publisher rank %d: closing with a publish still in flight", self.rank)
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                # not from the worker itself (a finalizer may run there): it cannot join itself
+                own = threading.get_ident() == self._worker_ident
+                worker.shutdown(wait=(fut is None or fut.done()) and not own)
+        finally:
+            if started:
+                self._start_lock.release()
+        with self._snap_lock:
+            self._release_registration()
         for t in getattr(self, "_transports", {}).values():
             quietly(t.close)
         store = getattr(self, "_store", None)
@@ -303,6 +459,9 @@ class Publisher(Closeable):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self._reg else "new")
+        fut = getattr(self, "_inflight", None)
+        if fut is not None and not fut.done():
+            state += f", publishing {self._next_version}"
         return (f"Publisher({self.channel!r}, rank={self.rank}/{self.world_size}, mode={self.mode}, "
                 f"version={self.version}, transports={list(getattr(self, '_transports', {}))}, {state})")
 
