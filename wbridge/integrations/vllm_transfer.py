@@ -1,0 +1,168 @@
+"""wbridge as a vLLM weight-transfer backend (``WeightTransferConfig(backend="wbridge")``).
+
+vLLM 0.32 selects how RL weight updates reach its workers through a registry of weight-transfer
+engines (``nccl``, ``ipc``...). This module adds ``"wbridge"`` to it; the engine is the worker
+extension's machinery (traced layout, subscriber, reload lifecycle) behind vLLM's own calls::
+
+    # every vLLM process must run register(): install wbridge with its ``vllm.general_plugins``
+    # entry point (``wbridge = "wbridge.integrations.vllm_transfer:register"``)
+    llm = LLM(model=path, weight_transfer_config=WeightTransferConfig(backend="wbridge"))
+    llm.init_weight_transfer_engine({"init_info": {"channel": "policy", "store": "tcp://trainer:29700",
+                                                   "token": "..."}})
+    # after each trainer publish (``wbridge.Publisher.publish`` returned v):
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"min_version": v, "timeout": 60.0}})   # pulls (kernels untouched)
+    llm.finish_weight_update(weight_version=str(v))                            # reloads into the kernels
+    llm.reset_prefix_cache()
+
+The trainer side is ``wbridge.Publisher``; it does not go through vLLM (no trainer-side engine is
+registered with ``WeightTransferTrainerFactory``).
+
+Call protocol (worker side, driven by vLLM): ``init_transfer_engine`` once (traces the layout,
+allocates checkpoint-format staging, joins the channel); per update ``start_weight_update`` ->
+``update_weights`` (one or more; each pulls the newest version into staging, the last wins) ->
+``finish_weight_update`` (replays vLLM's layerwise reload from staging, so the engine re-runs its
+weight processing); ``shutdown`` leaves the channel (idempotent). A failed pull leaves the kernels
+on the previous weights.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from ..errors import UsageError, WBridgeError
+from .vllm import DEFAULT_CACHE, WBridgeWorkerExtension
+
+BACKEND = "wbridge"
+
+
+# Not frozen: vLLM's base info classes are plain dataclasses, and a frozen dataclass cannot
+# derive from a non-frozen one.
+@dataclass
+class WBridgeInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``LLM.init_weight_transfer_engine`` for the ``wbridge`` backend."""
+
+    channel: str
+    store: str
+    token: str | None = None
+    transport: str = "auto"
+    cache_dir: str | None = DEFAULT_CACHE      # trace cache; None traces every time
+
+    def __post_init__(self) -> None:
+        for name in ("channel", "store", "transport"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise UsageError(f"wbridge init_info: {name} must be a non-empty string, got {v!r}")
+        if self.token is not None and not isinstance(self.token, str):
+            raise UsageError(f"wbridge init_info: token must be a string or None, got {type(self.token).__name__}")
+
+
+@dataclass
+class WBridgeUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``LLM.update_weights``: pull the newest version, at least
+    ``min_version``, waiting up to ``timeout`` seconds for it."""
+
+    min_version: int | None = None
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.min_version is not None and (not isinstance(self.min_version, int) or self.min_version < 1):
+            raise UsageError(f"wbridge update_info: min_version must be a positive int, got {self.min_version!r}")
+        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise UsageError(f"wbridge update_info: timeout must be a positive number, got {self.timeout!r}")
+
+
+class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeUpdateInfo],
+                                  WBridgeWorkerExtension):
+    """vLLM's worker-side engine for ``backend="wbridge"``: the worker extension's subscribe /
+    fetch / reload, driven by vLLM's weight-transfer calls. Created by vLLM in each worker after
+    the model is loaded."""
+
+    init_info_cls = WBridgeInitInfo
+    update_info_cls = WBridgeUpdateInfo
+    # Staging is traced and allocated for the main model only.
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._wbridge_sub = None
+        self._wbridge_pending: tuple[int, float] | None = None
+
+    # The extension's accessors, answered from what vLLM hands the engine.
+    def _wbridge_model(self) -> Any:
+        return self.model
+
+    def _wbridge_model_config(self) -> Any:
+        return self.model_config
+
+    def _wbridge_rank(self) -> int:
+        return int(self.parallel_config.rank)
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """vLLM hands the user only the message of a worker's error (not its type): say whose."""
+        try:
+            yield
+        except WBridgeError as e:
+            if str(e).startswith("wbridge"):
+                raise
+            raise type(e)(f"wbridge backend, rank {self._wbridge_rank()}: {e}") from e
+
+    def init_transfer_engine(self, init_info: WBridgeInitInfo) -> None:
+        with self._named():
+            self.wbridge_subscribe(init_info.channel, init_info.store, token=init_info.token,
+                                   transport=init_info.transport, cache_dir=init_info.cache_dir)
+
+    def start_weight_update(self) -> None:
+        if self._wbridge_sub is None:
+            raise UsageError("wbridge: start_weight_update before init_weight_transfer_engine")
+        self._wbridge_pending = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only
+        # build; nothing here is asynchronous (staging is host memory, the kernels are untouched
+        # until finish_weight_update).
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: WBridgeUpdateInfo) -> None:
+        with self._named():
+            self._wbridge_pending = self._wbridge_fetch(update_info.timeout, update_info.min_version)
+
+    def finish_weight_update(self) -> None:
+        pending, self._wbridge_pending = self._wbridge_pending, None
+        if pending is not None:
+            with self._named():
+                self._wbridge_commit(*pending)
+
+    def shutdown(self) -> None:
+        self._wbridge_pending = None
+        self.wbridge_close()
+
+    def __repr__(self) -> str:
+        sub = self._wbridge_sub
+        state = "closed" if sub is None else f"subscribed {sub!r}"
+        pending = "" if self._wbridge_pending is None else f", pending v{self._wbridge_pending[0]}"
+        return f"WBridgeWeightTransferEngine(rank={self._wbridge_rank()}, {state}{pending})"
+
+
+def register() -> None:
+    """Offers ``"wbridge"`` in vLLM's ``WeightTransferEngineFactory``; idempotent.
+
+    vLLM creates the engine in its worker processes (spawned on CPU), so registering in the
+    user's process is not enough: make vLLM call this in every process through the
+    ``vllm.general_plugins`` entry point (``wbridge = "wbridge.integrations.vllm_transfer:register"``).
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    registry = WeightTransferEngineFactory._registry   # the factory has no lookup by name
+    if BACKEND in registry:
+        existing = registry[BACKEND]()
+        if existing is not WBridgeWeightTransferEngine:
+            raise UsageError(f"vLLM weight-transfer backend {BACKEND!r} is already registered to "
+                             f"{existing.__module__}.{existing.__qualname__}")
+        return
+    WeightTransferEngineFactory.register_engine(BACKEND, __name__, WBridgeWeightTransferEngine.__name__)
