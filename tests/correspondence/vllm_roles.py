@@ -101,7 +101,7 @@ def _error(fn) -> str | None:
     """``"Type: message"`` of what ``fn()`` raised, or None."""
     try:
         fn()
-    except Exception as e:
+    except Exception as e:   # noqa: BLE001 (vLLM re-raises a worker's error as a bare Exception)
         return f"{type(e).__name__}: {e}"
     return None
 

@@ -28,11 +28,15 @@ on the previous weights.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from ..errors import UsageError, WBridgeError
 from .vllm import DEFAULT_CACHE, WBridgeWorkerExtension
