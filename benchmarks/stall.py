@@ -4,28 +4,38 @@ Run: ``PYTHONPATH=. .venv/bin/python benchmarks/stall.py`` (or ``wbridge bench s
 
 Real processes emulate an RL loop: 4 trainers (TP=2 x DP=2) and 2 rollout engines (TP=2, fused
 layout) of a synthetic Qwen-like model (``--model``). A training step is ``--train-s`` seconds of
-CPU work that starts by writing the next version's values into the trainer's shards; a generation
-step is ``--gen-s`` seconds of CPU work that starts by checking, bit for bit, the version the
-rollout holds (``synthetic.mismatches``; a mismatch aborts the run). The work runs at a lower CPU
-priority (``_common.Compute``, ``--nice 10``; ``--nice 0`` competes as an equal), standing in for
-GPU kernels that leave the host CPUs to the weight transfer. ``--steps`` steps per mode:
+CPU work that writes the next version's values into the trainer's shards (the optimizer step); a
+generation step is ``--gen-s`` seconds of CPU work that starts by checking, bit for bit, the
+version the rollout holds (``synthetic.mismatches``; a mismatch aborts the run). The work runs at a
+lower CPU priority (``_common.Compute``, ``--nice 10``; ``--nice 0`` competes as an equal),
+standing in for GPU kernels that leave the host CPUs to the weight transfer. ``--steps`` steps per
+mode:
 
 * ``gather-bcast`` (baseline A, sync): generate, train, then everyone joins the gather + bucketed
-  broadcast (``_common``) and a final barrier: one on-policy step after another.
-* ``sync``: the same loop with ``Publisher(mode="sync")``: trainers publish (returns when every
-  rollout acked), rollouts pull.
-* ``one_step_off`` / ``async`` (``max_staleness=2``): trainers and rollouts run freely. Trainers
-  publish after every step (publish() waits as the mode says). Rollouts pull in a background thread
-  while they generate (``--pull background``, default; into a second copy of their weights, copied
+  broadcast (``_common``) and a final barrier: one on-policy step after another. The write of the
+  new values runs a quarter into the training step (``BOOKKEEPING_AT``).
+* ``sync``: the same loop with ``Publisher(mode="sync")``: trainers ``publish()`` (blocking: returns
+  when every rollout acked), rollouts pull.
+* ``one_step_off`` / ``async`` (``max_staleness=2``): trainers and rollouts run freely. A trainer
+  step is laid out as on a GPU: ``--train-s`` of compute that only reads the weights (forward and
+  backward), then the optimizer's write of the next version's values, then
+  ``Publisher.publish_async()``, whose snapshot copy (and the mode's waits) run on the publisher's
+  thread while the next step computes; the next step calls ``.result()`` right before its write,
+  as the API's contract asks. (The compute part is shortened by the last write's duration, so a
+  step still lasts about ``--train-s``.) Rollouts pull in a background thread while they generate (``--pull background``, default; into a second copy of their weights, copied
   into the live weights at a step boundary, as an engine must, so that a step never runs on half a
   version) or between steps (``--pull between``). Generation step k+1 needs a version at most one
   (one_step_off) or two (async) versions behind the trainers' k-th update; a rollout blocks only
   when it holds none.
 
-Stall (per process per step): time blocked in publish(), in a pull or a version swap, or in the
-baseline's gather/broadcast/barrier. Not stall: waiting for the other side's compute in the sync
-loops (the algorithm's data dependency, the same in both). The average is over all 6 processes
-(each stands for a GPU); ratios are baseline stall over mode stall (higher is better).
+Stall (per process per step): time blocked in publish(), in publish_async() and in its future's
+``.result()`` before the write, in a pull or a version swap, or in the baseline's
+gather/broadcast/barrier. Not stall: waiting for the other side's compute in the sync loops (the
+algorithm's data dependency, the same in both). The last version's future is awaited after the
+timed steps and not counted (the next step's compute would overlap it), as step 1's previous
+publish (the initial version) completed before them; that wait is reported as ``drain_s``. The
+average is over all 6 processes (each stands for a GPU); ratios are baseline stall over mode stall
+(higher is better).
 
 Last line: ``stall: async_vs_baseline=<r> one_step_off_vs_baseline=<r> sync_vs_baseline=<r>``.
 """
@@ -49,9 +59,10 @@ from _common import (BUCKET_BYTES, MODEL_SIZES, TOKEN, Compute, baseline_rollout
 
 TP, DP, ROLLOUTS = 2, 2, 2
 STALENESS = {"sync": 0, "one_step_off": 1, "async": 2}
-# The benchmark's own memory-heavy work (writing a version's values, checking one) runs a quarter
-# into a step, away from the step boundaries where snapshots, pulls and swaps happen: it has no
-# GPU counterpart, and on a GPU node it would not share host memory bandwidth with the transfer.
+# In the baseline and sync loops the benchmark's own memory-heavy work (writing a version's values,
+# checking one) runs a quarter into a step, away from the step boundaries where pulls and swaps
+# happen: on a GPU node it would not share host memory bandwidth with the transfer. (The free
+# running modes write at the end of the step instead, where an optimizer does.)
 BOOKKEEPING_AT = 0.25
 
 
@@ -87,6 +98,8 @@ class Trainer(_Side):
         self.rank = rank
         self.tensors = make_tensors(self.cfg, TP, rank % TP, fused=False, version=None)
         self.pub = None
+        self.fut = None      # the publish_async() in flight
+        self.write_s = 0.0   # the last optimizer write's duration
 
     def _set(self, content: int):
         from wbridge.synthetic import set_version
@@ -95,6 +108,21 @@ class Trainer(_Side):
 
     def train(self, seconds: float, content: int) -> float:
         return self.compute.step(seconds, self._set(content), at=BOOKKEEPING_AT)[0]
+
+    def train_overlapped(self, seconds: float, content: int, timeout: float) -> float:
+        """One step of the free-running modes; returns its stall. Compute that only reads the
+        weights (the previous snapshot copy overlaps it), then the previous publish's ``result()``
+        (stall), the optimizer's write (compute), and ``publish_async()`` (stall while it starts)."""
+        self.compute.step(max(0.0, seconds - self.write_s))
+        t0 = time.perf_counter()
+        if self.fut is not None:
+            self.fut.result(timeout=timeout)
+            self.fut = None
+        stall = time.perf_counter() - t0
+        self.write_s = self.compute.step(0.0, self._set(content))[0]
+        t1 = time.perf_counter()
+        self.fut = self.pub.publish_async(timeout=timeout)
+        return stall + time.perf_counter() - t1
 
     # -- baseline ------------------------------------------------------------------------------
     def dist_init(self, port: int) -> None:
@@ -121,18 +149,20 @@ class Trainer(_Side):
         return time.perf_counter() - t0
 
     def loop(self, steps: int, seconds: float, base: int, timeout: float) -> dict:
-        """Free-running: train, publish, repeat; versions base+2 .. base+steps+1."""
-        stalls, snaps = [], []
+        """Free-running: compute, write, publish_async, repeat; versions base+2 .. base+steps+1."""
         t_start = time.perf_counter()
-        for k in range(1, steps + 1):
-            self.train(seconds, base + k + 1)
-            stalls.append(self.publish(timeout))
-            snaps.append(self.pub.stats[-1].stall_s)
+        stalls = [self.train_overlapped(seconds, base + k + 1, timeout) for k in range(1, steps + 1)]
         wall = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        self.fut.result(timeout=timeout)  # drain, not counted: the next step's compute would overlap it
+        self.fut = None
+        drain = time.perf_counter() - t0
+        snaps = [s.stall_s for s in self.pub.stats[-steps:]]  # the copies, now off the trainer's path
         self.pub.wait_acked(steps + 1, timeout=timeout)  # keep serving until every rollout has the last one
-        return {"stalls": stalls, "snapshot_s": snaps, "wall_s": wall}
+        return {"stalls": stalls, "snapshot_s": snaps, "drain_s": drain, "wall_s": wall}
 
     def close_channel(self) -> None:
+        self.fut = None
         if self.pub is not None:
             self.pub.close()
             self.pub = None
@@ -372,7 +402,7 @@ def mode_free(trainers, rollouts, a, mode: str, background: bool) -> dict:
         call_all(rollouts, "close_channel", timeout=a.timeout)
         call_all(trainers, "close_channel", timeout=a.timeout)
     return {"trainer_stalls": [r["stalls"] for r in tres], "rollout_stalls": [r["stalls"] for r in rres],
-            "snapshot_s": [r["snapshot_s"] for r in tres],
+            "snapshot_s": [r["snapshot_s"] for r in tres], "drain_s": [r["drain_s"] for r in tres],
             "wall_s": max(r["wall_s"] for r in tres + rres),
             "checked": [r["checked"] for r in rres]}
 
@@ -451,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  {mode:>13}: stall/step trainers {s['trainer_stall_s'] * 1e3:8.1f} ms, rollouts "
                     f"{s['rollout_stall_s'] * 1e3:8.1f} ms, all {s['stall_s'] * 1e3:8.1f} ms; "
                     f"{s['step_wall_s']:.2f} s/step; every pull bit-exact")
+                if "snapshot_s" in res:
+                    snap = [x for per in res["snapshot_s"] for x in per]
+                    log(f"  {'':>13}  trainers' snapshot copy {sum(snap) / len(snap) * 1e3:.1f} ms/step on the "
+                        f"publish thread, overlapped with compute (the last one's drain: "
+                        f"{max(res['drain_s']) * 1e3:.1f} ms, not counted)")
         finally:
             stop_all(acts)
     finally:
