@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
 import torch
@@ -124,14 +125,16 @@ def test_vllm_pulls_perturbed_weights(tmp_path):
 
 
 def _plugin_dist(where):
-    """What installing wbridge with its ``vllm.general_plugins`` entry point leaves on the path:
-    vLLM loads it in every process it starts (the workers are spawned on CPU), which registers
-    the ``wbridge`` weight-transfer backend there."""
+    """What installing wbridge leaves on the path for vLLM: the ``vllm.general_plugins`` entry
+    point, taken from pyproject.toml (so a wrong one fails here). vLLM loads it in every process it
+    starts (the workers are spawned on CPU), which registers the ``wbridge`` weight-transfer backend."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        plugins = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
     info = where / "wbridge_vllm_plugin-0.0.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wbridge-vllm-plugin\nVersion: 0.0.0\n")
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nwbridge = wbridge.integrations.vllm_transfer:register\n")
+        "[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in plugins.items()))
     return where
 
 
