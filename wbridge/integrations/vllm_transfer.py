@@ -133,6 +133,9 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: WBridgeUpdateInfo) -> None:
+        # A failed pull may have half-overwritten staging: nothing is pending until one succeeds,
+        # so finish_weight_update then leaves the kernels on their previous weights.
+        self._wbridge_pending = None
         with self._named():
             self._wbridge_pending = self._wbridge_fetch(update_info.timeout, update_info.min_version)
 
