@@ -332,7 +332,13 @@ class TcpStore(Store):
         return self._call(op)
 
     def set(self, key: str, value: bytes) -> None:
-        self._call(lambda st: st.set(key, value))
+        # TCPStore's SET gets no reply: it could still be in flight when set() returned, and a read
+        # on another connection could overtake it (seen: 2 stale reads in 2000). The server handles
+        # one connection's requests in order, so a round trip after it means it has been applied.
+        def op(st):
+            st.set(key, value)
+            st.check([key])
+        self._call(op)
 
     def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
         # TCPStore's compare_set sets when the key is absent and expected is empty.
