@@ -13,6 +13,7 @@ Layout of a channel ``c`` (all records sealed with the token, see ``records``)::
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -87,14 +88,21 @@ class SubscriberView:
 
 @dataclass
 class SubscriberTracker:
-    """Scans the subscriber list and tells which are live and what they acked (publisher side)."""
+    """Scans the subscriber list and tells which are live and what they acked (publisher side).
+    Thread-safe: a background publish and the caller's ``subscribers()``/``wait_acked()`` may scan
+    at once, and a scan updates ``known`` and the store's lease clock, so one scan at a time."""
 
     store: Store
     keys: Keys
     token: bytes | None
     known: dict[int, SubscriberView] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def live(self) -> list[SubscriberView]:
+        with self.lock:
+            return self._scan()
+
+    def _scan(self) -> list[SubscriberView]:
         n = self.store.get_int(self.keys.subs)
         for i in range(1, n + 1):
             if i in self.known:

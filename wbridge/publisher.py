@@ -98,19 +98,6 @@ class _Registration:
     copy_stream: Any = None            # CUDA: the snapshot copy's own stream
 
 
-@dataclass
-class _SharedTracker(SubscriberTracker):
-    """The tracker of a publisher whose background publish and caller threads (``subscribers()``,
-    ``wait_acked()``) scan subscribers at once: ``live()`` updates ``known`` and the store's lease
-    clock, so one scan at a time."""
-
-    lock: Any = field(default_factory=threading.Lock, repr=False)
-
-    def live(self) -> list:
-        with self.lock:
-            return super().live()
-
-
 class Publisher(Closeable):
     def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *, rank: int = 0,
                  world_size: int = 1, host_store: bool = False, token: str | bytes | None = None,
@@ -147,7 +134,7 @@ class Publisher(Closeable):
         self._inflight_deadline = 0.0
         self._worker_ident: int | None = None
         self._store = open_store(store, host_store=host_store, connect_timeout=connect_timeout)
-        self._tracker = _SharedTracker(self._store, self.keys, self.token)
+        self._tracker = SubscriberTracker(self._store, self.keys, self.token)
         self._next_version = 0
         names = served_transports(transport)
         opts = transport_options or {}
