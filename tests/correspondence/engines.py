@@ -162,6 +162,19 @@ class VllmStyleModel(nn.Module):
                 mod.weight.data.copy_(w)
 
 
+def assert_like_loaded(models: list, cfg: dict, full) -> None:
+    """Each TP rank's ``VllmStyleModel`` in ``models`` equals one that ran its own ``load_weights``
+    on the ``full`` tensors, outside the vocabulary padding (rows past ``cfg["vocab"]``)."""
+    tp = len(models)
+    for r, m in enumerate(models):
+        ref = VllmStyleModel(cfg, tp=tp, rank=r)
+        ref.load_weights(full.items())
+        for (n, a), (_, b) in zip(m.named_parameters(), ref.named_parameters()):
+            vocab_parallel = "embed" in n or "lm_head" in n
+            rows = max(0, cfg["vocab"] - r * a.shape[0]) if vocab_parallel else a.shape[0]
+            assert torch.equal(a[:rows], b[:rows]), (r, n)
+
+
 def hf_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Canonical Hugging Face tensors of the config (Qwen2/Qwen3-MoE naming)."""
     V, H, hd = cfg["vocab"], cfg["hidden"], cfg["head_dim"]
