@@ -50,7 +50,7 @@ def model_config(size: str):
     shapes with 2 layers and a 16k vocabulary; ``tiny`` is for smoke tests. Every split by TP=2 is
     even, so the gloo gathers of the baselines need no padding.
     """
-    from wbridge.synthetic import ModelConfig
+    from wbridge.testing.synthetic import ModelConfig
 
     shapes = dict(hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
     if size == "1g":
@@ -303,7 +303,7 @@ def _shard_box(decl, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def trainer_boxes(cfg, tp: int) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
     """For each canonical tensor, the (offsets, sizes) box each trainer TP rank holds."""
-    from wbridge.synthetic import layout_decls
+    from wbridge.testing.synthetic import layout_decls
 
     out: dict[str, list] = {}
     for r in range(tp):

@@ -92,7 +92,7 @@ class _Side:
 
 class Trainer(_Side):
     def __init__(self, rank: int, model: str, store_url: str, nice: int) -> None:
-        from wbridge.synthetic import make_tensors
+        from wbridge.testing.synthetic import make_tensors
 
         super().__init__(model, store_url, nice)
         self.rank = rank
@@ -102,7 +102,7 @@ class Trainer(_Side):
         self.write_s = 0.0   # the last optimizer write's duration
 
     def _set(self, content: int):
-        from wbridge.synthetic import set_version
+        from wbridge.testing.synthetic import set_version
 
         return lambda: set_version(self.tensors, content)
 
@@ -174,7 +174,7 @@ class Trainer(_Side):
 
 class Rollout(_Side):
     def __init__(self, idx: int, model: str, store_url: str, nice: int) -> None:
-        from wbridge.synthetic import make_tensors
+        from wbridge.testing.synthetic import make_tensors
 
         super().__init__(model, store_url, nice)
         self.idx = idx
@@ -187,7 +187,7 @@ class Rollout(_Side):
         self.background = False
 
     def _check(self, content: int):
-        from wbridge.synthetic import mismatches
+        from wbridge.testing.synthetic import mismatches
 
         def run() -> None:
             bad = mismatches(self.tensors, content)
@@ -218,7 +218,7 @@ class Rollout(_Side):
     # -- wbridge -------------------------------------------------------------------------------
     def open(self, channel: str, transport: str, background: bool) -> None:
         from wbridge import Subscriber
-        from wbridge.synthetic import make_tensors
+        from wbridge.testing.synthetic import make_tensors
 
         if background and self.shadow is None:
             self.shadow = make_tensors(self.cfg, TP, self.idx, fused=True, version=None, fill_value=0xFF)

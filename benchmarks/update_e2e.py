@@ -5,7 +5,7 @@ Run: ``PYTHONPATH=. .venv/bin/python benchmarks/update_e2e.py`` (or ``wbridge be
 A synthetic Qwen-like transformer (``--model 1g``: 1.0 GiB in bf16) lives in 4 trainer processes
 (TP=2 x DP=2, Megatron-like: separate q/k/v and gate/up) and is updated into 2 rollout processes
 (TP=2, vLLM-like: fused ``qkv_proj`` and ``gate_up_proj``). Every version is a new set of values
-(``wbridge.synthetic``). Methods, each timed over ``--versions`` versions after ``--warmup``:
+(``wbridge.testing.synthetic``). Methods, each timed over ``--versions`` versions after ``--warmup``:
 
 * ``wbridge-<transport>``: ``Publisher(mode="sync", zero_copy=True)`` serving every transport;
   ``Subscriber(transport=...)`` pulls exactly the bytes each rollout rank needs, from both DP
@@ -79,7 +79,7 @@ class Trainer(_Member):
     """One trainer rank: live shards, a wbridge publisher or a place in the baseline's groups."""
 
     def __init__(self, rank: int, model: str, store_url: str) -> None:
-        from wbridge.synthetic import make_tensors
+        from wbridge.testing.synthetic import make_tensors
 
         self.rank, self.store_url = rank, store_url
         self.cfg = model_config(model)
@@ -88,7 +88,7 @@ class Trainer(_Member):
         self.groups = None
 
     def set_version(self, content: int) -> None:
-        from wbridge.synthetic import set_version
+        from wbridge.testing.synthetic import set_version
 
         set_version(self.tensors, content)
 
@@ -129,7 +129,7 @@ class Rollout(_Member):
     """One rollout rank: fused TP layout, a wbridge subscriber or a place in the baseline's groups."""
 
     def __init__(self, idx: int, model: str, store_url: str) -> None:
-        from wbridge.synthetic import make_tensors
+        from wbridge.testing.synthetic import make_tensors
 
         self.idx, self.store_url = idx, store_url
         self.cfg = model_config(model)
@@ -160,7 +160,7 @@ class Rollout(_Member):
             self.sub = None
 
     def check(self, content: int) -> list[str]:
-        from wbridge.synthetic import mismatches
+        from wbridge.testing.synthetic import mismatches
 
         return mismatches(self.tensors, content)
 

@@ -1,4 +1,9 @@
-"""Errors raised by transports. wbridge re-raises them as its own ``WBridgeError`` subclasses."""
+"""Errors raised by transports, under one root, ``TransportError``.
+
+Transports import nothing of wbridge; ``wbridge.errors`` places ``TransportError`` under
+``wbridge.WBridgeError`` when wbridge is imported (see there), so a wbridge user catches these as
+``WBridgeError`` while the transports stay usable on their own.
+"""
 
 
 class TransportError(RuntimeError):

@@ -21,8 +21,8 @@ def _repo_benchmarks() -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoConfig, run
-    from .synthetic import ModelConfig
+    from .testing.demo import DemoConfig, run
+    from .testing.synthetic import ModelConfig
 
     model = ModelConfig.demo() if not args.tiny else ModelConfig.tiny()
     cfg = DemoConfig(versions=args.versions, model=model, transport=args.transport, mode=args.mode,

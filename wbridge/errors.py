@@ -1,13 +1,24 @@
-"""One error hierarchy under ``WBridgeError``.
+"""One error tree under ``WBridgeError``: the only root a wbridge user needs to catch.
 
-``planner`` and ``transports`` cannot import ``wbridge``, so they raise their own classes;
-``translated()`` re-raises those as the matching class here at the package boundary. Each class
-here also subclasses its planner/transports counterpart, so either spelling catches it.
+::
+
+    WBridgeError
+    ├── LayoutError, PlanError          (planner.errors, under planner.errors.PlannerError)
+    ├── TransportError                  (transports.errors)
+    │   ├── AuthError
+    │   └── MissingExtraError
+    ├── StoreError
+    ├── StaleVersionError
+    ├── IntegrityError
+    ├── UsageError
+    └── WaitTimeout                     (also a builtin ``TimeoutError``)
+
+``planner`` and ``transports`` must not import ``wbridge`` (they are usable alone), so they define
+their own roots; importing this module places those roots under ``WBridgeError`` (their
+``__bases__`` gain it; nothing else about them changes). Each class exists once: ``LayoutError``
+here *is* ``planner.errors.LayoutError``, so there is nothing to translate at the boundary.
 """
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import planner.errors as _pe
 import transports.errors as _te
@@ -16,25 +27,24 @@ import transports.errors as _te
 class WBridgeError(Exception):
     """Base of every error wbridge raises."""
 
-
-class LayoutError(WBridgeError, _pe.LayoutError):
-    """A tensor cannot be described (non-contiguous, malformed declaration); names the tensor."""
-
-
-class PlanError(WBridgeError, _pe.PlanError):
-    """Publisher and subscriber layouts do not fit together; names the tensors and ranks."""
+    __slots__ = ()  # keeps the layout of a plain Exception, so the planner's and transports'
+    #                 roots can be placed under it
 
 
-class TransportError(WBridgeError, _te.TransportError):
-    """Moving bytes failed; names the peer."""
+def _graft(root: type[BaseException]) -> None:
+    if not issubclass(root, WBridgeError):
+        root.__bases__ = (WBridgeError, *root.__bases__)
 
 
-class AuthError(TransportError, _te.AuthError):
-    """A peer or a store record failed authentication (wrong token, forged record)."""
+_graft(_pe.PlannerError)
+_graft(_te.TransportError)
 
-
-class MissingExtraError(TransportError, _te.MissingExtraError):
-    """A transport's optional dependency is missing; names the pip extra."""
+PlannerError = _pe.PlannerError
+LayoutError = _pe.LayoutError
+PlanError = _pe.PlanError
+TransportError = _te.TransportError
+AuthError = _te.AuthError
+MissingExtraError = _te.MissingExtraError
 
 
 class StaleVersionError(WBridgeError):
@@ -53,38 +63,11 @@ class IntegrityError(WBridgeError):
     """Bytes read do not match the publisher's checksums; nothing of that version was committed."""
 
 
-class TimeoutError_(WBridgeError, TimeoutError):
-    """A blocking call ran past its timeout (exported as ``wbridge.WaitTimeout``)."""
+class WaitTimeout(WBridgeError, TimeoutError):
+    """A blocking call ran past its timeout."""
 
 
-WaitTimeout = TimeoutError_
-
-_MAP: list[tuple[type[BaseException], type[WBridgeError]]] = [
-    (_te.MissingExtraError, MissingExtraError),
-    (_te.AuthError, AuthError),
-    (_te.TransportError, TransportError),
-    (_pe.LayoutError, LayoutError),
-    (_pe.PlanError, PlanError),
+__all__ = [
+    "AuthError", "IntegrityError", "LayoutError", "MissingExtraError", "PlanError", "PlannerError",
+    "StaleVersionError", "StoreError", "TransportError", "UsageError", "WBridgeError", "WaitTimeout",
 ]
-
-
-def translate(exc: BaseException) -> BaseException:
-    if isinstance(exc, WBridgeError):
-        return exc
-    for src, dst in _MAP:
-        if isinstance(exc, src):
-            new = dst(str(exc))
-            new.__cause__ = exc
-            return new
-    return exc
-
-
-@contextlib.contextmanager
-def translated() -> Iterator[None]:
-    """Re-raises planner and transports errors as wbridge errors."""
-    try:
-        yield
-    except (_pe.LayoutError, _pe.PlanError, _te.TransportError) as e:
-        if isinstance(e, WBridgeError):
-            raise
-        raise translate(e) from e

@@ -47,19 +47,19 @@ import numpy as np
 import transports as _transports
 from planner.layout import Declaration, RankLayout
 
-from . import checksum as _checksum
-from .channel import Keys, SubscriberTracker, VersionRecord, now
-from .errors import UsageError, WaitTimeout, WBridgeError, translated
-from .lifecycle import Closeable, log, quietly
-from .records import seal
-from .selection import RDMA_FIRST, publisher_capabilities, rdma_present
+from ._lifecycle import Closeable, log, quietly
+from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
+from ._tensors import address, alloc_bytes, build_layout, byte_view
+from ._tracker import SubscriberTracker, now
+from .errors import UsageError, WaitTimeout, WBridgeError
+from .protocol import checksum as _checksum
+from .protocol.keys import Keys
+from .protocol.records import seal
+from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
+from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
-from .tensors import address, alloc_bytes, build_layout, byte_view
 
 MODES = ("sync", "one_step_off", "async")
-STAMP_BYTES = 32            # uint64 magic, version, state, epoch
-STAMP_MAGIC = 0x57425354414D5031  # "WBSTAMP1"
-STAMP_STABLE, STAMP_WRITING = 0, 1
 CLOSE_WAIT_S = 10.0  # how long close() waits for a publish in flight before it tears down anyway
 
 
@@ -140,10 +140,9 @@ class Publisher(Closeable):
         opts = transport_options or {}
         self._transports: dict[str, _transports.Transport] = {}
         try:
-            with translated():
-                for name in names:
-                    cls = _transports.get(name)
-                    self._transports[name] = cls(token=self.token, host=host, **dict(opts.get(name, {})))
+            for name in names:
+                cls = _transports.get(name)
+                self._transports[name] = cls(token=self.token, host=host, **dict(opts.get(name, {})))
         except BaseException:
             self.close()
             raise
@@ -195,12 +194,11 @@ class Publisher(Closeable):
         reg.stamps = [self._staging_buffer(STAMP_BYTES, "cpu") for _ in slots]
         for stamp in reg.stamps:
             stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
-        with translated():
-            for name, t in self._transports.items():
-                reg.regions[name] = [
-                    [t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
-                    + [t.register(address(stamp), STAMP_BYTES, device="cpu")]
-                    for slot, stamp in zip(slots, reg.stamps)]
+        for name, t in self._transports.items():
+            reg.regions[name] = [
+                [t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
+                + [t.register(address(stamp), STAMP_BYTES, device="cpu")]
+                for slot, stamp in zip(slots, reg.stamps)]
         count = self._store.add(self.keys.reg, 1)
         reg.epoch = (count - 1) // self.world_size + 1
         latest = VersionRecord.read(self._store, self.keys, self.token)

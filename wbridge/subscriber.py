@@ -36,16 +36,17 @@ from planner.layout import Declaration, RankLayout
 from planner.plan import Plan
 from transports.base import ReadBatch
 
-from . import checksum as _checksum
-from .channel import Keys, VersionRecord
+from ._lifecycle import Closeable, quietly
+from ._selection import candidates
+from ._tensors import address, alloc_bytes, build_layout, byte_view
 from .errors import (AuthError, IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
-                     WaitTimeout, WBridgeError, translated)
-from .lifecycle import Closeable, quietly
-from .publisher import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
-from .records import open_sealed, seal
-from .selection import candidates
+                     WaitTimeout, WBridgeError)
+from .protocol import checksum as _checksum
+from .protocol.keys import Keys
+from .protocol.records import open_sealed, seal
+from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
+from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
-from .tensors import address, alloc_bytes, build_layout, byte_view
 
 
 log = logging.getLogger("wbridge")
@@ -120,7 +121,7 @@ class Subscriber(Closeable):
         self._lock = threading.Lock()
         self._pull_lock = threading.Lock()
         self._transport_options = transport_options or {}
-        self._wrapper = transport_wrapper  # fault injection and tracing (see wbridge.faults)
+        self._wrapper = transport_wrapper  # fault injection and tracing (see wbridge.testing.faults)
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
         self._session: _Session | None = None
@@ -274,14 +275,12 @@ class Subscriber(Closeable):
             prep = src.prepared.get(slot)
             t = self._transports[src.transport]
             if prep is None:
-                with translated():
-                    prep = t.prepare(src.peer, src.regions[slot], self._local_regions[src.transport], src.batch)
+                prep = t.prepare(src.peer, src.regions[slot], self._local_regions[src.transport], src.batch)
                 src.prepared[slot] = prep
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeout(f"subscriber {self.name}: pull timed out before reading rank {src.rank}")
-            with translated():
-                t.read(prep, timeout=left)
+            t.read(prep, timeout=left)
 
         work = [s for s in session.sources if len(s.batch)]
         if len(work) == 1:
@@ -306,13 +305,12 @@ class Subscriber(Closeable):
         def one(src: _Source) -> None:
             t = self._transports[src.transport]
             prep = src.stamp_prepared.get(rec.slot)
-            with translated():
-                if prep is None:
-                    stamp_index = len(src.regions[rec.slot]) - 1
-                    prep = t.prepare(src.peer, src.regions[rec.slot], [src.stamp_region],
-                                     ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]))
-                    src.stamp_prepared[rec.slot] = prep
-                t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+            if prep is None:
+                stamp_index = len(src.regions[rec.slot]) - 1
+                prep = t.prepare(src.peer, src.regions[rec.slot], [src.stamp_region],
+                                 ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]))
+                src.stamp_prepared[rec.slot] = prep
+            t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
             got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
             if got != want:
                 raise StaleVersionError(f"publisher rank {src.rank}: slot {rec.slot} holds version "
@@ -334,9 +332,8 @@ class Subscriber(Closeable):
                 raise WaitTimeout(f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} "
                                   "never registered") from None
             records.append(open_sealed(self.token, key, raw))
-        with translated():
-            layouts = [RankLayout.from_dict(d["layout"]) for d in records]
-            plan = build_plan(layouts, self._layout)
+        layouts = [RankLayout.from_dict(d["layout"]) for d in records]
+        plan = build_plan(layouts, self._layout)
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
         sources: list[_Source] = []
@@ -374,10 +371,9 @@ class Subscriber(Closeable):
                           regions=[[_unb64(x) for x in slot] for slot in served["regions"]], batch=batch)
             try:
                 t = self._transport(name)
-                with translated():
-                    src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
-                    src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
-                    src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
+                src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
+                src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
+                src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
             except TransportError as e:
                 if isinstance(e, AuthError) or i == len(options) - 1:
                     raise
@@ -395,14 +391,13 @@ class Subscriber(Closeable):
     def _transport(self, name: str) -> _transports.Transport:
         t = self._transports.get(name)
         if t is None:
-            with translated():
-                cls = _transports.get(name)
-                t = cls(token=self.token, host=self.host, **dict(self._transport_options.get(name, {})))
-                if self._wrapper is not None:
-                    t = self._wrapper(t)
-                self._transports[name] = t
-                self._local_regions[name] = [t.register(address(b), int(b.numel()), device=self._device)
-                                             for b in self._dest]
+            cls = _transports.get(name)
+            t = cls(token=self.token, host=self.host, **dict(self._transport_options.get(name, {})))
+            if self._wrapper is not None:
+                t = self._wrapper(t)
+            self._transports[name] = t
+            self._local_regions[name] = [t.register(address(b), int(b.numel()), device=self._device)
+                                         for b in self._dest]
         return t
 
     def _verify(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
@@ -423,12 +418,11 @@ class Subscriber(Closeable):
             scratch = alloc_bytes(n, "cpu")
             local = t.register(address(scratch), n)
             try:
-                with translated():
-                    prep = t.prepare(src.peer, src.regions[slot], [local], ReadBatch.of([(region, offset, 0, 0, n)]))
-                    try:
-                        t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
-                    finally:
-                        t.release(prep)
+                prep = t.prepare(src.peer, src.regions[slot], [local], ReadBatch.of([(region, offset, 0, 0, n)]))
+                try:
+                    t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+                finally:
+                    t.release(prep)
             finally:
                 t.deregister(local)
             return scratch.numpy()

@@ -13,7 +13,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from wbridge.layout import decl_to_dict, from_dtensor  # noqa: E402
+from wbridge.integrations.dtensor import from_dtensor  # noqa: E402
+from wbridge.protocol.declarations import decl_to_dict  # noqa: E402
 
 
 def tiny_qwen2(hf: bool) -> torch.nn.Module:

@@ -1,5 +1,5 @@
 """Megatron-core tensors built from full Hugging Face tensors by Megatron's own conventions,
-written independently of ``wbridge.megatron`` (reshape/cat/chunk), so tests compare two codes."""
+written independently of ``wbridge.integrations.megatron`` (reshape/cat/chunk), so tests compare two codes."""
 from __future__ import annotations
 
 import torch
@@ -53,7 +53,7 @@ def megatron_rank_tensors(full, cfg, tp_rank, tp, ep_rank=0, ep=1, divisible_by=
 
 
 def megatron_config(cfg, tp_rank, tp, ep_rank=0, ep=1, pp_rank=0, pp=1):
-    from wbridge.megatron import MegatronGPT
+    from wbridge.integrations.megatron import MegatronGPT
 
     E = cfg.get("experts", 0)
     return MegatronGPT(hidden=cfg["hidden"], num_layers=cfg["layers"], num_heads=cfg["heads"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from planner.layout import Fused, Shard
-from wbridge.layout import decl_from_dict
+from wbridge.protocol.declarations import decl_from_dict
 
 from .helpers import assemble, check_entries, run_ranks, scatter, to_numpy
 
@@ -37,7 +37,7 @@ QWEN2 = dict(vocab=131, hidden=128, heads=4, kv_heads=1, head_dim=32, inter=96, 
 def _to_traced_rollout(ranks):
     """FSDP2 x TP trainer ranks -> traced vLLM-style TP=2 rollout (1 kv head replicated), through
     the planner; checked against the engine's own load_weights of the full tensors."""
-    from wbridge.trace import trace_load_weights
+    from wbridge.integrations.trace import trace_load_weights
 
     from .engines import VllmStyleModel, assert_like_loaded, hf_shapes
     from .helpers import plan_transfer
@@ -115,7 +115,7 @@ def test_raw_placements(dumps):
 @pytest.mark.timeout(200)
 def test_dtensor_to_fused_rollout(dumps):
     """Pairing: FSDP2 x TP trainer -> a TP=2 rollout with fused qkv/gate_up (kv heads replicated)."""
-    from wbridge.megatron import qkv_fused, gate_up_fused
+    from wbridge.integrations.megatron import qkv_fused, gate_up_fused
 
     ranks = _load(dumps, "fsdp_tp")
     full = ranks[0][1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from wbridge import Subscriber
-from wbridge.trace import trace_load_weights
+from wbridge.integrations.trace import trace_load_weights
 
 from .engines import VllmStyleModel, hf_shapes
 from .helpers import free_port, garbage_fill, mapped_mask, to_numpy

@@ -10,8 +10,8 @@ import torch
 
 from planner.layout import Fused, Shard, Stack
 from wbridge.errors import LayoutError
-from wbridge.megatron import qkv_fused
-from wbridge.trace import (TraceResult, cache_key, cached_trace, check_declarations, expand_experts,
+from wbridge.integrations.megatron import qkv_fused
+from wbridge.integrations.trace import (TraceResult, cache_key, cached_trace, check_declarations, expand_experts,
                            expand_layers, trace_load_weights, with_shapes)
 
 from .engines import VllmStyleModel, hf_shapes

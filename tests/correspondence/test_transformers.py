@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from wbridge.layout import from_module
-from wbridge.trace import trace_load_weights
+from wbridge.integrations.dtensor import from_module
+from wbridge.integrations.trace import trace_load_weights
 
 from .engines import VllmStyleModel, assert_like_loaded, hf_shapes
 from .helpers import check_entries, plan_transfer

@@ -123,7 +123,7 @@ def trainer(ckpt: str, out: str, port: int) -> None:
     from transformers import Qwen2ForCausalLM
 
     from wbridge import Publisher
-    from wbridge.layout import from_module
+    from wbridge.integrations.dtensor import from_module
 
     model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=5.0)

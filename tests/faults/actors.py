@@ -1,6 +1,6 @@
 """Fault-test processes: the runtime actors plus what fault tests need (re-registering after a
 restart, the subscriber list, joining a test host's network namespace), and helpers to stop a pull
-half-way (``wbridge.faults.Pause``) and wait for it."""
+half-way (``wbridge.testing.faults.Pause``) and wait for it."""
 from __future__ import annotations
 
 import ctypes

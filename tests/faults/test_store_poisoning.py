@@ -22,9 +22,9 @@ from transports.base import ReadBatch, decode_descriptor, encode_descriptor
 from transports.errors import TransportError as WireError
 from transports.tcp import TcpTransport
 from wbridge import AuthError, StoreError, Subscriber, WBridgeError, open_store
-from wbridge.channel import Keys
-from wbridge.records import open_sealed, seal
-from wbridge.synthetic import ModelConfig, make_tensors, mismatches
+from wbridge.protocol.keys import Keys
+from wbridge.protocol.records import open_sealed, seal
+from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,7 +276,7 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
     bit-exactly."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from wbridge.faults import wrapper
+    from wbridge.testing.faults import wrapper
 
     from .actors import FaultPub, release, wait_paused
 

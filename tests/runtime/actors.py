@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from wbridge import Publisher, Subscriber
-from wbridge.synthetic import ModelConfig, layout_decls, make_tensors, mismatches, set_version
+from wbridge.testing.synthetic import ModelConfig, layout_decls, make_tensors, mismatches, set_version
 
 TOKEN = "test-token"
 
@@ -63,7 +63,7 @@ class SubActor:
             for name, (shape, gshape) in extra.items():
                 self.tensors[name] = (torch.zeros(shape, dtype=torch.bfloat16), Shard(name, tuple(gshape)))
         if fault is not None:
-            from wbridge.faults import wrapper
+            from wbridge.testing.faults import wrapper
 
             kwargs["transport_wrapper"] = wrapper(fault[0], **fault[1])
         self.sub = Subscriber("t", url, token=token, **kwargs)

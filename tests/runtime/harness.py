@@ -13,7 +13,7 @@ from typing import Any, Callable
 # forkserver: one process imports torch and wbridge once, every worker is a cheap fork of it
 # (spawn re-imports torch in every worker: seconds each on a loaded 2-core machine).
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "numpy", "wbridge", "wbridge.synthetic", "tests.runtime.actors"])
+CTX.set_forkserver_preload(["torch", "numpy", "wbridge", "wbridge.testing.synthetic", "tests.runtime.actors"])
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from wbridge.synthetic import set_version
+from wbridge.testing.synthetic import set_version
 
 from .actors import PubActor, SubActor
 from .harness import Worker, call_all, free_port
@@ -120,7 +120,7 @@ def test_errors_come_through_the_future_as_publish_raises_them() -> None:
     try:
         got_async = pubs[0].call("try_publish", 1, 1.0, True)
         got_sync = pubs[0].call("try_publish", 2, 1.0, False)
-        assert got_async["error"] == got_sync["error"] == "TimeoutError_", (got_async, got_sync)
+        assert got_async["error"] == got_sync["error"] == "WaitTimeout", (got_async, got_sync)
         assert "WBridgeError" in got_async["mro"] and "acks of version 1" in got_async["message"]
         assert got_async["elapsed"] < 10.0
     finally:

@@ -10,7 +10,7 @@ from tests.etcd_fixture import EtcdServer, etcd_binary, free_port
 from tests.store import _workers as W
 from tests.store.test_store_conformance import CTX, SLACK, eventually, join_all, spawn
 from wbridge.errors import StoreError, WaitTimeout
-from wbridge.etcd_store import EtcdStore
+from wbridge.store.etcd import EtcdStore
 from wbridge.store import open_store
 
 pytestmark = [pytest.mark.timeout(120),

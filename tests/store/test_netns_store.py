@@ -11,7 +11,7 @@ from tests.hosts import network  # noqa: F401 - fixture
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 
 SLACK = 3.0  # process start-up and a loaded machine: a bounded call may overrun by this much
-FAILED = ("StoreError", "TimeoutError_")  # StoreError or WaitTimeout
+FAILED = ("StoreError", "WaitTimeout")  # StoreError or WaitTimeout
 
 
 def driver(host, *args: str):
@@ -86,7 +86,7 @@ def test_hosts_are_isolated(network):
 UNREACHABLE = """
 import json, sys, time
 import torch.distributed  # imported up front: its import time is not the store's
-import wbridge.etcd_store
+import wbridge.store.etcd
 from wbridge.store import open_store
 out = {}
 for url in sys.argv[1:]:

@@ -17,7 +17,7 @@ from wbridge.store import Store, open_store
 # Workers fork from one server that imported torch and the store once (spawning each would import
 # torch anew, seconds per process on a small machine).
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch.distributed", "wbridge.store", "wbridge.etcd_store", "tests.store._workers"])
+CTX.set_forkserver_preload(["torch.distributed", "wbridge.store", "wbridge.store.etcd", "tests.store._workers"])
 # Slack for a loaded 2-core machine: a bounded call may overrun its timeout by this much.
 SLACK = 1.5
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 from ..errors import LayoutError
-from ..trace import TraceResult, trace_load_weights
+from .trace import TraceResult, trace_load_weights
 
 
 def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:

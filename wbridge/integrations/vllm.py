@@ -22,7 +22,7 @@ destination, and after each pull replays vLLM's own reload lifecycle
 (``initialize_layerwise_reload`` -> load -> ``finalize_layerwise_reload``) with a loader that copies
 those tensors in, so vLLM re-runs its processing exactly as at start-up.
 
-The destination layout is traced from the engine's own ``load_weights`` (``wbridge.trace``), run on
+The destination layout is traced from the engine's own ``load_weights`` (``wbridge.integrations.trace``), run on
 the checkpoint-format parameters that the reload machinery restores, and cached as JSON keyed by
 the model config, the vLLM version and the rank.
 """
@@ -33,7 +33,7 @@ import time
 from typing import Any, Mapping
 
 from ..errors import LayoutError, UsageError, WBridgeError
-from ..trace import TraceResult, cache_key, cached_trace, trace_load_weights
+from .trace import TraceResult, cache_key, cached_trace, trace_load_weights
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
 

@@ -36,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _trainer(cfg: DemoConfig, rank: int, url: str, results: "mp.Queue", done: "mp.Event") -> None:
-    from .publisher import Publisher
+    from ..publisher import Publisher
 
     try:
         tp_rank = rank % cfg.trainer_tp
@@ -72,7 +72,7 @@ def _served(transport: str):
 
 def _rollout(cfg: DemoConfig, idx: int, url: str, results: "mp.Queue") -> None:
     from .faults import FlipBit
-    from .subscriber import Subscriber
+    from ..subscriber import Subscriber
 
     try:
         tensors = make_tensors(cfg.model, cfg.rollout_tp, idx, fused=True, version=None, fill_value=0xFF)
@@ -103,7 +103,7 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 
 def run(cfg: DemoConfig, *, out=sys.stdout, err=sys.stderr, as_json: bool = False) -> int:
     ctx = mp.get_context("forkserver")  # torch and wbridge are imported once, not per process
-    ctx.set_forkserver_preload(["torch", "numpy", "wbridge.publisher", "wbridge.subscriber", "wbridge.synthetic"])
+    ctx.set_forkserver_preload(["torch", "numpy", "wbridge.publisher", "wbridge.subscriber", "wbridge.testing.synthetic"])
     url = f"tcp://127.0.0.1:{free_port()}"
     results: mp.Queue = ctx.Queue()
     done = ctx.Event()

@@ -9,7 +9,6 @@ from typing import Any, Mapping, Sequence
 
 from transports import select as _select
 
-from .errors import translated
 
 RDMA_FIRST = _select.RDMA_FIRST
 
@@ -25,8 +24,7 @@ def publisher_capabilities(served: Sequence[str]) -> dict[str, Any]:
 
 def candidates(preference: str, local: Mapping[str, Any], remote: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Transports to try for one publisher rank, best first, each with its reason."""
-    with translated():
-        return _select.candidates(local, remote, preference)
+    return _select.candidates(local, remote, preference)
 
 
 __all__ = ["RDMA_FIRST", "candidates", "publisher_capabilities", "rdma_present"]

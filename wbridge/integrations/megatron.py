@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from planner.layout import Declaration, Fused, Shard
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 
 def _split(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:

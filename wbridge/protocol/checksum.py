@@ -71,7 +71,7 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
     chunk it covers only in part, ``fetch(region, offset, n)`` reads the whole chunk again, its
     hash is checked, and the destination bytes are compared with it. Raises ``IntegrityError``.
     """
-    from .errors import IntegrityError
+    from ..errors import IntegrityError
 
     chunk = int(sums["chunk"])
     regions, sizes = sums["regions"], sums["sizes"]

@@ -6,10 +6,10 @@ Each adapter returns ``{local_name: (local_tensor, declaration)}``, the argument
 
 - ``from_dtensor``: DTensor state dicts (FSDP2 ``Shard(0)``, TP ``Shard(0)``/``Shard(1)``,
   ``Replicate``, 2-D meshes, FSDP2-over-TP ``_StridedShard``, uneven last shards).
-- ``wbridge.megatron``: Megatron-style TP/PP/EP declarations (column/row-parallel, vocab-parallel,
+- ``wbridge.integrations.megatron``: Megatron-style TP/PP/EP declarations (column/row-parallel, vocab-parallel,
   interleaved QKV, fused ``linear_fc1``).
-- ``trace_load_weights``: the layout an engine's own ``load_weights`` produces, found by running
-  it on index-encoded placeholders (``wbridge.trace``).
+- ``wbridge.integrations.trace``: the layout an engine's own ``load_weights`` produces, found by
+  running it on index-encoded placeholders.
 - ``from_module``: a plain, unsharded module whose parameter names are the canonical names
   (Hugging Face transformers models as trainers or rollout workers).
 """
@@ -19,12 +19,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from planner.layout import Declaration, Flat, Fused, Shard, Stack
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
-__all__ = [
-    "from_dtensor", "from_module", "index_runs", "decl_to_dict", "decl_from_dict",
-    "trace_load_weights", "Declaration", "Shard", "Fused", "Stack", "Flat",
-]
+__all__ = ["from_dtensor", "from_module", "index_runs", "Declaration", "Shard", "Fused", "Stack", "Flat"]
 
 Entry = tuple[Any, Declaration]
 
@@ -161,52 +158,3 @@ def from_module(module: Any, *, prefix: str = "", rename: Mapping[str, str] | No
         seen.add(key)
         picked.append((name, p))
     return from_dtensor(picked, rename=rename, skip_empty=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# JSON form of declarations (trace caches, logs).
-# ---------------------------------------------------------------------------------------------
-
-def _shard_to_list(s: Shard) -> list:
-    return [s.name, list(s.global_shape), None if s.offsets is None else list(s.offsets),
-            None if s.sizes is None else list(s.sizes), bool(s.padded)]
-
-
-def _shard_from_list(x: Sequence) -> Shard:
-    name, g, o, sz, pad = x
-    return Shard(name, tuple(g), None if o is None else tuple(o), None if sz is None else tuple(sz), bool(pad))
-
-
-def decl_to_dict(decl: Declaration) -> dict:
-    """A JSON-ready form of a declaration (inverse: ``decl_from_dict``)."""
-    if isinstance(decl, Shard):
-        return {"shard": _shard_to_list(decl)}
-    if isinstance(decl, Fused):
-        return {"fused": decl.dim, "parts": [_shard_to_list(p) for p in decl.parts]}
-    if isinstance(decl, Stack):
-        return {"stack": [_shard_to_list(p) for p in decl.parts]}
-    if isinstance(decl, Flat):
-        return {"flat": [[n, list(s), a, b] for n, s, a, b in decl.segments]}
-    raise LayoutError(f"unknown declaration {decl!r}")
-
-
-def decl_from_dict(d: Mapping) -> Declaration:
-    try:
-        if "shard" in d:
-            return _shard_from_list(d["shard"])
-        if "fused" in d:
-            return Fused(int(d["fused"]), tuple(_shard_from_list(p) for p in d["parts"]))
-        if "stack" in d:
-            return Stack(tuple(_shard_from_list(p) for p in d["stack"]))
-        if "flat" in d:
-            return Flat(tuple((n, tuple(s), int(a), int(b)) for n, s, a, b in d["flat"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise LayoutError(f"malformed declaration record {d!r}: {e}") from e
-    raise LayoutError(f"malformed declaration record {d!r}")
-
-
-def trace_load_weights(module: Any, load_weights: Any, canonical: Any, **kwargs: Any) -> Any:
-    """See ``wbridge.trace.trace_load_weights`` (imported lazily: it needs torch)."""
-    from .trace import trace_load_weights as _trace
-
-    return _trace(module, load_weights, canonical, **kwargs)

@@ -72,22 +72,21 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str):
     place both sides turn registered tensors into a ``RankLayout``."""
     from planner.layout import LayoutBuilder
 
-    from .errors import UsageError, translated
+    from .errors import UsageError
 
     builder = LayoutBuilder(rank, pack=pack)
     live: dict[str, Any] = {}
     devices = set()
-    with translated():
-        for name, entry in tensors.items():
-            try:
-                tensor, decl = entry
-            except (TypeError, ValueError):
-                raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
-            shape, dtype, device = describe(name, tensor)
-            builder.add(name, shape, dtype, decl)
-            devices.add(device)
-            live[name] = tensor
-        layout = builder.build()
+    for name, entry in tensors.items():
+        try:
+            tensor, decl = entry
+        except (TypeError, ValueError):
+            raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
+        shape, dtype, device = describe(name, tensor)
+        builder.add(name, shape, dtype, decl)
+        devices.add(device)
+        live[name] = tensor
+    layout = builder.build()
     if len(devices) > 1:
         raise UsageError(f"{who}: tensors on several devices {sorted(devices)}")
     return layout, live, devices.pop()

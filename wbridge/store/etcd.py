@@ -30,8 +30,8 @@ import time
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlparse
 
-from .errors import StoreError, WaitTimeout
-from .store import DEFAULT_CONNECT_TIMEOUT, Lease, Store
+from ..errors import StoreError, WaitTimeout
+from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 
 try:
     import requests

@@ -7,7 +7,7 @@ import hmac
 import json
 from typing import Any
 
-from .errors import AuthError, StoreError
+from ..errors import AuthError, StoreError
 
 _VERSION = 1
 

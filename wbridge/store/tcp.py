@@ -1,13 +1,4 @@
-"""The metadata store: a small key-value service shared by publishers and subscribers.
-
-``open_store(url, ...)`` returns a ``Store``. ``tcp://host:port`` is torch's TCPStore (the embedded
-default, hosted by one publisher); ``etcd://host:port[,host:port]`` is etcd v3 for clusters.
-
-Call protocol: open, then any of get/set/compare_set/add/delete/wait/wait_change from any thread,
-``lease``/``is_alive`` for liveness, ``close()`` (idempotent). Every blocking call takes a timeout
-and raises ``WaitTimeout`` (a ``WBridgeError``) when it expires; a lost connection is ``StoreError``.
-Values are bytes. The store is not trusted: wbridge signs what it writes (see ``records``).
-"""
+"""``tcp://host:port``: torch's TCPStore, the embedded default, hosted by one publisher."""
 from __future__ import annotations
 
 import contextlib
@@ -17,137 +8,10 @@ import socket
 import struct
 import threading
 import time
-from abc import ABC, abstractmethod
 from typing import Callable, Iterator
-from urllib.parse import urlparse
 
-from .errors import StoreError, WaitTimeout
-
-DEFAULT_CONNECT_TIMEOUT = 30.0
-
-
-class Lease:
-    """A liveness record kept fresh by a background thread until ``revoke()``."""
-
-    def __init__(self, key: str, ttl: float, refresh: Callable[[], None], revoke: Callable[[], None]) -> None:
-        self.key = key
-        self.ttl = ttl
-        self._refresh = refresh
-        self._revoke = revoke
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"wbridge-lease:{key}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.ttl / 4):
-            try:
-                self._refresh()
-            except Exception:  # noqa: BLE001 - a store hiccup must not kill the lease thread
-                pass
-
-    def revoke(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._thread.join(timeout=self.ttl)
-        try:
-            self._revoke()
-        except Exception:  # noqa: BLE001 - best effort: the lease lapses on its own
-            pass
-
-    def __repr__(self) -> str:
-        return f"Lease({self.key!r}, ttl={self.ttl}, active={not self._stop.is_set()})"
-
-
-class Store(ABC):
-    """Base class; see the module docstring."""
-
-    url: str
-
-    @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The value of ``key`` or ``None``; never blocks on a missing key."""
-
-    @abstractmethod
-    def set(self, key: str, value: bytes) -> None: ...
-
-    @abstractmethod
-    def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
-        """Sets ``key`` to ``value`` if it holds ``expected`` (``None``: absent); True on success.
-
-        On ``tcp://`` success is inferred from the value found afterwards, so concurrent writers
-        must write distinct values to know who won; on ``etcd://`` it is exact."""
-
-    @abstractmethod
-    def add(self, key: str, delta: int) -> int:
-        """Atomically adds ``delta`` to the integer at ``key`` (absent is 0); returns the new value."""
-
-    @abstractmethod
-    def delete(self, key: str) -> None: ...
-
-    @abstractmethod
-    def lease(self, key: str, ttl: float) -> Lease:
-        """Marks ``key`` alive for as long as the returned lease is refreshed (every ``ttl/4``)."""
-
-    @abstractmethod
-    def is_alive(self, key: str, ttl: float) -> bool:
-        """Whether the lease at ``key`` was refreshed within the last ``ttl`` seconds (as seen here)."""
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    @contextlib.contextmanager
-    def deadline(self, at: float) -> Iterator[None]:
-        """Bounds the calls this thread makes inside the block by ``at`` (``time.monotonic()``).
-        The default bounds nothing more than each call's own timeout."""
-        yield
-
-    def get_int(self, key: str, default: int = 0) -> int:
-        raw = self.get(key)
-        if raw is None:
-            return default
-        try:
-            return int(raw)
-        except ValueError:
-            raise StoreError(f"store key {key!r} holds {raw[:40]!r}, not an integer") from None
-
-    def wait(self, key: str, timeout: float) -> bytes:
-        """Blocks until ``key`` exists; returns its value."""
-        value = self.wait_until(lambda: self.get(key), timeout, f"store key {key!r}")
-        return value
-
-    def wait_change(self, key: str, old: bytes | None, timeout: float) -> bytes | None:
-        """Blocks until ``key`` holds something other than ``old``; returns it (a watch)."""
-        sentinel = object()
-
-        def changed():
-            v = self.get(key)
-            return sentinel if v == old else (v, )
-
-        out = self.wait_until(lambda: None if (r := changed()) is sentinel else r, timeout, f"change of {key!r}")
-        return out[0]
-
-    @staticmethod
-    def wait_until(probe: Callable[[], object], timeout: float, what: str,
-                   poll: float = 0.0005, max_poll: float = 0.02) -> object:
-        """Polls ``probe`` with backoff until it returns something other than None."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = probe()
-            if value is not None:
-                return value
-            now = time.monotonic()
-            if now >= deadline:
-                raise WaitTimeout(f"timed out after {timeout:.1f}s waiting for {what}")
-            time.sleep(min(poll, deadline - now))
-            poll = min(poll * 2, max_poll)
-
-    def __enter__(self) -> "Store":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+from ..errors import StoreError, WaitTimeout
+from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 
 # A value no caller writes: TcpStore.get's marker for "absent".
 _ABSENT = b"\0wbridge-absent:" + os.urandom(16)
@@ -398,22 +262,3 @@ class TcpStore(Store):
 
     def __repr__(self) -> str:
         return f"TcpStore({self.url!r}, host={self.is_host}, closed={self._closed})"
-
-
-def open_store(url: str, *, host_store: bool = False,
-               connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Store:
-    """Opens (or, with ``host_store=True``, hosts) the store at ``url``."""
-    if isinstance(url, Store):
-        return url
-    parsed = urlparse(url)
-    if parsed.scheme == "tcp":
-        if not parsed.hostname or parsed.port is None:
-            raise StoreError(f"store url {url!r} needs tcp://host:port")
-        return TcpStore(parsed.hostname, parsed.port, is_host=host_store, connect_timeout=connect_timeout)
-    if parsed.scheme == "etcd":
-        if host_store:
-            raise StoreError("an etcd store is run by etcd itself; host_store=True applies to tcp:// only")
-        from .etcd_store import EtcdStore
-
-        return EtcdStore(url, connect_timeout=connect_timeout)
-    raise StoreError(f"unknown store url {url!r}; use tcp://host:port or etcd://host:port")

@@ -39,8 +39,8 @@ import numpy as np
 
 from planner.layout import Declaration, Flat, Fused, Shard, Stack, TensorSpec
 
-from .errors import LayoutError
-from .layout import decl_from_dict, decl_to_dict
+from ..errors import LayoutError
+from ..protocol.declarations import decl_from_dict, decl_to_dict
 
 View = tuple[int, ...]          # integer index into leading dims; () is the whole parameter
 
