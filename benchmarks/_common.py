@@ -18,6 +18,7 @@ to TP-sharded rollout engines (all on torch.distributed gloo here, NCCL on GPUs)
 
 Trainer DP replicas other than the first take no part (the frameworks also send from one replica).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ import statistics
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 BUCKET_BYTES = 512 * 1024**2
 TOKEN = "wbridge-bench-token"
@@ -42,6 +44,7 @@ CTX = mp.get_context("spawn")
 # ----------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------
+
 
 def model_config(size: str):
     """A Qwen-like synthetic transformer (GQA 4:1, SwiGLU MLP, untied embeddings, RMSNorms).
@@ -70,6 +73,7 @@ MODEL_SIZES = ("1g", "512m", "256m", "tiny")
 # ----------------------------------------------------------------------------------------------
 # Driving objects in spawned processes
 # ----------------------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -179,6 +183,7 @@ def stop_all(actors: Sequence[Actor]) -> None:
 # Process-local helpers
 # ----------------------------------------------------------------------------------------------
 
+
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (``ru_maxrss`` is KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -217,8 +222,11 @@ class Compute:
 
         if self.nice:
             try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                               os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice)
+                os.setpriority(
+                    os.PRIO_PROCESS,
+                    threading.get_native_id(),
+                    os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + self.nice,
+                )
             except (OSError, AttributeError):
                 pass
         a = np.random.default_rng(0).random(1 << 16)
@@ -264,13 +272,14 @@ class Compute:
 # Baselines: gather to trainer rank 0, broadcast full tensors, rollouts slice locally
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Groups:
     """The torch.distributed groups of the baselines (ranks 0..T-1 trainers, then the rollouts)."""
 
     world: Any
-    tp: Any            # this trainer's TP group (None on rollouts)
-    bcast: Any         # trainer rank 0 and every rollout rank (None on other trainers)
+    tp: Any  # this trainer's TP group (None on rollouts)
+    bcast: Any  # trainer rank 0 and every rollout rank (None on other trainers)
     trainers: int
     rollouts: int
     tp_size: int
@@ -283,8 +292,9 @@ def init_groups(rank: int, trainers: int, rollouts: int, tp_size: int, port: int
     import torch.distributed as dist
 
     world = trainers + rollouts
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+    )
     tp_group = None
     for start in range(0, trainers, tp_size):  # every rank creates every group, in the same order
         g = dist.new_group(list(range(start, start + tp_size)))
@@ -329,7 +339,8 @@ def load_targets(tensors: Mapping[str, tuple[Any, Any]]) -> dict[str, list[tuple
             for p in decl.parts:
                 offs, sizes = _shard_box(p, t.shape)
                 out.setdefault(p.name, []).append(
-                    (t[row:row + sizes[0]], tuple(slice(o, o + s) for o, s in zip(offs, sizes))))
+                    (t[row : row + sizes[0]], tuple(slice(o, o + s) for o, s in zip(offs, sizes)))
+                )
                 row += sizes[0]
         else:
             raise ValueError(f"rollout tensor {name!r}: the baseline loader handles Shard and Fused(dim=0) only")
@@ -415,6 +426,7 @@ def baseline_rollout_update(groups: Groups, cfg, targets, buckets) -> None:
 # The transport yardstick: bare bulk reads, several readers at once
 # ----------------------------------------------------------------------------------------------
 
+
 def _numpy_multiarray(np):
     core = getattr(np, "_core", None) or np.core
     return core.multiarray
@@ -429,8 +441,15 @@ class BulkReader:
     and in the serving processes (torch's CPU allocator does not give it; with THP in ``madvise``
     mode, as on this machine, huge pages make copies and ``process_vm_readv`` ~1.3x faster)."""
 
-    def __init__(self, transport: str, size: int, sources: int = 1, op_size: int = 4 << 20,
-                 options: Mapping[str, Any] | None = None, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        transport: str,
+        size: int,
+        sources: int = 1,
+        op_size: int = 4 << 20,
+        options: Mapping[str, Any] | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         import inspect
         from concurrent.futures import ThreadPoolExecutor
 
@@ -449,8 +468,12 @@ class BulkReader:
         self.size, self.timeout = size, timeout
         part = -(-size // sources)
         self.parts = [(i * part, min(part, size - i * part)) for i in range(sources)]
-        self.servers = [ServingProcess(transport, [{"size": n, "seed": 1 + i}], token=TOKEN, options=opts,
-                                       fill="pattern", timeout=timeout) for i, (_, n) in enumerate(self.parts)]
+        self.servers = [
+            ServingProcess(
+                transport, [{"size": n, "seed": 1 + i}], token=TOKEN, options=opts, fill="pattern", timeout=timeout
+            )
+            for i, (_, n) in enumerate(self.parts)
+        ]
         self.t = cls(token=TOKEN.encode(), **opts)
         self.dst = np.empty(size, dtype=np.uint8)
         self.dst.fill(0xA5)  # touch every page before timing
@@ -481,7 +504,7 @@ class BulkReader:
         for _ in range(repeat):
             self._read_all()
         t1 = time.perf_counter()
-        ok = all(check_region(self.dst[off:off + n], 1 + i, "pattern") for i, (off, n) in enumerate(self.parts))
+        ok = all(check_region(self.dst[off : off + n], 1 + i, "pattern") for i, (off, n) in enumerate(self.parts))
         return {"t0": t0, "t1": t1, "bytes": self.size * repeat, "verified": ok}
 
     def close(self) -> None:
@@ -495,12 +518,24 @@ class BulkReader:
             server.stop()
 
 
-def concurrent_bulk_gbps(transport: str, size: int, readers: int, sources: int = 1, repeat: int = 3,
-                         options: Mapping[str, Any] | None = None, timeout: float = 120.0) -> dict:
+def concurrent_bulk_gbps(
+    transport: str,
+    size: int,
+    readers: int,
+    sources: int = 1,
+    repeat: int = 3,
+    options: Mapping[str, Any] | None = None,
+    timeout: float = 120.0,
+) -> dict:
     """Aggregate GB/s of ``readers`` processes each reading ``size`` bytes from ``sources`` serving
     processes of its own, ``repeat`` times, started together; and one reader's GB/s alone."""
-    acts = start_actors([(f"bulk-{transport}-{i}", BulkReader, (transport, size, sources), {"options": options})
-                         for i in range(readers)], timeout=max(timeout, 300.0))
+    acts = start_actors(
+        [
+            (f"bulk-{transport}-{i}", BulkReader, (transport, size, sources), {"options": options})
+            for i in range(readers)
+        ],
+        timeout=max(timeout, 300.0),
+    )
     try:
         solo = acts[0].call("measure", time.perf_counter(), repeat, timeout=timeout)
         together = call_all(acts, "measure", time.perf_counter() + 0.2, repeat, timeout=timeout)
@@ -509,15 +544,22 @@ def concurrent_bulk_gbps(transport: str, size: int, readers: int, sources: int =
     if not solo["verified"] or not all(r["verified"] for r in together):
         raise RuntimeError(f"bulk read over {transport}: bytes not verified")
     span = max(r["t1"] for r in together) - min(r["t0"] for r in together)
-    return {"transport": transport, "size": size, "readers": readers, "sources": sources, "repeat": repeat,
-            "options": dict(options or {}),
-            "gbps": sum(r["bytes"] for r in together) / span / 1e9,
-            "solo_gbps": solo["bytes"] / (solo["t1"] - solo["t0"]) / 1e9}
+    return {
+        "transport": transport,
+        "size": size,
+        "readers": readers,
+        "sources": sources,
+        "repeat": repeat,
+        "options": dict(options or {}),
+        "gbps": sum(r["bytes"] for r in together) / span / 1e9,
+        "solo_gbps": solo["bytes"] / (solo["t1"] - solo["t0"]) / 1e9,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Results
 # ----------------------------------------------------------------------------------------------
+
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -531,10 +573,15 @@ def machine() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "loadavg_at_start": load,
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_at_start": load,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
 
 
 def write_json(name: str, data: Mapping[str, Any], out_dir: str | None = None) -> str:

@@ -22,6 +22,7 @@ Prints one line per model and, last, ``plan_scale: model=kimi-k2 plan_s=... rss_
 makespan_ratio=...``. Each model runs in its own process so peak RSS is per model (it includes
 building the synthetic layouts). Run: ``PYTHONPATH=. .venv/bin/python benchmarks/plan_scale.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -134,8 +135,12 @@ class Model:
                 b.add(q + "linear_fc2", local, DT, decl)
             for e in range(e_lo, e_lo + e_n):
                 q = f"{p}mlp.experts.{e}."
-                b.add(q + "linear_fc1", (2 * self.im, h), DT, Fused(0, (
-                    Shard(q + "gate_proj.weight", (self.im, h)), Shard(q + "up_proj.weight", (self.im, h)))))
+                b.add(
+                    q + "linear_fc1",
+                    (2 * self.im, h),
+                    DT,
+                    Fused(0, (Shard(q + "gate_proj.weight", (self.im, h)), Shard(q + "up_proj.weight", (self.im, h)))),
+                )
                 full(b, q + "down_proj.weight", (h, self.im))
         if pp == t.pp - 1:
             full(b, "model.norm.weight", (h,))
@@ -153,10 +158,17 @@ class Model:
         heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         per = heads // kvh
         go, gs = split(kvh, k)[i]
-        groups = tuple(Fused(0, (Shard(a + "q_proj.weight", (heads * hd, h), (g * per * hd, 0)),
-                                 Shard(a + "k_proj.weight", (kvh * hd, h), (g * hd, 0)),
-                                 Shard(a + "v_proj.weight", (kvh * hd, h), (g * hd, 0))))
-                       for g in range(go, go + gs))
+        groups = tuple(
+            Fused(
+                0,
+                (
+                    Shard(a + "q_proj.weight", (heads * hd, h), (g * per * hd, 0)),
+                    Shard(a + "k_proj.weight", (kvh * hd, h), (g * hd, 0)),
+                    Shard(a + "v_proj.weight", (kvh * hd, h), (g * hd, 0)),
+                ),
+            )
+            for g in range(go, go + gs)
+        )
         b.add(a + "linear_qkv", (gs, (per + 2) * hd, h), DT, Stack(groups))
         full(b, a + "q_norm.weight", (hd,))
         full(b, a + "k_norm.weight", (hd,))
@@ -170,9 +182,10 @@ class Model:
         qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
         full(b, a + "q_a_layernorm.weight", (c["q_lora_rank"],))
         full(b, a + "kv_a_layernorm.weight", (c["kv_lora_rank"],))
-        for name, shape in ((a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
-                            (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
-                                                      c["kv_lora_rank"]))):
+        for name, shape in (
+            (a + "q_b_proj.weight", (heads * qk, c["q_lora_rank"])),
+            (a + "kv_b_proj.weight", (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
+        ):
             local, decl = rows(name, shape, k, i)
             b.add(name, local, DT, decl)
         local, decl = cols(a + "o_proj.weight", (self.h, heads * c["v_head_dim"]), k, i)
@@ -207,11 +220,25 @@ class Model:
                 local, decl = cols(q + "down_proj.weight", (h, self.shared), k, tp)
                 b.add(q + "down_proj", local, DT, decl)
             ex = [f"{p}mlp.experts.{e}." for e in range(e_lo, e_lo + e_n)]
-            b.add(p + "mlp.experts.w13_weight", (e_n, 2 * self.im, h), DT, Stack(tuple(
-                Fused(0, (Shard(q + "gate_proj.weight", (self.im, h)), Shard(q + "up_proj.weight", (self.im, h))))
-                for q in ex)))
-            b.add(p + "mlp.experts.w2_weight", (e_n, h, self.im), DT,
-                  Stack(tuple(Shard(q + "down_proj.weight", (h, self.im)) for q in ex)))
+            b.add(
+                p + "mlp.experts.w13_weight",
+                (e_n, 2 * self.im, h),
+                DT,
+                Stack(
+                    tuple(
+                        Fused(
+                            0, (Shard(q + "gate_proj.weight", (self.im, h)), Shard(q + "up_proj.weight", (self.im, h)))
+                        )
+                        for q in ex
+                    )
+                ),
+            )
+            b.add(
+                p + "mlp.experts.w2_weight",
+                (e_n, h, self.im),
+                DT,
+                Stack(tuple(Shard(q + "down_proj.weight", (h, self.im)) for q in ex)),
+            )
         full(b, "model.norm.weight", (h,))
         vocab(b, "lm_head.weight", c["vocab_size"], h, k, tp, 64 * k)
         return b
@@ -222,17 +249,30 @@ class Model:
         if self.mla:
             qa = (c["q_lora_rank"], h)
             kva = (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
-            b.add(a + "fused_qkv_a_proj", (qa[0] + kva[0], h), DT, Fused(0, (
-                Shard(a + "q_a_proj.weight", qa), Shard(a + "kv_a_proj_with_mqa.weight", kva))))
+            b.add(
+                a + "fused_qkv_a_proj",
+                (qa[0] + kva[0], h),
+                DT,
+                Fused(0, (Shard(a + "q_a_proj.weight", qa), Shard(a + "kv_a_proj_with_mqa.weight", kva))),
+            )
             self._mla_tp(b, a, k, i, "o_proj")
             return
         heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
         qh = heads // k
         kv = i * kvh // k  # kv heads < TP: each kv head replicated on k / kvh ranks
-        b.add(a + "qkv_proj", ((qh + 2) * hd, h), DT, Fused(0, (
-            Shard(a + "q_proj.weight", (heads * hd, h), (i * qh * hd, 0), (qh * hd, h)),
-            Shard(a + "k_proj.weight", (kvh * hd, h), (kv * hd, 0), (hd, h)),
-            Shard(a + "v_proj.weight", (kvh * hd, h), (kv * hd, 0), (hd, h)))))
+        b.add(
+            a + "qkv_proj",
+            ((qh + 2) * hd, h),
+            DT,
+            Fused(
+                0,
+                (
+                    Shard(a + "q_proj.weight", (heads * hd, h), (i * qh * hd, 0), (qh * hd, h)),
+                    Shard(a + "k_proj.weight", (kvh * hd, h), (kv * hd, 0), (hd, h)),
+                    Shard(a + "v_proj.weight", (kvh * hd, h), (kv * hd, 0), (hd, h)),
+                ),
+            ),
+        )
         full(b, a + "q_norm.weight", (hd,))
         full(b, a + "k_norm.weight", (hd,))
         local, decl = cols(a + "o_proj.weight", (h, heads * hd), k, i)
@@ -257,8 +297,11 @@ def layouts(key: str) -> tuple[list[RankLayout], list[RankLayout]]:
                     proto = cache[key_] = m.trainer_rank(t, pp, tp, dp, rank).build()
                 sources.append(RankLayout(rank, proto.tensors, proto.specs, proto.region_sizes))
     protos = [m.rollout_rank(tp, tp).build() for tp in range(ROLLOUT_TP)]
-    dests = [RankLayout(r * ROLLOUT_TP + tp, protos[tp].tensors, protos[tp].specs, protos[tp].region_sizes)
-             for r in range(ROLLOUT_REPLICAS) for tp in range(ROLLOUT_TP)]
+    dests = [
+        RankLayout(r * ROLLOUT_TP + tp, protos[tp].tensors, protos[tp].specs, protos[tp].region_sizes)
+        for r in range(ROLLOUT_REPLICAS)
+        for tp in range(ROLLOUT_TP)
+    ]
     return sources, dests
 
 
@@ -279,12 +322,22 @@ def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
         for r, v in p.bytes_per_source().items():
             loads[r] = loads.get(r, 0) + v
     mean = sum(loads.values()) / len(sources)
-    return {"model": key, "layout_s": t1 - t0, "plan_s": t2 - t1, "plan_cpu_s": c2 - c1, "sim_s": t3 - t2,
-            "load_avg": os.getloadavg()[0],
-            "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "ops": sum(len(p) for p in plans.values()), "bytes": sim.total_bytes,
-            "makespan_s": sim.makespan_s, "lower_bound_s": sim.lower_bound_s, "makespan_ratio": sim.ratio,
-            "src_max_over_mean": max(loads.values()) / mean, "sources_used": len(loads)}
+    return {
+        "model": key,
+        "layout_s": t1 - t0,
+        "plan_s": t2 - t1,
+        "plan_cpu_s": c2 - c1,
+        "sim_s": t3 - t2,
+        "load_avg": os.getloadavg()[0],
+        "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "ops": sum(len(p) for p in plans.values()),
+        "bytes": sim.total_bytes,
+        "makespan_s": sim.makespan_s,
+        "lower_bound_s": sim.lower_bound_s,
+        "makespan_ratio": sim.ratio,
+        "src_max_over_mean": max(loads.values()) / mean,
+        "sources_used": len(loads),
+    }
 
 
 def main() -> None:
@@ -300,20 +353,35 @@ def main() -> None:
         return
     last = None
     for key in args.models:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", key, "--bandwidth", str(args.bandwidth),
-               "--latency", str(args.latency), "--depth", str(args.depth)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one",
+            key,
+            "--bandwidth",
+            str(args.bandwidth),
+            "--latency",
+            str(args.latency),
+            "--depth",
+            str(args.depth),
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        print(f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s "
-              f"(CPU {r['plan_cpu_s']:.2f}s, load average {r['load_avg']:.1f}), peak RSS {r['rss_gb']:.2f} GB, "
-              f"ops {r['ops']}, bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
-              f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
-              f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
-              f"(simulated in {r['sim_s']:.1f}s)", flush=True)
+        print(
+            f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s "
+            f"(CPU {r['plan_cpu_s']:.2f}s, load average {r['load_avg']:.1f}), peak RSS {r['rss_gb']:.2f} GB, "
+            f"ops {r['ops']}, bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
+            f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
+            f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
+            f"(simulated in {r['sim_s']:.1f}s)",
+            flush=True,
+        )
         last = r
     if last is not None:
-        print(f"plan_scale: model={last['model']} plan_s={last['plan_s']:.3f} rss_gb={last['rss_gb']:.3f} "
-              f"ops={last['ops']} makespan_ratio={last['makespan_ratio']:.4f}")
+        print(
+            f"plan_scale: model={last['model']} plan_s={last['plan_s']:.3f} rss_gb={last['rss_gb']:.3f} "
+            f"ops={last['ops']} makespan_ratio={last['makespan_ratio']:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,13 +6,15 @@
 ``update_e2e.py --plot`` and ``stall.py --plot`` draw their own chart after a run. The sweep reads
 a 64 MiB region from a serving process with ``transports.bench.run_bench`` at each op size.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +60,9 @@ def plot_update(data: Mapping[str, Any], name: str = "update_e2e.png") -> str:
     ax.invert_yaxis()
     ax.set_xlabel("full update, seconds (median)")
     for i, n in enumerate(names):
-        ax.text(times[i], i, f" {times[i]:.2f}s ({methods[n]['speedup_vs_gather_bcast']:.1f}x)", va="center", fontsize=8)
+        ax.text(
+            times[i], i, f" {times[i]:.2f}s ({methods[n]['speedup_vs_gather_bcast']:.1f}x)", va="center", fontsize=8
+        )
     ax.set_xlim(0, max(times) * 1.35)
     mib = data["config"]["model_bytes"] / 2**20
     ax.set_title(f"{mib:.0f} MiB bf16 model, 4 trainers (TP2xDP2) -> 2 rollouts (TP2, fused)", fontsize=9)
@@ -85,8 +89,9 @@ def plot_stall(data: Mapping[str, Any]) -> str:
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     width = 0.38
     floor = 1e-1  # ms: a stall of zero still needs a visible bar on a log axis
-    for j, (key, label, color) in enumerate((("trainer_stall_s", "trainers", "#1f77b4"),
-                                              ("rollout_stall_s", "rollouts", "#ff7f0e"))):
+    for j, (key, label, color) in enumerate(
+        (("trainer_stall_s", "trainers", "#1f77b4"), ("rollout_stall_s", "rollouts", "#ff7f0e"))
+    ):
         vals = [max(modes[n][key] * 1e3, floor) for n in names]
         xs = [i + (j - 0.5) * width for i in range(len(names))]
         ax.bar(xs, vals, width, label=label, color=color)
@@ -95,14 +100,23 @@ def plot_stall(data: Mapping[str, Any]) -> str:
     ax.set_xticks(range(len(names)), names)
     top = max(max(modes[n]["trainer_stall_s"], modes[n]["rollout_stall_s"]) for n in names) * 1e3
     for i, n in enumerate(names):
-        ax.text(i, top * 1.6, f"{modes[n]['stall_s'] * 1e3:.0f} ms avg\n{modes[n]['vs_baseline']:.1f}x",
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            i,
+            top * 1.6,
+            f"{modes[n]['stall_s'] * 1e3:.0f} ms avg\n{modes[n]['vs_baseline']:.1f}x",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylim(floor * 0.8, top * 12)
     cfg = data["config"]
     ax.legend(loc="lower left", fontsize=8)
-    ax.set_title(f"stall per step ({cfg['model_bytes'] / 2**20:.0f} MiB model, {cfg['steps']} steps of "
-                 f"{cfg['train_s']}s train / {cfg['gen_s']}s generate, pull {cfg['pull']})\n"
-                 f"{_machine_note(data['machine'])}", fontsize=8)
+    ax.set_title(
+        f"stall per step ({cfg['model_bytes'] / 2**20:.0f} MiB model, {cfg['steps']} steps of "
+        f"{cfg['train_s']}s train / {cfg['gen_s']}s generate, pull {cfg['pull']})\n"
+        f"{_machine_note(data['machine'])}",
+        fontsize=8,
+    )
     fig.tight_layout()
     return _save(fig, "stall.png")
 
@@ -136,8 +150,11 @@ def plot_throughput(data: Mapping[str, Any]) -> str:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
-    ax.set_title(f"one reader, {data['size'] >> 20} MiB region, 4 streams where a transport takes them,\n"
-                 f"local through memfd ({_machine_note(data['machine'])})", fontsize=8)
+    ax.set_title(
+        f"one reader, {data['size'] >> 20} MiB region, 4 streams where a transport takes them,\n"
+        f"local through memfd ({_machine_note(data['machine'])})",
+        fontsize=8,
+    )
     fig.tight_layout()
     return _save(fig, "throughput.png")
 
@@ -147,14 +164,22 @@ def markdown(update: Mapping[str, Any] | None, stall: Mapping[str, Any] | None) 
     out = []
     if update:
         s = update["summary"]
-        out += ["| method | update s (median) | vs gather-bcast | GB/s | pull window s | efficiency |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            "| method | update s (median) | vs gather-bcast | GB/s | pull window s | efficiency |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for name, m in s["methods"].items():
-            extra = (f"{m['update_gbps']:.2f} | {m['pull_window_s']:.3f} | {m['efficiency']:.2f}"
-                     if "efficiency" in m else " | | ")
+            extra = (
+                f"{m['update_gbps']:.2f} | {m['pull_window_s']:.3f} | {m['efficiency']:.2f}"
+                if "efficiency" in m
+                else " | | "
+            )
             out.append(f"| {name} | {m['update_s']:.3f} | {m['speedup_vs_gather_bcast']:.2f}x | {extra} |")
-        out += ["", "| bare transport (2 readers x 2 sources) | GB/s together | GB/s, one reader alone |",
-                "|---|---:|---:|"]
+        out += [
+            "",
+            "| bare transport (2 readers x 2 sources) | GB/s together | GB/s, one reader alone |",
+            "|---|---:|---:|",
+        ]
         for name, b in update["bench"].items():
             out.append(f"| {name} | {b['gbps']:.2f} | {b['solo_gbps']:.2f} |")
         out += ["", "| peak RSS, MiB | trainer rank 0 | rollout rank 0 |", "|---|---:|---:|"]
@@ -162,11 +187,15 @@ def markdown(update: Mapping[str, Any] | None, stall: Mapping[str, Any] | None) 
             out.append(f"| after {label} | {r['trainer0_mib']:.0f} | {r['rollout0_mib']:.0f} |")
         out.append("")
     if stall:
-        out += ["| mode | trainer stall ms/step | rollout stall ms/step | all, ms/step | s/step | vs baseline |",
-                "|---|---:|---:|---:|---:|---:|"]
+        out += [
+            "| mode | trainer stall ms/step | rollout stall ms/step | all, ms/step | s/step | vs baseline |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for name, m in stall["modes"].items():
-            out.append(f"| {name} | {m['trainer_stall_s'] * 1e3:.1f} | {m['rollout_stall_s'] * 1e3:.1f} | "
-                       f"{m['stall_s'] * 1e3:.1f} | {m['step_wall_s']:.2f} | {m['vs_baseline']:.2f}x |")
+            out.append(
+                f"| {name} | {m['trainer_stall_s'] * 1e3:.1f} | {m['rollout_stall_s'] * 1e3:.1f} | "
+                f"{m['stall_s'] * 1e3:.1f} | {m['step_wall_s']:.2f} | {m['vs_baseline']:.2f}x |"
+            )
         out.append("")
     return "\n".join(out)
 

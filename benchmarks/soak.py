@@ -29,6 +29,7 @@ Counted:
 Last line: ``soak: versions=<n> pulls=<n> torn=<n> hangs=<n> restarts=<n>``; exit status 1 unless
 torn=0 and hangs=0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,9 +76,9 @@ class Soak:
         self.torn_examples: list[str] = []
         self.pubs: list[Worker] = []
         self.subs: list[Worker | None] = [None] * len(SUBSCRIBERS)
-        self.have: list[int] = [0] * len(SUBSCRIBERS)        # newest version each subscriber holds
+        self.have: list[int] = [0] * len(SUBSCRIBERS)  # newest version each subscriber holds
         self.calls: dict[Worker, Call] = {}
-        self.kill_at: dict[int, float] = {}                   # subscriber index -> monotonic time
+        self.kill_at: dict[int, float] = {}  # subscriber index -> monotonic time
         self.generation = [0] * len(SUBSCRIBERS)
         self.committed = 0
 
@@ -87,18 +88,42 @@ class Soak:
 
         self.store = open_store(self.url, host_store=True)
         a = self.args
-        self.pubs = [Worker(f"pub{r}", PubActor, self.url, r, TP * DP, TP, model_kind=a.model, checksums=True,
-                            mode="async", max_staleness=a.max_staleness, slots=2, transport=["tcp", "local"])
-                     for r in range(TP * DP)]
+        self.pubs = [
+            Worker(
+                f"pub{r}",
+                PubActor,
+                self.url,
+                r,
+                TP * DP,
+                TP,
+                model_kind=a.model,
+                checksums=True,
+                mode="async",
+                max_staleness=a.max_staleness,
+                slots=2,
+                transport=["tcp", "local"],
+            )
+            for r in range(TP * DP)
+        ]
         for i in range(len(SUBSCRIBERS)):
             self.start_sub(i)
 
     def start_sub(self, i: int) -> None:
         spec = SUBSCRIBERS[i]
         self.generation[i] += 1
-        self.subs[i] = Worker(f"sub{i}.{self.generation[i]}", SubActor, self.url, spec["tp"], spec["rank"],
-                              fused=spec["fused"], staged=spec["staged"], transport=spec["transport"],
-                              model_kind=self.args.model, verify=True, lease_ttl=self.args.lease_ttl)
+        self.subs[i] = Worker(
+            f"sub{i}.{self.generation[i]}",
+            SubActor,
+            self.url,
+            spec["tp"],
+            spec["rank"],
+            fused=spec["fused"],
+            staged=spec["staged"],
+            transport=spec["transport"],
+            model_kind=self.args.model,
+            verify=True,
+            lease_ttl=self.args.lease_ttl,
+        )
         self.have[i] = 0
 
     def kill_sub(self, i: int) -> None:
@@ -200,8 +225,11 @@ class Soak:
         for v in range(1, self.args.versions + 1):
             self.publish_all(v)
             if v % 20 == 0:
-                print(f"soak: v{v} pulls={self.pulls} restarts={self.restarts} ({time.monotonic() - t0:.0f}s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"soak: v{v} pulls={self.pulls} restarts={self.restarts} ({time.monotonic() - t0:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self.drain()
         self.seconds = time.monotonic() - t0
 
@@ -211,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", type=int, default=200)
     p.add_argument("--kill-prob", type=float, default=0.08, help="chance that a pull is followed by a kill")
     p.add_argument("--lease-ttl", type=float, default=2.0)
-    p.add_argument("--max-staleness", type=int, default=3,
-                   help="above the 2 slots, so slots get reused under slow readers (fence retries)")
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=3,
+        help="above the 2 slots, so slots get reused under slow readers (fence retries)",
+    )
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
     p.add_argument("--timeout", type=float, default=60.0, help="timeout of every publish and pull")
     p.add_argument("--seed", type=int, default=0)
@@ -224,13 +256,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         soak.stop()
     behind = [f"sub{i}:v{h}" for i, h in enumerate(soak.have) if h < soak.committed]
-    print(f"soak: {soak.seconds:.1f}s, {args.model} model, stale-version retries inside pulls: "
-          f"{soak.stale_retries}, failed pulls: {dict(soak.errors) or 'none'}"
-          + (f", behind at the end: {behind}" if behind else ""))
+    print(
+        f"soak: {soak.seconds:.1f}s, {args.model} model, stale-version retries inside pulls: "
+        f"{soak.stale_retries}, failed pulls: {dict(soak.errors) or 'none'}"
+        + (f", behind at the end: {behind}" if behind else "")
+    )
     for line in soak.torn_examples:
         print(f"soak: TORN {line}")
-    print(f"soak: versions={soak.versions} pulls={soak.pulls} torn={soak.torn} hangs={soak.hangs} "
-          f"restarts={soak.restarts}", flush=True)
+    print(
+        f"soak: versions={soak.versions} pulls={soak.pulls} torn={soak.torn} hangs={soak.hangs} "
+        f"restarts={soak.restarts}",
+        flush=True,
+    )
     return 0 if soak.torn == 0 and soak.hangs == 0 and not behind else 1
 
 

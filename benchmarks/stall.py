@@ -20,13 +20,13 @@ mode:
   step is laid out as on a GPU: ``--train-s`` of compute that only reads the weights (forward and
   backward), then the optimizer's write of the next version's values, then
   ``Publisher.publish_async()``, whose snapshot copy (and the mode's waits) run on the publisher's
-  thread while the next step computes; the next step calls ``.result()`` right before its write,
-  as the API's contract asks. (The compute part is shortened by the last write's duration, so a
-  step still lasts about ``--train-s``.) Rollouts pull in a background thread while they generate (``--pull background``, default; into a second copy of their weights, copied
-  into the live weights at a step boundary, as an engine must, so that a step never runs on half a
-  version) or between steps (``--pull between``). Generation step k+1 needs a version at most one
-  (one_step_off) or two (async) versions behind the trainers' k-th update; a rollout blocks only
-  when it holds none.
+  thread while the next step computes; the next step calls ``.result()`` right before its write, as
+  the API's contract asks. (The compute part is shortened by the last write's duration, so a step
+  still lasts about ``--train-s``.) Rollouts pull in a background thread while they generate
+  (``--pull background``, default; into a second copy of their weights, copied into the live weights
+  at a step boundary, as an engine must, so that a step never runs on half a version) or between
+  steps (``--pull between``). Generation step k+1 needs a version at most one (one_step_off) or two
+  (async) versions behind the trainers' k-th update; a rollout blocks only when it holds none.
 
 Stall (per process per step): time blocked in publish(), in publish_async() and in its future's
 ``.result()`` before the write, in a pull or a version swap, or in the baseline's
@@ -39,6 +39,7 @@ average is over all 6 processes (each stands for a GPU); ratios are baseline sta
 
 Last line: ``stall: async_vs_baseline=<r> one_step_off_vs_baseline=<r> sync_vs_baseline=<r>``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,28 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (BUCKET_BYTES, MODEL_SIZES, TOKEN, Compute, baseline_rollout_update,  # noqa: E402
-                     baseline_trainer_update, bucket_plan, call_all, fmt_ratio, free_port, gather, init_groups,
-                     load_targets, machine, model_config, ratio, start_actors, stop_all, trainer_boxes,
-                     write_json)
+from _common import (
+    BUCKET_BYTES,
+    MODEL_SIZES,
+    TOKEN,
+    Compute,
+    baseline_rollout_update,  # noqa: E402
+    baseline_trainer_update,
+    bucket_plan,
+    call_all,
+    fmt_ratio,
+    free_port,
+    gather,
+    init_groups,
+    load_targets,
+    machine,
+    model_config,
+    ratio,
+    start_actors,
+    stop_all,
+    trainer_boxes,
+    write_json,
+)
 
 TP, DP, ROLLOUTS = 2, 2, 2
 STALENESS = {"sync": 0, "one_step_off": 1, "async": 2}
@@ -98,8 +117,8 @@ class Trainer(_Side):
         self.rank = rank
         self.tensors = make_tensors(self.cfg, TP, rank % TP, fused=False, version=None)
         self.pub = None
-        self.fut = None      # the publish_async() in flight
-        self.write_s = 0.0   # the last optimizer write's duration
+        self.fut = None  # the publish_async() in flight
+        self.write_s = 0.0  # the last optimizer write's duration
 
     def _set(self, content: int):
         from wbridge.testing.synthetic import set_version
@@ -139,8 +158,16 @@ class Trainer(_Side):
     def open(self, channel: str, mode: str, transport: str) -> None:
         from wbridge import Publisher
 
-        self.pub = Publisher(channel, self.store_url, rank=self.rank, world_size=TP * DP, token=TOKEN, mode=mode,
-                             max_staleness=STALENESS[mode] if mode == "async" else None, transport=[transport])
+        self.pub = Publisher(
+            channel,
+            self.store_url,
+            rank=self.rank,
+            world_size=TP * DP,
+            token=TOKEN,
+            mode=mode,
+            max_staleness=STALENESS[mode] if mode == "async" else None,
+            transport=[transport],
+        )
         self.pub.register(self.tensors)
 
     def publish(self, timeout: float) -> float:
@@ -181,7 +208,7 @@ class Rollout(_Side):
         self.tensors = make_tensors(self.cfg, TP, idx, fused=True, version=None, fill_value=0xFF)
         self.shadow = None
         self.sub = None
-        self.held = 0             # content version in the live tensors (0: none)
+        self.held = 0  # content version in the live tensors (0: none)
         self.checked_version = 0  # the last content version checked
         self.checked = 0
         self.background = False
@@ -192,9 +219,12 @@ class Rollout(_Side):
         def run() -> None:
             bad = mismatches(self.tensors, content)
             if bad:
-                raise RuntimeError(f"rollout {self.idx}: NOT bit-exact at content version {content} in "
-                                   f"{len(bad)} tensors, e.g. {bad[:3]}")
+                raise RuntimeError(
+                    f"rollout {self.idx}: NOT bit-exact at content version {content} in "
+                    f"{len(bad)} tensors, e.g. {bad[:3]}"
+                )
             self.checked += 1
+
         return run
 
     def generate(self, seconds: float) -> float:
@@ -251,7 +281,7 @@ class Rollout(_Side):
         into the shadow copy; at a boundary the newest complete one is copied in (a swap).
         """
         final = steps + 1
-        stalls, waits = [], []
+        stalls = []
         t_start = time.perf_counter()
         if not self.background:
             held_v = self.held - base
@@ -329,6 +359,7 @@ class Rollout(_Side):
 
 # ----------------------------------------------------------------------------------------------
 
+
 def run_sync_loop(trainers, rollouts, a, update) -> dict:
     """Generate, train, update, one after another; ``update(k)`` returns per-process stall seconds."""
     t_stalls = [[] for _ in trainers]
@@ -352,7 +383,7 @@ def mode_baseline(trainers, rollouts, a) -> dict:
         for r in rollouts:
             r.send("baseline_update", a.base + v)
         res = gather(trainers + rollouts, a.timeout)
-        return res[:len(trainers)], res[len(trainers):]
+        return res[: len(trainers)], res[len(trainers) :]
 
     call_all(trainers, "train", 0.0, a.base + 1, timeout=a.timeout)
     update(1)  # the initial weights, not counted
@@ -401,10 +432,14 @@ def mode_free(trainers, rollouts, a, mode: str, background: bool) -> dict:
     finally:
         call_all(rollouts, "close_channel", timeout=a.timeout)
         call_all(trainers, "close_channel", timeout=a.timeout)
-    return {"trainer_stalls": [r["stalls"] for r in tres], "rollout_stalls": [r["stalls"] for r in rres],
-            "snapshot_s": [r["snapshot_s"] for r in tres], "drain_s": [r["drain_s"] for r in tres],
-            "wall_s": max(r["wall_s"] for r in tres + rres),
-            "checked": [r["checked"] for r in rres]}
+    return {
+        "trainer_stalls": [r["stalls"] for r in tres],
+        "rollout_stalls": [r["stalls"] for r in rres],
+        "snapshot_s": [r["snapshot_s"] for r in tres],
+        "drain_s": [r["drain_s"] for r in tres],
+        "wall_s": max(r["wall_s"] for r in tres + rres),
+        "checked": [r["checked"] for r in rres],
+    }
 
 
 def summarize(res: dict, steps: int) -> dict:
@@ -414,8 +449,12 @@ def summarize(res: dict, steps: int) -> dict:
 
     t, r = avg(res["trainer_stalls"]), avg(res["rollout_stalls"])
     nt, nr = len(res["trainer_stalls"]), len(res["rollout_stalls"])
-    return {"trainer_stall_s": t, "rollout_stall_s": r, "stall_s": (t * nt + r * nr) / (nt + nr),
-            "step_wall_s": res["wall_s"] / steps}
+    return {
+        "trainer_stall_s": t,
+        "rollout_stall_s": r,
+        "stall_s": (t * nt + r * nr) / (nt + nr),
+        "step_wall_s": res["wall_s"] / steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -427,11 +466,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-s", type=float, default=3.0, help="seconds of one training step")
     ap.add_argument("--gen-s", type=float, default=3.0, help="seconds of one generation step")
     ap.add_argument("--transport", default="local", help="the transport publishers serve and rollouts use")
-    ap.add_argument("--pull", choices=["background", "between"], default="background",
-                    help="how rollouts pull in one_step_off and async")
+    ap.add_argument(
+        "--pull",
+        choices=["background", "between"],
+        default="background",
+        help="how rollouts pull in one_step_off and async",
+    )
     ap.add_argument("--modes", default="gather-bcast,sync,one_step_off,async")
-    ap.add_argument("--nice", type=int, default=10,
-                    help="CPU niceness of the emulated compute (0: equal priority with the transfer)")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="CPU niceness of the emulated compute (0: equal priority with the transfer)",
+    )
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json", action="store_true", help="write benchmarks/results/stall.json")
     ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/stall.png")
@@ -451,9 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         if not a.quiet:
             print(f"[{time.perf_counter() - t_start:5.0f}s] {msg}", file=sys.stderr, flush=True)
 
-    log(f"stall: {cfg.nbytes / 2**20:.0f} MiB model, {TP * DP} trainers, {ROLLOUTS} rollouts, {a.steps} steps "
+    log(
+        f"stall: {cfg.nbytes / 2**20:.0f} MiB model, {TP * DP} trainers, {ROLLOUTS} rollouts, {a.steps} steps "
         f"of {a.train_s}s train / {a.gen_s}s generate, transport {a.transport}, pull {a.pull}, "
-        f"transports here {transports.available()}")
+        f"transports here {transports.available()}"
+    )
     store_url = f"tcp://127.0.0.1:{free_port()}"
     store = open_store(store_url, host_store=True)
     import stall as mod  # the actor classes by an importable name (also under runpy)
@@ -464,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     try:
         acts = start_actors(specs, timeout=max(a.timeout, 300.0))
-        trainers, rollouts = acts[:TP * DP], acts[TP * DP:]
+        trainers, rollouts = acts[: TP * DP], acts[TP * DP :]
         try:
             call_all(acts, "dist_init", free_port(), timeout=a.timeout)
             a.base = 0
@@ -478,31 +527,41 @@ def main(argv: list[str] | None = None) -> int:
                     res = mode_free(trainers, rollouts, a, mode, background=(a.pull == "background"))
                 results[mode] = {**summarize(res, a.steps), "raw": res}
                 s = results[mode]
-                log(f"  {mode:>13}: stall/step trainers {s['trainer_stall_s'] * 1e3:8.1f} ms, rollouts "
+                log(
+                    f"  {mode:>13}: stall/step trainers {s['trainer_stall_s'] * 1e3:8.1f} ms, rollouts "
                     f"{s['rollout_stall_s'] * 1e3:8.1f} ms, all {s['stall_s'] * 1e3:8.1f} ms; "
-                    f"{s['step_wall_s']:.2f} s/step; every pull bit-exact")
+                    f"{s['step_wall_s']:.2f} s/step; every pull bit-exact"
+                )
                 if "snapshot_s" in res:
                     snap = [x for per in res["snapshot_s"] for x in per]
-                    log(f"  {'':>13}  trainers' snapshot copy {sum(snap) / len(snap) * 1e3:.1f} ms/step on the "
+                    log(
+                        f"  {'':>13}  trainers' snapshot copy {sum(snap) / len(snap) * 1e3:.1f} ms/step on the "
                         f"publish thread, overlapped with compute (the last one's drain: "
-                        f"{max(res['drain_s']) * 1e3:.1f} ms, not counted)")
+                        f"{max(res['drain_s']) * 1e3:.1f} ms, not counted)"
+                    )
         finally:
             stop_all(acts)
     finally:
         store.close()
 
     base = results["gather-bcast"]["stall_s"]
-    for mode, s in results.items():
+    for s in results.values():
         s["vs_baseline"] = ratio(base, s["stall_s"])
     wall = time.perf_counter() - t_start
     print(f"{'mode':>13} {'trainer ms':>10} {'rollout ms':>10} {'all ms':>9} {'s/step':>7} {'vs baseline':>11}")
     for mode, s in results.items():
-        print(f"{mode:>13} {s['trainer_stall_s'] * 1e3:>10.1f} {s['rollout_stall_s'] * 1e3:>10.1f} "
-              f"{s['stall_s'] * 1e3:>9.1f} {s['step_wall_s']:>7.2f} {fmt_ratio(s['vs_baseline']):>11}")
+        print(
+            f"{mode:>13} {s['trainer_stall_s'] * 1e3:>10.1f} {s['rollout_stall_s'] * 1e3:>10.1f} "
+            f"{s['stall_s'] * 1e3:>9.1f} {s['step_wall_s']:>7.2f} {fmt_ratio(s['vs_baseline']):>11}"
+        )
     print(f"wall time {wall:.0f}s")
     if a.json or a.plot:
-        data = {"config": {**vars(a), "model_bytes": cfg.nbytes, "tp": TP, "dp": DP, "rollouts": ROLLOUTS},
-                "machine": info, "modes": results, "wall_s": wall}
+        data = {
+            "config": {**vars(a), "model_bytes": cfg.nbytes, "tp": TP, "dp": DP, "rollouts": ROLLOUTS},
+            "machine": info,
+            "modes": results,
+            "wall_s": wall,
+        }
         path = write_json("stall.json", data)
         print(f"results: {os.path.relpath(path)}")
         if a.plot:
@@ -513,8 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     def r(mode: str) -> str:
         return fmt_ratio(results[mode]["vs_baseline"]) if mode in results else "n/a"
 
-    print(f"stall: async_vs_baseline={r('async')} one_step_off_vs_baseline={r('one_step_off')} "
-          f"sync_vs_baseline={r('sync')}")
+    print(
+        f"stall: async_vs_baseline={r('async')} one_step_off_vs_baseline={r('one_step_off')} "
+        f"sync_vs_baseline={r('sync')}"
+    )
     return 0
 
 

@@ -21,6 +21,7 @@ neighbours, and both sides of a ratio are measured minutes apart. The last line 
 it is compared with, and the whole set ``--rounds`` times. Targets: tcp >= 0.9x iperf3; local >= 0.9x memcpy;
 mooncake and nixl >= 0.95x their raw engines; wbridge tcp >= 1.3x raw Mooncake over tcp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -66,7 +68,7 @@ def raw_server(engine: str, size: int) -> int:
         out.write(json.dumps({"session": f"127.0.0.1:{e.get_rpc_port()}", "addr": buf.ctypes.data}) + "\n")
         sys.stdin.readline()
         e.unregister_memory(buf.ctypes.data)
-        del e
+        e = None  # releases the engine
     else:
         from nixl_cu12 import nixl_agent, nixl_agent_config
 
@@ -75,15 +77,20 @@ def raw_server(engine: str, size: int) -> int:
         out.write(json.dumps({"md": a.get_agent_metadata().hex(), "addr": buf.ctypes.data}) + "\n")
         sys.stdin.readline()
         a.deregister_memory(reg)
-        del a
+        a = None  # releases the agent
     return 0
 
 
 class _RawServer:
     def __init__(self, engine: str, size: int, timeout: float = 120.0) -> None:
         env = dict(os.environ, PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-server", engine, str(size)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--raw-server", engine, str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"raw {engine} server exited with {self.proc.wait(timeout)}")
@@ -151,8 +158,12 @@ def raw_mooncake(size: int, op_size: int, repeat: int) -> dict:
 
             def batch() -> None:
                 for i in range(0, len(lens), 512):  # the engine's tcp lanes queue about 1024 per peer
-                    if e.batch_transfer_sync_read(info["session"], local[i:i + 512], remote[i:i + 512],
-                                                  lens[i:i + 512]) != 0:
+                    if (
+                        e.batch_transfer_sync_read(
+                            info["session"], local[i : i + 512], remote[i : i + 512], lens[i : i + 512]
+                        )
+                        != 0
+                    ):
                         raise RuntimeError("batch_transfer_sync_read failed")
 
             t_single = _timed(single, repeat)
@@ -160,10 +171,16 @@ def raw_mooncake(size: int, op_size: int, repeat: int) -> dict:
         ok = _check(dst)
     finally:
         e.unregister_memory(dst.ctypes.data)
-        del e
+        e = None  # releases the engine
     single_gbps, batch_gbps = size / statistics.median(t_single) / 1e9, size / statistics.median(t_batch) / 1e9
-    return {"engine": "mooncake-raw (tcp)", "gbps": max(single_gbps, batch_gbps), "single_gbps": single_gbps,
-            "batch_gbps": batch_gbps, "best": size / min(t_single + t_batch) / 1e9, "verified": ok}
+    return {
+        "engine": "mooncake-raw (tcp)",
+        "gbps": max(single_gbps, batch_gbps),
+        "single_gbps": single_gbps,
+        "batch_gbps": batch_gbps,
+        "best": size / min(t_single + t_batch) / 1e9,
+        "verified": ok,
+    }
 
 
 def raw_nixl(size: int, op_size: int, repeat: int) -> dict:
@@ -196,9 +213,13 @@ def raw_nixl(size: int, op_size: int, repeat: int) -> dict:
         ok = _check(dst)
     finally:
         a.deregister_memory(reg)
-        del a
-    return {"engine": "nixl-raw (UCX READ)", "gbps": size / statistics.median(times) / 1e9,
-            "best": size / min(times) / 1e9, "verified": ok}
+        a = None  # releases the agent
+    return {
+        "engine": "nixl-raw (UCX READ)",
+        "gbps": size / statistics.median(times) / 1e9,
+        "best": size / min(times) / 1e9,
+        "verified": ok,
+    }
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -219,11 +240,15 @@ def _measure(item: str, size: int, op: int, rep: int, streams: int) -> dict:
             return {"what": r["engine"] + extra, "median": r["gbps"], "best": r["best"], "verified": r["verified"]}
         r = run_bench(item, size, op, streams, repeat=rep)
         ok = r["verified"] and r["server_status"] == 0
-        return {"what": f"wbridge {item}", "median": r["gbps"], "best": r["gbps_best"] if ok else None,
-                "verified": ok}
+        return {"what": f"wbridge {item}", "median": r["gbps"], "best": r["gbps_best"] if ok else None, "verified": ok}
     except Exception as e:  # noqa: BLE001 - one failing item must not hide the others
-        return {"what": item if "raw" in item or item in ("memcpy", "iperf3") else f"wbridge {item}",
-                "median": None, "best": None, "verified": False, "error": f"error: {e!r}"[:120]}
+        return {
+            "what": item if "raw" in item or item in ("memcpy", "iperf3") else f"wbridge {item}",
+            "median": None,
+            "best": None,
+            "verified": False,
+            "error": f"error: {e!r}"[:120],
+        }
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -237,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=4, help="tcp streams (and iperf3's second run)")
     ap.add_argument("--repeat", type=int, default=5, help="timed reads per measurement")
     ap.add_argument("--rounds", type=int, default=2, help="times the whole set is measured (best counts)")
-    ap.add_argument("--transports", default=",".join(transports.available()),
-                    help="comma-separated wbridge transports to run (default: all installed)")
+    ap.add_argument(
+        "--transports",
+        default=",".join(transports.available()),
+        help="comma-separated wbridge transports to run (default: all installed)",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
     ap.add_argument("--raw-server", nargs=2, metavar=("ENGINE", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -250,8 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     # (neighbours' load changes by the minute here; the best of each item over the rounds counts).
     order = []
     for name in names:
-        order += {"tcp": ["iperf3", "tcp"], "local": ["memcpy", "local"], "mooncake": ["mooncake-raw", "mooncake"],
-                  "nixl": ["nixl-raw", "nixl"]}.get(name, [name])
+        order += {
+            "tcp": ["iperf3", "tcp"],
+            "local": ["memcpy", "local"],
+            "mooncake": ["mooncake-raw", "mooncake"],
+            "nixl": ["nixl-raw", "nixl"],
+        }.get(name, [name])
     order += [ref for ref in ("iperf3", "memcpy", "mooncake-raw", "nixl-raw") if ref not in order]
     runs: dict[str, list[dict]] = {item: [] for item in order}
     for rnd in range(args.rounds):
@@ -263,12 +295,20 @@ def main(argv: list[str] | None = None) -> int:
         ok = [r for r in runs[item] if r.get("best") and r["verified"] is not False]
         gb[item] = max((r["best"] for r in ok), default=None)
         last = runs[item][-1]
-        rows.append({"what": last["what"], "GB/s": statistics.median([r["median"] for r in ok]) if ok else None,
-                     "best": gb[item], "bit-exact": last["verified"] if not last.get("error") else last["error"]})
+        rows.append(
+            {
+                "what": last["what"],
+                "GB/s": statistics.median([r["median"] for r in ok]) if ok else None,
+                "best": gb[item],
+                "bit-exact": last["verified"] if not last.get("error") else last["error"],
+            }
+        )
 
     width = max(len(r["what"]) for r in rows)
-    print(f"transport throughput: {size} bytes in {op}-byte ops, {args.rounds} rounds of {rep} timed reads "
-          "(GB/s: median, best)")
+    print(
+        f"transport throughput: {size} bytes in {op}-byte ops, {args.rounds} rounds of {rep} timed reads "
+        "(GB/s: median, best)"
+    )
     print(f"{'what'.ljust(width)}  {'median':>7}  {'best':>7}  bit-exact")
 
     def num(x: float | None) -> str:
@@ -278,13 +318,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['what'].ljust(width)}  {num(r['GB/s']):>7}  {num(r['best']):>7}  {r['bit-exact']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"size": size, "op_size": op, "repeat": rep, "rounds": args.rounds, "rows": rows, "gbps": gb,
-                       "runs": runs}, f, indent=1)
-    print(f"transport_throughput: tcp_vs_iperf3={_ratio(gb.get('tcp'), gb['iperf3'])} "
-          f"local_vs_memcpy={_ratio(gb.get('local'), gb['memcpy'])} "
-          f"mooncake_vs_raw={_ratio(gb.get('mooncake'), gb.get('mooncake-raw'))} "
-          f"nixl_vs_raw={_ratio(gb.get('nixl'), gb.get('nixl-raw'))} "
-          f"tcp_vs_mooncake_tcp={_ratio(gb.get('tcp'), gb.get('mooncake-raw'))}")
+            json.dump(
+                {
+                    "size": size,
+                    "op_size": op,
+                    "repeat": rep,
+                    "rounds": args.rounds,
+                    "rows": rows,
+                    "gbps": gb,
+                    "runs": runs,
+                },
+                f,
+                indent=1,
+            )
+    print(
+        f"transport_throughput: tcp_vs_iperf3={_ratio(gb.get('tcp'), gb['iperf3'])} "
+        f"local_vs_memcpy={_ratio(gb.get('local'), gb['memcpy'])} "
+        f"mooncake_vs_raw={_ratio(gb.get('mooncake'), gb.get('mooncake-raw'))} "
+        f"nixl_vs_raw={_ratio(gb.get('nixl'), gb.get('nixl-raw'))} "
+        f"tcp_vs_mooncake_tcp={_ratio(gb.get('tcp'), gb.get('mooncake-raw'))}"
+    )
     return 0
 
 

@@ -37,6 +37,7 @@ Last line: ``update_e2e: local_vs_gather_bcast=<r> tcp_vs_gather_bcast=<r> effic
 (ratios: baseline A time over wbridge time; rss_ratio: wbridge (zero copy) trainer-0 peak over
 baseline A trainer-0 peak).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,29 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (BUCKET_BYTES, MODEL_SIZES, TOKEN, bucket_plan, call_all, concurrent_bulk_gbps,  # noqa: E402
-                     fill_garbage, fmt_ratio, free_port, gather, init_groups, load_targets, machine, median, model_config, peak_rss_mib,
-                     ratio, start_actors, stop_all, trainer_boxes, write_json)
+from _common import (
+    BUCKET_BYTES,
+    MODEL_SIZES,
+    TOKEN,
+    bucket_plan,
+    call_all,
+    concurrent_bulk_gbps,  # noqa: E402
+    fill_garbage,
+    fmt_ratio,
+    free_port,
+    gather,
+    init_groups,
+    load_targets,
+    machine,
+    median,
+    model_config,
+    peak_rss_mib,
+    ratio,
+    start_actors,
+    stop_all,
+    trainer_boxes,
+    write_json,
+)
 
 TP, DP, ROLLOUTS = 2, 2, 2
 
@@ -95,8 +116,16 @@ class Trainer(_Member):
     def wb_open(self, channel: str, zero_copy: bool, transport: str) -> None:
         from wbridge import Publisher
 
-        self.pub = Publisher(channel, self.store_url, rank=self.rank, world_size=TP * DP, token=TOKEN,
-                             mode="sync", zero_copy=zero_copy, transport=[transport])
+        self.pub = Publisher(
+            channel,
+            self.store_url,
+            rank=self.rank,
+            world_size=TP * DP,
+            token=TOKEN,
+            mode="sync",
+            zero_copy=zero_copy,
+            transport=[transport],
+        )
         self.pub.register(self.tensors)
 
     def wb_publish(self, timeout: float) -> dict:
@@ -124,7 +153,6 @@ class Trainer(_Member):
         return {"t0": t0, "t1": time.perf_counter()}
 
 
-
 class Rollout(_Member):
     """One rollout rank: fused TP layout, a wbridge subscriber or a place in the baseline's groups."""
 
@@ -140,8 +168,7 @@ class Rollout(_Member):
     def wb_open(self, channel: str, transport: str) -> None:
         from wbridge import Subscriber
 
-        self.sub = Subscriber(channel, self.store_url, token=TOKEN, transport=transport,
-                              name=f"rollout-{self.idx}")
+        self.sub = Subscriber(channel, self.store_url, token=TOKEN, transport=transport, name=f"rollout-{self.idx}")
         self.sub.register(self.tensors)
 
     def garbage(self) -> None:
@@ -151,8 +178,14 @@ class Rollout(_Member):
         v = self.sub.pull(min_version=version, timeout=timeout)
         t1 = time.perf_counter()
         st = self.sub.stats.last
-        return {"v": v, "t1": t1, "seconds": st.seconds, "nbytes": st.nbytes, "ops": st.ops,
-                "transports": sorted({n for n, _ in self.sub.stats.transports.values()})}
+        return {
+            "v": v,
+            "t1": t1,
+            "seconds": st.seconds,
+            "nbytes": st.nbytes,
+            "ops": st.ops,
+            "transports": sorted({n for n, _ in self.sub.stats.transports.values()}),
+        }
 
     def wb_close(self) -> None:
         if self.sub is not None:
@@ -177,8 +210,8 @@ class Rollout(_Member):
         return {"t0": t0, "t1": time.perf_counter()}
 
 
-
 # ----------------------------------------------------------------------------------------------
+
 
 class Run:
     """The driver's state: content versions, per-version records, progress output."""
@@ -213,14 +246,22 @@ class Run:
                     t.send("set_version", self.content + 1)
             for k, names in enumerate(gather(rollouts, a.timeout)):
                 if names:
-                    raise RuntimeError(f"{method}: rollout {k} is NOT bit-exact at content version "
-                                       f"{self.content} in {len(names)} tensors, e.g. {names[:3]}")
+                    raise RuntimeError(
+                        f"{method}: rollout {k} is NOT bit-exact at content version "
+                        f"{self.content} in {len(names)} tensors, e.g. {names[:3]}"
+                    )
             row["exact"] = True
             self.rows.append(row)
-            self.log(f"  {method:>22} v{i + 1}{' (warmup)' if row['warmup'] else ''}: update "
-                     f"{row['update_s']:.3f}s" + (f", pull window {row['pull_window_s']:.3f}s, "
-                                                  f"{row['bytes'] / 2**20:.0f} MiB" if "bytes" in row else "")
-                     + ", bit-exact")
+            self.log(
+                f"  {method:>22} v{i + 1}{' (warmup)' if row['warmup'] else ''}: update "
+                f"{row['update_s']:.3f}s"
+                + (
+                    f", pull window {row['pull_window_s']:.3f}s, {row['bytes'] / 2**20:.0f} MiB"
+                    if "bytes" in row
+                    else ""
+                )
+                + ", bit-exact"
+            )
             if i + 1 < n:
                 self.content += 1
                 for r in rollouts:
@@ -244,11 +285,16 @@ class Run:
             if any(p["transports"] != [transport] for p in pulls):
                 raise RuntimeError(f"{method}: rollouts used {[p['transports'] for p in pulls]}")
             end = max(p["t1"] for p in pulls)
-            return {"transport": transport, "zero_copy": zero_copy,
-                    "update_s": end - min(p["t0"] for p in pubs),
-                    "pull_window_s": end - min(p["t1"] - p["seconds"] for p in pulls),
-                    "pull_s": [p["seconds"] for p in pulls], "bytes": sum(p["nbytes"] for p in pulls),
-                    "ops": [p["ops"] for p in pulls], "snapshot_s": max(p["stall_s"] for p in pubs)}
+            return {
+                "transport": transport,
+                "zero_copy": zero_copy,
+                "update_s": end - min(p["t0"] for p in pubs),
+                "pull_window_s": end - min(p["t1"] - p["seconds"] for p in pulls),
+                "pull_s": [p["seconds"] for p in pulls],
+                "bytes": sum(p["nbytes"] for p in pulls),
+                "ops": [p["ops"] for p in pulls],
+                "snapshot_s": max(p["stall_s"] for p in pubs),
+            }
 
         try:
             self.versions(method, trainers, rollouts, trainers, update)
@@ -261,8 +307,8 @@ class Run:
 
         def update(v: int) -> dict:
             res = call_all(trainers + rollouts, "baseline", bucket_bytes, timeout=a.timeout)
-            end = max(r["t1"] for r in res[len(trainers):])
-            return {"update_s": end - min(r["t0"] for r in res[:len(trainers)]), "bucket_bytes": bucket_bytes}
+            end = max(r["t1"] for r in res[len(trainers) :])
+            return {"update_s": end - min(r["t0"] for r in res[: len(trainers)]), "bucket_bytes": bucket_bytes}
 
         # only the first DP replica's values reach the rollouts, so only it takes the training steps
         self.versions(method, trainers, rollouts, trainers[:TP], update)
@@ -287,15 +333,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=MODEL_SIZES, default="1g")
     ap.add_argument("--versions", type=int, default=3, help="timed versions per method (median reported)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed versions first (connections, plans)")
-    ap.add_argument("--transports", default="tcp,local",
-                    help="comma-separated, or 'all' for every available transport (mooncake, nixl and nccl "
-                         "add about 40 s each here); default: the built-in tcp,local")
-    ap.add_argument("--staged", default="local",
-                    help="comma-separated transports to also run with the default staged publisher "
-                         "(2 slots); 'none' for none (default: local)")
+    ap.add_argument(
+        "--transports",
+        default="tcp,local",
+        help="comma-separated, or 'all' for every available transport (mooncake, nixl and nccl "
+        "add about 40 s each here); default: the built-in tcp,local",
+    )
+    ap.add_argument(
+        "--staged",
+        default="local",
+        help="comma-separated transports to also run with the default staged publisher "
+        "(2 slots); 'none' for none (default: local)",
+    )
     ap.add_argument("--no-baseline-b", action="store_true", help="skip the per-tensor broadcast baseline")
-    ap.add_argument("--bucket-mb", type=int, default=BUCKET_BYTES >> 20,
-                    help="baseline A bucket (default 512, verl's and slime's default)")
+    ap.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=BUCKET_BYTES >> 20,
+        help="baseline A bucket (default 512, verl's and slime's default)",
+    )
     ap.add_argument("--bench-repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--json", action="store_true", help="write benchmarks/results/<name>.json")
@@ -315,9 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(a)
     info = machine()
     t_start = time.perf_counter()
-    run.log(f"update_e2e: {cfg.nbytes / 2**20:.0f} MiB bf16 model, {TP * DP} trainers (TP={TP} x DP={DP}), "
-            f"{ROLLOUTS} rollouts (TP={TP}, fused qkv/gate_up), transports {names}, "
-            f"{a.warmup}+{a.versions} versions per method, {info['cpus']} CPUs")
+    run.log(
+        f"update_e2e: {cfg.nbytes / 2**20:.0f} MiB bf16 model, {TP * DP} trainers (TP={TP} x DP={DP}), "
+        f"{ROLLOUTS} rollouts (TP={TP}, fused qkv/gate_up), transports {names}, "
+        f"{a.warmup}+{a.versions} versions per method, {info['cpus']} CPUs"
+    )
     store_url = f"tcp://127.0.0.1:{free_port()}"
     store = open_store(store_url, host_store=True)
     rss: dict[str, dict[str, float]] = {}
@@ -329,12 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         specs = [(f"trainer-{r}", mod.Trainer, (r, a.model, store_url), {}) for r in range(TP * DP)]
         specs += [(f"rollout-{i}", mod.Rollout, (i, a.model, store_url), {}) for i in range(ROLLOUTS)]
         acts = start_actors(specs, timeout=max(a.timeout, 300.0))
-        return acts[:TP * DP], acts[TP * DP:]
+        return acts[: TP * DP], acts[TP * DP :]
 
     def record_rss(label: str, trainers, rollouts) -> None:
         rss[label] = {"trainer0_mib": trainers[0].call("rss"), "rollout0_mib": rollouts[0].call("rss")}
-        run.log(f"  peak RSS after {label}: trainer 0 {rss[label]['trainer0_mib']:.0f} MiB, "
-                f"rollout 0 {rss[label]['rollout0_mib']:.0f} MiB")
+        run.log(
+            f"  peak RSS after {label}: trainer 0 {rss[label]['trainer0_mib']:.0f} MiB, "
+            f"rollout 0 {rss[label]['rollout0_mib']:.0f} MiB"
+        )
 
     try:
         # wbridge, in its own process set
@@ -357,11 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         # the yardstick for efficiency, with nothing else running
         per_rollout = max(r["bytes"] for r in run.rows) // ROLLOUTS
         for name in names + [f"{t}-staged" for t in staged]:
-            bench[name] = transport_yardstick(name.removesuffix("-staged"), per_rollout, a.bench_repeat, a.timeout,
-                                              staged=name.endswith("-staged"))
-            run.log(f"  {name} bare bulk reads, {ROLLOUTS} readers x {per_rollout / 2**20:.0f} MiB from {DP} "
-                    f"sources each, 4 MiB ops: "
-                    f"{bench[name]['gbps']:.2f} GB/s together, {bench[name]['solo_gbps']:.2f} GB/s alone")
+            bench[name] = transport_yardstick(
+                name.removesuffix("-staged"), per_rollout, a.bench_repeat, a.timeout, staged=name.endswith("-staged")
+            )
+            run.log(
+                f"  {name} bare bulk reads, {ROLLOUTS} readers x {per_rollout / 2**20:.0f} MiB from {DP} "
+                f"sources each, 4 MiB ops: "
+                f"{bench[name]['gbps']:.2f} GB/s together, {bench[name]['solo_gbps']:.2f} GB/s alone"
+            )
         # the baselines, in a fresh process set
         run.log("baselines (torch.distributed gloo):")
         trainers, rollouts = actors()
@@ -380,15 +443,24 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {"methods": {}}
     for method in dict.fromkeys(r["method"] for r in run.rows):
         rows = [r for r in run.rows if r["method"] == method and not r["warmup"]]
-        m = {"update_s": median([r["update_s"] for r in rows]), "versions": len(rows),
-             "speedup_vs_gather_bcast": ratio(base, median([r["update_s"] for r in rows]))}
+        m = {
+            "update_s": median([r["update_s"] for r in rows]),
+            "versions": len(rows),
+            "speedup_vs_gather_bcast": ratio(base, median([r["update_s"] for r in rows])),
+        }
         if "transport" in rows[0]:
             gbps = bench[method.removeprefix("wbridge-")]["gbps"]
             effs = [(r["bytes"] / (gbps * 1e9)) / r["pull_window_s"] for r in rows]
-            m.update({"pull_window_s": median([r["pull_window_s"] for r in rows]), "bytes": rows[0]["bytes"],
-                      "bench_gbps": gbps, "efficiency": median(effs),
-                      "update_gbps": rows[0]["bytes"] / median([r["update_s"] for r in rows]) / 1e9,
-                      "snapshot_s": median([r["snapshot_s"] for r in rows])})
+            m.update(
+                {
+                    "pull_window_s": median([r["pull_window_s"] for r in rows]),
+                    "bytes": rows[0]["bytes"],
+                    "bench_gbps": gbps,
+                    "efficiency": median(effs),
+                    "update_gbps": rows[0]["bytes"] / median([r["update_s"] for r in rows]) / 1e9,
+                    "snapshot_s": median([r["snapshot_s"] for r in rows]),
+                }
+            )
         summary["methods"][method] = m
     zc = [m for k, m in summary["methods"].items() if k.startswith("wbridge-") and not k.endswith("-staged")]
     summary["efficiency"] = min((m["efficiency"] for m in zc), default=float("nan"))
@@ -400,15 +472,28 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{'method':>24} {'update s':>9} {'vs A':>6} {'GB/s':>6} {'efficiency':>10}")
     for method, m in summary["methods"].items():
-        extra = (f"{m['update_gbps']:>6.2f} {m['efficiency']:>10.2f}" if "efficiency" in m else f"{'':>6} {'':>10}")
+        extra = f"{m['update_gbps']:>6.2f} {m['efficiency']:>10.2f}" if "efficiency" in m else f"{'':>6} {'':>10}"
         print(f"{method:>24} {m['update_s']:>9.3f} {m['speedup_vs_gather_bcast']:>6.2f} {extra}")
     for label, r in rss.items():
         print(f"peak RSS {label:>15}: trainer 0 {r['trainer0_mib']:.0f} MiB, rollout 0 {r['rollout0_mib']:.0f} MiB")
     print(f"wall time {wall:.0f}s")
     if a.json or a.plot:
-        data = {"config": {**vars(a), "model_bytes": cfg.nbytes, "model": a.model, "tp": TP, "dp": DP,
-                           "rollouts": ROLLOUTS, "transports": names},
-                "machine": info, "summary": summary, "rows": run.rows, "bench": bench, "wall_s": wall}
+        data = {
+            "config": {
+                **vars(a),
+                "model_bytes": cfg.nbytes,
+                "model": a.model,
+                "tp": TP,
+                "dp": DP,
+                "rollouts": ROLLOUTS,
+                "transports": names,
+            },
+            "machine": info,
+            "summary": summary,
+            "rows": run.rows,
+            "bench": bench,
+            "wall_s": wall,
+        }
         path = write_json(f"{a.name}.json", data)
         print(f"results: {os.path.relpath(path)}")
         if a.plot:
@@ -420,8 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         m = summary["methods"].get(f"wbridge-{t}")
         return fmt_ratio(m["speedup_vs_gather_bcast"]) if m else "n/a"
 
-    print(f"update_e2e: local_vs_gather_bcast={speedup('local')} tcp_vs_gather_bcast={speedup('tcp')} "
-          f"efficiency={fmt_ratio(summary['efficiency'])} rss_ratio={fmt_ratio(summary['rss_ratio'])}")
+    print(
+        f"update_e2e: local_vs_gather_bcast={speedup('local')} tcp_vs_gather_bcast={speedup('tcp')} "
+        f"efficiency={fmt_ratio(summary['efficiency'])} rss_ratio={fmt_ratio(summary['rss_ratio'])}"
+    )
     return 0
 
 

@@ -23,6 +23,7 @@ within every class the ranks holding its items differ from the class minimum by 
 align)`` bytes. Splits happen only on the way. (With ``max_moves`` exhausted the last state is
 returned; the cap only bounds planning time.)
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, MutableMapping, Sequence
@@ -30,9 +31,16 @@ from collections.abc import Iterable, MutableMapping, Sequence
 Part = list  # [rank, start, stop] (mutable while balancing)
 
 
-def assign(weights: Sequence[int], candidates: Sequence[Sequence[int]],
-           loads: MutableMapping[int, int], *, min_split: int, align: int = 4096,
-           rotate: int = 0, max_moves: int | None = None) -> list[list[Part]]:
+def assign(
+    weights: Sequence[int],
+    candidates: Sequence[Sequence[int]],
+    loads: MutableMapping[int, int],
+    *,
+    min_split: int,
+    align: int = 4096,
+    rotate: int = 0,
+    max_moves: int | None = None,
+) -> list[list[Part]]:
     """Assigns every item (``weights[i]`` bytes, served by any rank of ``candidates[i]``)."""
     parts: list[list[Part]] = [None] * len(weights)  # type: ignore[list-item]
     multi: list[int] = []
@@ -53,13 +61,27 @@ def assign(weights: Sequence[int], candidates: Sequence[Sequence[int]],
         parts[i] = [[r, 0, w]]
         loads[r] = loads.get(r, 0) + w
     if multi:
-        _rebalance(parts, multi, candidates, loads, min_split, align,
-                   max_moves if max_moves is not None else 8 * len(multi) + 64)
+        _rebalance(
+            parts,
+            multi,
+            candidates,
+            loads,
+            min_split,
+            align,
+            max_moves if max_moves is not None else 8 * len(multi) + 64,
+        )
     return parts
 
 
-def _rebalance(parts: list[list[Part]], multi: list[int], candidates: Sequence[Sequence[int]],
-               loads: MutableMapping[int, int], min_split: int, align: int, max_moves: int) -> None:
+def _rebalance(
+    parts: list[list[Part]],
+    multi: list[int],
+    candidates: Sequence[Sequence[int]],
+    loads: MutableMapping[int, int],
+    min_split: int,
+    align: int,
+    max_moves: int,
+) -> None:
     by_class: dict[tuple[int, ...], list[int]] = {}
     for i in multi:
         by_class.setdefault(tuple(candidates[i]), []).append(i)
@@ -75,8 +97,15 @@ def _rebalance(parts: list[list[Part]], multi: list[int], candidates: Sequence[S
             return
 
 
-def _rebalance_class(cls: tuple[int, ...], items: list[int], parts: list[list[Part]],
-                     loads: MutableMapping[int, int], min_split: int, align: int, budget: int) -> int:
+def _rebalance_class(
+    cls: tuple[int, ...],
+    items: list[int],
+    parts: list[list[Part]],
+    loads: MutableMapping[int, int],
+    min_split: int,
+    align: int,
+    budget: int,
+) -> int:
     """Moves bytes of this class's items from its busiest holder to its least-loaded rank."""
     held: dict[int, dict[int, Part]] = {r: {} for r in cls}
     for i in items:

@@ -19,6 +19,7 @@ How it works
 5. *Validation.* Each base plan goes through ``validate.validate_plan`` before it is returned;
    a copy differs from its base only by the class permutation described above.
 """
+
 from __future__ import annotations
 
 import gc
@@ -95,11 +96,11 @@ class _TensorIndex:
 def _local_spec(side: str, rank: int, smap: Mapping[str, TensorSpec], t: LocalTensor, name: str) -> TensorSpec:
     sp = smap.get(name)
     if sp is None:
-        raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} holds {name!r} but the layout has no "
-                        f"spec for it")
+        raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} holds {name!r} but the layout has no spec for it")
     if sp.dtype != t.dtype:
-        raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} is {t.dtype} but holds {name!r} of "
-                        f"dtype {sp.dtype}")
+        raise PlanError(
+            f"{side} rank {rank}: local tensor {t.name!r} is {t.dtype} but holds {name!r} of dtype {sp.dtype}"
+        )
     return sp
 
 
@@ -115,8 +116,10 @@ class _SourceIndex:
                 if prev is None:
                     specs[sp.name] = (sp, lay.rank)
                 elif prev[0] != sp:
-                    raise PlanError(f"canonical {sp.name!r} is {prev[0].shape}/{prev[0].dtype} on source "
-                                    f"rank {prev[1]} but {sp.shape}/{sp.dtype} on source rank {lay.rank}")
+                    raise PlanError(
+                        f"canonical {sp.name!r} is {prev[0].shape}/{prev[0].dtype} on source "
+                        f"rank {prev[1]} but {sp.shape}/{sp.dtype} on source rank {lay.rank}"
+                    )
             smap = lay.spec_map()
             for t in lay.tensors:
                 isz = _itemsize(t.dtype)
@@ -159,9 +162,11 @@ def _bounds(groups: list[_Group], nd: int) -> tuple[np.ndarray, np.ndarray]:
 def _any_overlap(groups: list[_Group], lo: np.ndarray, hi: np.ndarray) -> bool:
     n = len(lo)
     if n <= 16:
-        return any(all(go < ho + hs and ho < go + gs
-                       for go, gs, ho, hs in zip(g.offsets, g.sizes, h.offsets, h.sizes))
-                   for i, g in enumerate(groups) for h in groups[i + 1:])
+        return any(
+            all(go < ho + hs and ho < go + gs for go, gs, ho, hs in zip(g.offsets, g.sizes, h.offsets, h.sizes))
+            for i, g in enumerate(groups)
+            for h in groups[i + 1 :]
+        )
     if n > 4096:  # sweep on dim 0 keeps this linear-ish for very many boxes
         order = np.argsort(lo[:, 0], kind="stable")
         lo, hi = lo[order], hi[order]
@@ -172,8 +177,7 @@ def _any_overlap(groups: list[_Group], lo: np.ndarray, hi: np.ndarray) -> bool:
                     return True
                 j += 1
         return False
-    inter = np.all(np.maximum(lo[:, None, :], lo[None, :, :]) < np.minimum(hi[:, None, :], hi[None, :, :]),
-                   axis=2)
+    inter = np.all(np.maximum(lo[:, None, :], lo[None, :, :]) < np.minimum(hi[:, None, :], hi[None, :, :]), axis=2)
     np.fill_diagonal(inter, False)
     return bool(inter.any())
 
@@ -207,7 +211,7 @@ class _Chunks:
 
     nbytes: list[int] = field(default_factory=list)
     group: list[_Group] = field(default_factory=list)
-    delta: list[tuple[int, ...]] = field(default_factory=list)   # chunk origin - group origin
+    delta: list[tuple[int, ...]] = field(default_factory=list)  # chunk origin - group origin
     sizes: list[tuple[int, ...]] = field(default_factory=list)
     dst_region: list[int] = field(default_factory=list)
     dst_base: list[int] = field(default_factory=list)
@@ -216,27 +220,39 @@ class _Chunks:
     needed: int = 0
 
 
-def _check_dest_spec(index: _SourceIndex, dest: RankLayout, sp: TensorSpec,
-                     transforms: Mapping[str, str], missing: dict[str, list[int]]) -> _TensorIndex | None:
+def _check_dest_spec(
+    index: _SourceIndex, dest: RankLayout, sp: TensorSpec, transforms: Mapping[str, str], missing: dict[str, list[int]]
+) -> _TensorIndex | None:
     ti = index.tensors.get(sp.name)
     if ti is None or not ti.groups:
         missing.setdefault(sp.name, []).append(dest.rank)
         return None
     if ti.spec.shape != sp.shape:
-        raise PlanError(f"{sp.name!r}: shape {sp.shape} on destination rank {dest.rank} but "
-                        f"{ti.spec.shape} on source rank {ti.owner}")
+        raise PlanError(
+            f"{sp.name!r}: shape {sp.shape} on destination rank {dest.rank} but "
+            f"{ti.spec.shape} on source rank {ti.owner}"
+        )
     if ti.spec.dtype != sp.dtype:
         if sp.name in transforms:
-            raise PlanError(f"{sp.name!r}: transform {transforms[sp.name]!r} ({ti.spec.dtype} on source rank "
-                            f"{ti.owner} -> {sp.dtype} on destination rank {dest.rank}) is named, but the "
-                            f"planner cannot execute dtype transforms yet")
-        raise PlanError(f"{sp.name!r}: dtype {ti.spec.dtype} on source rank {ti.owner} but {sp.dtype} on "
-                        f"destination rank {dest.rank}; a dtype change must be a named transform")
+            raise PlanError(
+                f"{sp.name!r}: transform {transforms[sp.name]!r} ({ti.spec.dtype} on source rank "
+                f"{ti.owner} -> {sp.dtype} on destination rank {dest.rank}) is named, but the "
+                f"planner cannot execute dtype transforms yet"
+            )
+        raise PlanError(
+            f"{sp.name!r}: dtype {ti.spec.dtype} on source rank {ti.owner} but {sp.dtype} on "
+            f"destination rank {dest.rank}; a dtype change must be a named transform"
+        )
     return ti
 
 
-def _chunks_for(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, str],
-                missing: dict[str, list[int]], partial: list[str]) -> _Chunks:
+def _chunks_for(
+    index: _SourceIndex,
+    dest: RankLayout,
+    transforms: Mapping[str, str],
+    missing: dict[str, list[int]],
+    partial: list[str],
+) -> _Chunks:
     ch = _Chunks()
     smap = dest.spec_map()
     checked: dict[str, _TensorIndex | None] = {}
@@ -284,14 +300,17 @@ def _chunks_for(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, 
                 ch.delta.append(tuple(a - b for a, b in zip(ilo, g.offsets)))
                 ch.sizes.append(sizes)
                 ch.dst_region.append(t.region)
-                ch.dst_base.append(t.offset + (p.offset + sum((a - b) * s for a, b, s in
-                                                             zip(ilo, bo, p.strides))) * isz)
+                ch.dst_base.append(
+                    t.offset + (p.offset + sum((a - b) * s for a, b, s in zip(ilo, bo, p.strides))) * isz
+                )
                 ch.dst_strides.append(p.strides)
                 ch.itemsize.append(isz)
             if covered != p.box.numel:
-                partial.append(f"{p.tensor!r} box offsets={bo} sizes={bs} on destination rank {dest.rank} "
-                               f"(local {t.name!r}): {p.box.numel - covered} of {p.box.numel} elements "
-                               f"held by no source")
+                partial.append(
+                    f"{p.tensor!r} box offsets={bo} sizes={bs} on destination rank {dest.rank} "
+                    f"(local {t.name!r}): {p.box.numel - covered} of {p.box.numel} elements "
+                    f"held by no source"
+                )
     return ch
 
 
@@ -321,13 +340,20 @@ class _Emitter:
         if cols:
             self.blocks.setdefault(rank, []).append(tuple(np.asarray(c, dtype=np.int64) for c in cols))
 
-    def add(self, rank: int, src_region: int, so: np.ndarray, dst_region: int, do: np.ndarray,
-            nb: np.ndarray | int) -> None:
+    def add(
+        self, rank: int, src_region: int, so: np.ndarray, dst_region: int, do: np.ndarray, nb: np.ndarray | int
+    ) -> None:
         self._flush(rank)
         n = len(so)
-        self.blocks.setdefault(rank, []).append((
-            np.full(n, src_region, dtype=np.int64), so, np.full(n, dst_region, dtype=np.int64), do,
-            np.full(n, nb, dtype=np.int64) if isinstance(nb, int) else nb))
+        self.blocks.setdefault(rank, []).append(
+            (
+                np.full(n, src_region, dtype=np.int64),
+                so,
+                np.full(n, dst_region, dtype=np.int64),
+                do,
+                np.full(n, nb, dtype=np.int64) if isinstance(nb, int) else nb,
+            )
+        )
 
     def finish(self) -> tuple[SourceOps, ...]:
         out = []
@@ -363,8 +389,7 @@ def _emit(ch: _Chunks, parts: list[list[list[int]]]) -> tuple[SourceOps, ...]:
             st = np.maximum(js * run, a)
             en = np.minimum(js * run + run, b)
             shift = st - js * run
-            em.add(rank, region, rs[js] + src_base + shift, ch.dst_region[i], rd[js] + ch.dst_base[i] + shift,
-                   en - st)
+            em.add(rank, region, rs[js] + src_base + shift, ch.dst_region[i], rd[js] + ch.dst_base[i] + shift, en - st)
     return em.finish()
 
 
@@ -397,8 +422,9 @@ def _source_classes(sources: Sequence[RankLayout]) -> dict[int, tuple[int, ...]]
     return out
 
 
-def _rotation(base_loads: Mapping[int, int], loads: dict[int, int], classes: Mapping[int, tuple[int, ...]],
-              copy: int) -> dict[int, int]:
+def _rotation(
+    base_loads: Mapping[int, int], loads: dict[int, int], classes: Mapping[int, tuple[int, ...]], copy: int
+) -> dict[int, int]:
     """Rank permutation for one copy: rotate each class so its busiest source stays lowest."""
     perm: dict[int, int] = {}
     seen: set[tuple[int, ...]] = set()
@@ -423,9 +449,13 @@ def _rotation(base_loads: Mapping[int, int], loads: dict[int, int], classes: Map
     return perm
 
 
-def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
-                min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
-                transforms: Mapping[str, str] | None = None) -> dict[int, Plan]:
+def build_plans(
+    sources: Sequence[RankLayout],
+    dests: Sequence[RankLayout],
+    *,
+    min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+    transforms: Mapping[str, str] | None = None,
+) -> dict[int, Plan]:
     """Plans every rank in ``dests`` together against ``sources``; returns ``{dst_rank: Plan}``.
 
     Every destination byte that maps to canonical data is read exactly once; among sources that
@@ -445,8 +475,13 @@ def build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
             gc.enable()
 
 
-def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, min_split_bytes: int,
-                 transforms: Mapping[str, str] | None) -> dict[int, Plan]:
+def _build_plans(
+    sources: Sequence[RankLayout],
+    dests: Sequence[RankLayout],
+    *,
+    min_split_bytes: int,
+    transforms: Mapping[str, str] | None,
+) -> dict[int, Plan]:
     # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
     from .validate import validate_plan
 
@@ -478,8 +513,10 @@ def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, 
         chunked.append((copies, ch))
     if missing or partial:
         same = {copies[0].rank: [d.rank for d in copies] for copies, _ in chunked}
-        lines = [f"{name!r} (destination ranks {sorted(x for r in ranks for x in same[r])}; "
-                 f"no source rank holds it)" for name, ranks in sorted(missing.items())]
+        lines = [
+            f"{name!r} (destination ranks {sorted(x for r in ranks for x in same[r])}; no source rank holds it)"
+            for name, ranks in sorted(missing.items())
+        ]
         lines += partial[:20] + ([f"... and {len(partial) - 20} more"] if len(partial) > 20 else [])
         raise PlanError("destination bytes without a source: " + "; ".join(lines))
 
@@ -489,17 +526,34 @@ def _build_plans(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, 
     for copies, ch in chunked:
         # The base plan balances against the load so far, scaled to one copy's share.
         base_loads = {r: v // len(copies) for r, v in loads.items()}
-        parts = assign(ch.nbytes, [g.ranks for g in ch.group], base_loads, min_split=min_split_bytes,
-                       align=align, rotate=copies[0].rank)
+        parts = assign(
+            ch.nbytes,
+            [g.ranks for g in ch.group],
+            base_loads,
+            min_split=min_split_bytes,
+            align=align,
+            rotate=copies[0].rank,
+        )
         srcs = _emit(ch, parts)
         own = {s.src_rank: s.total_bytes for s in srcs}
         base = Plan(copies[0].rank, srcs, ch.needed)
         validate_plan(base, sources, copies[0], cache=vcache, samples=64)
         for j, d in enumerate(copies):
             perm = _rotation(own, loads, classes, j)
-            ops = sorted((SourceOps(perm.get(s.src_rank, s.src_rank), s.src_region, s.src_offset,
-                                    s.dst_region, s.dst_offset, s.nbytes) for s in srcs),
-                         key=lambda s: s.src_rank)
+            ops = sorted(
+                (
+                    SourceOps(
+                        perm.get(s.src_rank, s.src_rank),
+                        s.src_region,
+                        s.src_offset,
+                        s.dst_region,
+                        s.dst_offset,
+                        s.nbytes,
+                    )
+                    for s in srcs
+                ),
+                key=lambda s: s.src_rank,
+            )
             out[d.rank] = Plan(d.rank, tuple(ops), ch.needed)
     return {r: out[r] for r in sorted(out)}
 

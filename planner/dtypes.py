@@ -1,13 +1,29 @@
 """Dtype names the planner understands, with their sizes. Names follow torch (``bfloat16``...)."""
+
 from __future__ import annotations
 
 from .errors import LayoutError
 
 ITEMSIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8, "complex64": 8, "complex128": 16,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "complex64": 8,
+    "complex128": 16,
 }
 
 

@@ -18,6 +18,7 @@ written (vocabulary padding, for example).
 Users rarely build pieces by hand; they declare a local tensor with ``Shard``, ``Fused``, ``Stack``
 or ``Flat`` and call ``local_tensor``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -111,7 +112,8 @@ class Box:
 
     def within(self, shape: Sequence[int]) -> bool:
         return len(shape) == self.ndim and all(
-            o >= 0 and o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape))
+            o >= 0 and o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape)
+        )
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,9 @@ class Piece:
 
     def __post_init__(self) -> None:
         if len(self.strides) != self.box.ndim:
-            raise LayoutError(f"piece of {self.tensor!r}: {len(self.strides)} strides for a "
-                              f"box of rank {self.box.ndim}")
+            raise LayoutError(
+                f"piece of {self.tensor!r}: {len(self.strides)} strides for a box of rank {self.box.ndim}"
+            )
 
     def local_extent(self) -> tuple[int, int]:
         """First and one-past-last local element index this piece touches."""
@@ -192,9 +195,14 @@ class RankLayout:
             "region_sizes": list(self.region_sizes),
             "specs": [[s.name, list(s.shape), s.dtype] for s in self.specs],
             "tensors": [
-                [t.name, list(t.shape), t.dtype, t.region, t.offset,
-                 [[p.tensor, list(p.box.offsets), list(p.box.sizes), p.offset, list(p.strides)]
-                  for p in t.pieces]]
+                [
+                    t.name,
+                    list(t.shape),
+                    t.dtype,
+                    t.region,
+                    t.offset,
+                    [[p.tensor, list(p.box.offsets), list(p.box.sizes), p.offset, list(p.strides)] for p in t.pieces],
+                ]
                 for t in self.tensors
             ],
         }
@@ -207,10 +215,19 @@ class RankLayout:
                 region_sizes=tuple(int(x) for x in d["region_sizes"]),
                 specs=tuple(TensorSpec(n, tuple(s), dt) for n, s, dt in d["specs"]),
                 tensors=tuple(
-                    LocalTensor(n, tuple(sh), dt, int(reg), int(off), tuple(
-                        Piece(pt, Box(tuple(po), tuple(ps)), int(pof), tuple(pst))
-                        for pt, po, ps, pof, pst in pieces))
-                    for n, sh, dt, reg, off, pieces in d["tensors"]),
+                    LocalTensor(
+                        n,
+                        tuple(sh),
+                        dt,
+                        int(reg),
+                        int(off),
+                        tuple(
+                            Piece(pt, Box(tuple(po), tuple(ps)), int(pof), tuple(pst))
+                            for pt, po, ps, pof, pst in pieces
+                        ),
+                    )
+                    for n, sh, dt, reg, off, pieces in d["tensors"]
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutError(f"malformed layout record: {e}") from e
@@ -226,6 +243,7 @@ class RankLayout:
 # ----------------------------------------------------------------------------------------------
 # Declarations: how users describe a local tensor. Each turns into pieces given the local shape.
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -294,8 +312,11 @@ class Flat:
     segments: tuple[tuple[str, Shape, int, int], ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", tuple(
-            (str(n), _ints(s, f"{n} global_shape"), int(a), int(b)) for n, s, a, b in self.segments))
+        object.__setattr__(
+            self,
+            "segments",
+            tuple((str(n), _ints(s, f"{n} global_shape"), int(a), int(b)) for n, s, a, b in self.segments),
+        )
 
 
 Declaration = Shard | Fused | Stack | Flat
@@ -308,8 +329,10 @@ def _shard_pieces(name: str, decl: Shard, local_shape: Shape, base: int, strides
     if len(offsets) != len(g):
         raise LayoutError(f"{name}: offsets {offsets} do not match {decl.name} of shape {g}")
     if len(sizes) != len(g):
-        raise LayoutError(f"{name}: local shape {sizes} has rank {len(sizes)} but canonical "
-                          f"{decl.name} has shape {g}; give Shard(sizes=...)")
+        raise LayoutError(
+            f"{name}: local shape {sizes} has rank {len(sizes)} but canonical "
+            f"{decl.name} has shape {g}; give Shard(sizes=...)"
+        )
     same_shape = tuple(sizes) == tuple(local_shape)
     if not same_shape and math.prod(sizes) != math.prod(local_shape):
         raise LayoutError(f"{name}: box sizes {sizes} of {decl.name} do not fit local shape {local_shape}")
@@ -318,8 +341,10 @@ def _shard_pieces(name: str, decl: Shard, local_shape: Shape, base: int, strides
     if box.within(g):
         return [Piece(decl.name, box, base, box_strides)]
     if not decl.padded:
-        raise LayoutError(f"{name}: box offsets={offsets} sizes={sizes} runs outside {decl.name} of "
-                          f"shape {g}; pass padded=True if the excess is padding")
+        raise LayoutError(
+            f"{name}: box offsets={offsets} sizes={sizes} runs outside {decl.name} of "
+            f"shape {g}; pass padded=True if the excess is padding"
+        )
     if not same_shape:
         raise LayoutError(f"{name}: a padded shard must have the local tensor's shape")
     clipped = box.intersect(Box((0,) * len(g), g))
@@ -345,8 +370,10 @@ def _fused_pieces(name: str, decl: Fused, local_shape: Shape) -> list[Piece]:
             continue
         share = left * p.global_shape[d]
         if weight == 0 or share % weight:
-            raise LayoutError(f"{name}: cannot split {left} rows of dim {d} among fused parts "
-                              f"{[q.name for q in free]} in proportion; give Shard(sizes=...)")
+            raise LayoutError(
+                f"{name}: cannot split {left} rows of dim {d} among fused parts "
+                f"{[q.name for q in free]} in proportion; give Shard(sizes=...)"
+            )
         extents.append(share // weight)
     if sum(extents) != local_shape[d]:
         raise LayoutError(f"{name}: fused parts span {sum(extents)} along dim {d}, local has {local_shape[d]}")
@@ -372,15 +399,17 @@ def pieces_for(name: str, decl: Declaration, local_shape: Sequence[int]) -> tupl
         pieces = _fused_pieces(name, decl, shape)
     elif isinstance(decl, Stack):
         if not shape or shape[0] != len(decl.parts):
-            raise LayoutError(f"{name}: Stack of {len(decl.parts)} parts needs a leading dim of that size, "
-                              f"local shape is {shape}")
+            raise LayoutError(
+                f"{name}: Stack of {len(decl.parts)} parts needs a leading dim of that size, local shape is {shape}"
+            )
         inner = shape[1:]
         step = math.prod(inner)
         pieces = []
         for i, p in enumerate(decl.parts):
             if isinstance(p, Fused):
-                pieces += [Piece(q.tensor, q.box, q.offset + i * step, q.strides)
-                           for q in _fused_pieces(name, p, inner)]
+                pieces += [
+                    Piece(q.tensor, q.box, q.offset + i * step, q.strides) for q in _fused_pieces(name, p, inner)
+                ]
                 continue
             part = Shard(p.name, p.global_shape, p.offsets, p.sizes if p.sizes is not None else inner)
             pieces += _shard_pieces(name, part, inner, i * step, row_major_strides(inner))
@@ -392,8 +421,9 @@ def pieces_for(name: str, decl: Declaration, local_shape: Sequence[int]) -> tupl
         for tname, gshape, a, b in decl.segments:
             if not 0 <= a <= b <= math.prod(gshape):
                 raise LayoutError(f"{name}: flat range [{a}, {b}) outside {tname} of shape {gshape}")
-            pieces += [Piece(tname, box, pos + off, row_major_strides(gshape))
-                       for box, off in flat_range_boxes(gshape, a, b)]
+            pieces += [
+                Piece(tname, box, pos + off, row_major_strides(gshape)) for box, off in flat_range_boxes(gshape, a, b)
+            ]
             pos += b - a
         if pos > shape[0]:
             raise LayoutError(f"{name}: flat segments hold {pos} elements, local tensor has {shape[0]}")
@@ -423,7 +453,7 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
         n = shape[dim]
         if a % inner == 0 and b % inner == 0:
             lo, hi = a // inner, b // inner
-            sizes = (1,) * len(prefix) + (hi - lo,) + shape[dim + 1:]
+            sizes = (1,) * len(prefix) + (hi - lo,) + shape[dim + 1 :]
             out.append((Box(prefix + (lo,) + (0,) * (len(shape) - dim - 1), sizes), pos))
             return
         lo, hi = a // inner, (b - 1) // inner
@@ -440,9 +470,8 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[
             tail_start = b
         if tail_start > head_end:
             rows = (tail_start - head_end) // inner
-            sizes = (1,) * len(prefix) + (rows,) + shape[dim + 1:]
-            out.append((Box(prefix + (head_end // inner,) + (0,) * (len(shape) - dim - 1), sizes),
-                        pos + head_end - a))
+            sizes = (1,) * len(prefix) + (rows,) + shape[dim + 1 :]
+            out.append((Box(prefix + (head_end // inner,) + (0,) * (len(shape) - dim - 1), sizes), pos + head_end - a))
         if tail_start < b:
             rec(dim + 1, prefix + (hi,), 0, b - tail_start, pos + tail_start - a)
         del n
@@ -471,8 +500,9 @@ def _check_disjoint(name: str, pieces: Sequence[Piece], shape: Shape) -> None:
             raise LayoutError(f"{name}: pieces of {a.tensor} and {b.tensor} overlap in the local tensor")
 
 
-def local_tensor(name: str, shape: Sequence[int], dtype: str, decl: Declaration, *,
-                 region: int = 0, offset: int = 0) -> LocalTensor:
+def local_tensor(
+    name: str, shape: Sequence[int], dtype: str, decl: Declaration, *, region: int = 0, offset: int = 0
+) -> LocalTensor:
     """Builds a ``LocalTensor`` from a declaration."""
     shape_t = _ints(shape, f"{name} shape")
     return LocalTensor(name, shape_t, dtype, int(region), int(offset), pieces_for(name, decl, shape_t))
@@ -522,8 +552,10 @@ class LayoutBuilder:
         for spec in specs_of(decl, dtype):
             prev = self._specs.get(spec.name)
             if prev is not None and prev != spec:
-                raise LayoutError(f"rank {self.rank}: canonical {spec.name} declared as {prev.shape}/"
-                                  f"{prev.dtype} and as {spec.shape}/{spec.dtype}")
+                raise LayoutError(
+                    f"rank {self.rank}: canonical {spec.name} declared as {prev.shape}/"
+                    f"{prev.dtype} and as {spec.shape}/{spec.dtype}"
+                )
             self._specs[spec.name] = spec
         self._tensors.append(t)
         return t

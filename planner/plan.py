@@ -4,6 +4,7 @@ A plan stores its reads column-wise (numpy ``int64`` arrays, one group per sourc
 trillion-parameter job has millions of them; ``Plan.ops()`` yields them as ``ReadOp`` values.
 Offsets are byte offsets inside the named regions of the source and destination ranks.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,11 @@ class SourceOps:
         return int(self.nbytes.sum())
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, SourceOps) and self.src_rank == other.src_rank and all(
-            np.array_equal(getattr(self, c), getattr(other, c)) for c in COLUMNS)
+        return (
+            isinstance(other, SourceOps)
+            and self.src_rank == other.src_rank
+            and all(np.array_equal(getattr(self, c), getattr(other, c)) for c in COLUMNS)
+        )
 
     def __hash__(self) -> int:
         return hash((self.src_rank, len(self)))
@@ -109,20 +113,26 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps({
-            "dst_rank": self.dst_rank,
-            "needed_bytes": self.needed_bytes,
-            "sources": [{"src_rank": s.src_rank, **{c: getattr(s, c).tolist() for c in COLUMNS}}
-                        for s in self.sources],
-        }, separators=(",", ":"))
+        return json.dumps(
+            {
+                "dst_rank": self.dst_rank,
+                "needed_bytes": self.needed_bytes,
+                "sources": [
+                    {"src_rank": s.src_rank, **{c: getattr(s, c).tolist() for c in COLUMNS}} for s in self.sources
+                ],
+            },
+            separators=(",", ":"),
+        )
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
         try:
             d = json.loads(text)
-            return cls(int(d["dst_rank"]),
-                       tuple(SourceOps(int(s["src_rank"]), *(s[c] for c in COLUMNS)) for s in d["sources"]),
-                       int(d["needed_bytes"]))
+            return cls(
+                int(d["dst_rank"]),
+                tuple(SourceOps(int(s["src_rank"]), *(s[c] for c in COLUMNS)) for s in d["sources"]),
+                int(d["needed_bytes"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed plan record: {e}") from e
 
@@ -154,11 +164,15 @@ def format_summary(summary: dict) -> str:
     """A short human-readable rendering of ``Plan.summary()`` or ``summarize()``."""
     lines = []
     if "dst_rank" in summary:
-        lines.append(f"plan for destination rank {summary['dst_rank']}: {summary['ops']} reads, "
-                     f"{summary['bytes']} of {summary['needed_bytes']} needed bytes")
+        lines.append(
+            f"plan for destination rank {summary['dst_rank']}: {summary['ops']} reads, "
+            f"{summary['bytes']} of {summary['needed_bytes']} needed bytes"
+        )
     else:
-        lines.append(f"{summary['destinations']} destinations: {summary['ops']} reads, "
-                     f"{summary['bytes']} of {summary['needed_bytes']} needed bytes")
+        lines.append(
+            f"{summary['destinations']} destinations: {summary['ops']} reads, "
+            f"{summary['bytes']} of {summary['needed_bytes']} needed bytes"
+        )
     for r, v in summary["bytes_per_source"].items():
         lines.append(f"  source rank {r}: {v} bytes")
     lines.append(f"  balance (max/mean bytes per source): {summary['balance_max_over_mean']:.3f}")

@@ -5,6 +5,7 @@ through element strides (see ``planner.layout``). ``box_runs`` turns it into run
 row-major over the box: the innermost dimensions that are contiguous on *both* sides collapse
 into one run, so an intersection of whole rows is one run, not one run per row.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,8 +18,9 @@ _EMPTY.setflags(write=False)
 
 
 @lru_cache(maxsize=1 << 16)
-def box_runs(sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...],
-             itemsize: int) -> tuple[np.ndarray, np.ndarray, int]:
+def box_runs(
+    sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...], itemsize: int
+) -> tuple[np.ndarray, np.ndarray, int]:
     """``(src_offsets, dst_offsets, run_bytes)``: byte offsets of each run relative to the box's
     first element on each side, in row-major order of the box, and the common run length.
 
@@ -76,8 +78,9 @@ def sort_order(keys: np.ndarray) -> np.ndarray | None:
     return np.argsort(keys, kind="stable")
 
 
-def coalesce(src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray,
-             dst_offset: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
+def coalesce(
+    src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray, dst_offset: np.ndarray, nbytes: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """Sorts runs by source address and merges neighbours contiguous on both sides.
 
     Returns the five columns, sorted by ``(src_region, src_offset)``.
@@ -92,8 +95,9 @@ def coalesce(src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndar
     if len(nb) > 1:
         cont = np.empty(len(nb), dtype=bool)
         cont[0] = False
-        cont[1:] = ((sr[1:] == sr[:-1]) & (so[1:] == so[:-1] + nb[:-1])
-                    & (dr[1:] == dr[:-1]) & (do[1:] == do[:-1] + nb[:-1]))
+        cont[1:] = (
+            (sr[1:] == sr[:-1]) & (so[1:] == so[:-1] + nb[:-1]) & (dr[1:] == dr[:-1]) & (do[1:] == do[:-1] + nb[:-1])
+        )
         if cont.any():
             starts = np.flatnonzero(~cont)
             nb = np.add.reduceat(nb, starts)
@@ -101,8 +105,9 @@ def coalesce(src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndar
     return sr, so, dr, do, nb
 
 
-def merge_intervals(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def merge_intervals(
+    region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sorted, merged ``(region, start, stop)`` of possibly touching (not overlapping) intervals."""
     if len(nbytes) == 0:
         return region, offset, offset
@@ -121,8 +126,9 @@ def merge_intervals(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray
     return r, a, b
 
 
-def piece_intervals(pieces: Sequence[tuple[int, int, tuple[int, ...], tuple[int, ...], int]]
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def piece_intervals(
+    pieces: Sequence[tuple[int, int, tuple[int, ...], tuple[int, ...], int]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merged byte intervals covered by pieces given as ``(region, base_byte, sizes, strides, itemsize)``."""
     by_geom: dict[tuple, tuple[list[int], list[int]]] = {}
     for region, base, sizes, strides, isz in pieces:

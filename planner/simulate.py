@@ -13,6 +13,7 @@ strided reads are slow, large ones are bandwidth-bound.
 The *lower bound* ignores latency and sharing: the busiest NIC's bytes over its bandwidth, egress
 or ingress. No schedule of these plans can beat it; ``ratio = makespan / lower_bound``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -31,12 +32,14 @@ class SimResult:
     total_bytes: int
     ops: int
     flows: int
-    max_egress: tuple[int, int]   # (source rank, bytes)
+    max_egress: tuple[int, int]  # (source rank, bytes)
     max_ingress: tuple[int, int]  # (destination rank, bytes)
 
     def line(self) -> str:
-        return (f"makespan_s={self.makespan_s:.4f} lower_bound_s={self.lower_bound_s:.4f} "
-                f"ratio={self.ratio:.4f} bytes={self.total_bytes} ops={self.ops} flows={self.flows}")
+        return (
+            f"makespan_s={self.makespan_s:.4f} lower_bound_s={self.lower_bound_s:.4f} "
+            f"ratio={self.ratio:.4f} bytes={self.total_bytes} ops={self.ops} flows={self.flows}"
+        )
 
 
 def _bw(spec: float | Mapping[int, float], rank: int, default: float) -> float:
@@ -45,10 +48,16 @@ def _bw(spec: float | Mapping[int, float], rank: int, default: float) -> float:
     return float(spec)
 
 
-def simulate(plans: Mapping[int, Plan] | Iterable[Plan], *, bandwidth: float = 50e9,
-             src_bandwidth: float | Mapping[int, float] | None = None,
-             dst_bandwidth: float | Mapping[int, float] | None = None,
-             latency_s: float = 5e-6, queue_depth: int = 64, max_events: int = 100_000) -> SimResult:
+def simulate(
+    plans: Mapping[int, Plan] | Iterable[Plan],
+    *,
+    bandwidth: float = 50e9,
+    src_bandwidth: float | Mapping[int, float] | None = None,
+    dst_bandwidth: float | Mapping[int, float] | None = None,
+    latency_s: float = 5e-6,
+    queue_depth: int = 64,
+    max_events: int = 100_000,
+) -> SimResult:
     """Simulates every plan at once (see the module docstring). Bandwidths in bytes per second."""
     plan_list = list(plans.values()) if isinstance(plans, Mapping) else list(plans)
     src_bw_spec = bandwidth if src_bandwidth is None else src_bandwidth
@@ -68,8 +77,10 @@ def simulate(plans: Mapping[int, Plan] | Iterable[Plan], *, bandwidth: float = 5
     s_idx = {r: i for i, r in enumerate(src_ranks)}
     d_idx = {r: i for i, r in enumerate(dst_ranks)}
     # NICs: sources first, then destinations.
-    cap = np.array([_bw(src_bw_spec, r, bandwidth) for r in src_ranks]
-                   + [_bw(dst_bw_spec, r, bandwidth) for r in dst_ranks], dtype=np.float64)
+    cap = np.array(
+        [_bw(src_bw_spec, r, bandwidth) for r in src_ranks] + [_bw(dst_bw_spec, r, bandwidth) for r in dst_ranks],
+        dtype=np.float64,
+    )
     a = np.array([s_idx[r] for r in fs], dtype=np.int64)
     b = np.array([len(src_ranks) + d_idx[r] for r in fd], dtype=np.int64)
     nbytes = np.array(fb, dtype=np.float64)
@@ -79,11 +90,18 @@ def simulate(plans: Mapping[int, Plan] | Iterable[Plan], *, bandwidth: float = 5
     lower = float(lb_per_nic.max())
     flow_cap = queue_depth * (nbytes / nops) / latency_s if latency_s > 0 else np.full(len(nbytes), np.inf)
     makespan = _fluid(a, b, nbytes, cap, flow_cap, max_events)
-    es = int(np.argmax(nic_bytes[:len(src_ranks)]))
-    ed = int(np.argmax(nic_bytes[len(src_ranks):]))
-    return SimResult(makespan, lower, makespan / lower if lower else 1.0, int(nbytes.sum()), int(nops.sum()),
-                     len(fb), (src_ranks[es], int(nic_bytes[es])),
-                     (dst_ranks[ed], int(nic_bytes[len(src_ranks) + ed])))
+    es = int(np.argmax(nic_bytes[: len(src_ranks)]))
+    ed = int(np.argmax(nic_bytes[len(src_ranks) :]))
+    return SimResult(
+        makespan,
+        lower,
+        makespan / lower if lower else 1.0,
+        int(nbytes.sum()),
+        int(nops.sum()),
+        len(fb),
+        (src_ranks[es], int(nic_bytes[es])),
+        (dst_ranks[ed], int(nic_bytes[len(src_ranks) + ed])),
+    )
 
 
 def _rates(a: np.ndarray, b: np.ndarray, cap: np.ndarray, flow_cap: np.ndarray) -> np.ndarray:
@@ -104,8 +122,9 @@ def _rates(a: np.ndarray, b: np.ndarray, cap: np.ndarray, flow_cap: np.ndarray) 
     return rate
 
 
-def _fluid(a: np.ndarray, b: np.ndarray, work: np.ndarray, cap: np.ndarray, flow_cap: np.ndarray,
-           max_events: int) -> float:
+def _fluid(
+    a: np.ndarray, b: np.ndarray, work: np.ndarray, cap: np.ndarray, flow_cap: np.ndarray, max_events: int
+) -> float:
     t = 0.0
     left = work.copy()
     alive = left > 0

@@ -12,6 +12,7 @@ Checks, for one destination's plan:
   and of the destination range are the same byte of the same element of the same canonical tensor,
   whose spec (shape, dtype) agrees on both sides. (``build_plans`` checks every spec up front.)
 """
+
 from __future__ import annotations
 
 import math
@@ -61,11 +62,16 @@ class _Info:
         self.specs = layout.spec_map()
         self.region_sizes = np.asarray(layout.region_sizes, dtype=np.int64)
         for t in layout.tensors:
-            if not (0 <= t.region < len(layout.region_sizes) and t.offset >= 0
-                    and t.offset + t.nbytes <= layout.region_sizes[t.region]):
-                raise PlanError(f"rank {layout.rank}: local tensor {t.name!r} ({t.nbytes} bytes at offset "
-                                f"{t.offset} of region {t.region}) lies outside its region "
-                                f"(region sizes {list(layout.region_sizes)[:8]})")
+            if not (
+                0 <= t.region < len(layout.region_sizes)
+                and t.offset >= 0
+                and t.offset + t.nbytes <= layout.region_sizes[t.region]
+            ):
+                raise PlanError(
+                    f"rank {layout.rank}: local tensor {t.name!r} ({t.nbytes} bytes at offset "
+                    f"{t.offset} of region {t.region}) lies outside its region "
+                    f"(region sizes {list(layout.region_sizes)[:8]})"
+                )
 
     def _tensor_index(self) -> tuple[list[LocalTensor], np.ndarray]:
         if self._index is None:
@@ -145,11 +151,18 @@ def canonical_byte(layout: RankLayout | _Info, region: int, offset: int) -> tupl
 
 
 def _row_major(shape: Sequence[int]) -> list[int]:
-    return [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    return [math.prod(shape[i + 1 :]) for i in range(len(shape))]
 
 
-def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankLayout], dest: RankLayout, *,
-                  check_data: bool = True, samples: int = 256, cache: dict | None = None) -> None:
+def validate_plan(
+    plan: Plan,
+    sources: Sequence[RankLayout] | Mapping[int, RankLayout],
+    dest: RankLayout,
+    *,
+    check_data: bool = True,
+    samples: int = 256,
+    cache: dict | None = None,
+) -> None:
     """Raises ``PlanError`` unless ``plan`` correctly fills ``dest`` from ``sources`` (see module doc).
 
     ``cache`` (a dict the caller keeps while its layouts live) reuses per-layout lookups across
@@ -186,9 +199,11 @@ def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankL
         if len(bad):
             _check_bounds(what + ": source", s.src_region, s.src_offset, s.nbytes, info.region_sizes)
             i = int(bad[0])
-            raise PlanError(f"destination rank {d}: {len(bad)} reads from source rank {s.src_rank} touch "
-                            f"unmapped source bytes, e.g. {int(s.nbytes[i])} bytes at "
-                            f"{_describe(info, int(s.src_region[i]), int(s.src_offset[i]))}")
+            raise PlanError(
+                f"destination rank {d}: {len(bad)} reads from source rank {s.src_rank} touch "
+                f"unmapped source bytes, e.g. {int(s.nbytes[i])} bytes at "
+                f"{_describe(info, int(s.src_region[i]), int(s.src_offset[i]))}"
+            )
         # Rows that continue each other in the destination (a strided source box landing in a
         # dense destination slice) merge first: same union, same overlaps, far fewer to sort.
         k, n = _touching_merged((s.dst_region << _SHIFT) + s.dst_offset, s.nbytes)
@@ -211,17 +226,26 @@ def validate_plan(plan: Plan, sources: Sequence[RankLayout] | Mapping[int, RankL
     over = np.flatnonzero(k[1:] < k[:-1] + n[:-1])
     if len(over):
         key = int(k[over[0] + 1])
-        raise PlanError(f"destination rank {d}: {len(over)} reads overlap in the destination, e.g. at "
-                        f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}")
+        raise PlanError(
+            f"destination rank {d}: {len(over)} reads overlap in the destination, e.g. at "
+            f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}"
+        )
     bad = _uncovered(keys, lens, starts, stops)
     if len(bad):
         for s in plan.sources:
             if len(s):
-                _check_bounds(f"destination rank {d} reading source rank {s.src_rank}: destination",
-                              s.dst_region, s.dst_offset, s.nbytes, dst_sizes)
+                _check_bounds(
+                    f"destination rank {d} reading source rank {s.src_rank}: destination",
+                    s.dst_region,
+                    s.dst_offset,
+                    s.nbytes,
+                    dst_sizes,
+                )
         key = int(keys[bad[0]])
-        raise PlanError(f"destination rank {d}: {len(bad)} reads write unmapped destination bytes, e.g. at "
-                        f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}")
+        raise PlanError(
+            f"destination rank {d}: {len(bad)} reads write unmapped destination bytes, e.g. at "
+            f"{_describe(dinfo, key >> _SHIFT, key & ((1 << _SHIFT) - 1))}"
+        )
     if check_data:
         used = {s.src_rank for s in plan.sources}
         _check_sample(plan, {r: _info(lay, cache) for r, lay in src_map.items() if r in used}, dinfo, samples)
@@ -242,20 +266,20 @@ def _key_safe(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> boo
     ``0 <= offset < 2**48`` (an OR over non-negative values stays below a power of two only if
     each does; a negative value sets the sign bit). A read running past ``2**48`` then fails
     the mapped-bytes check."""
-    return 0 <= int(np.bitwise_or.reduce(region)) < (1 << 14) and \
-        0 <= int(np.bitwise_or.reduce(offset)) < (1 << _SHIFT)
+    return 0 <= int(np.bitwise_or.reduce(region)) < (1 << 14) and 0 <= int(np.bitwise_or.reduce(offset)) < (1 << _SHIFT)
 
 
-def _check_bounds(what: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray,
-                  sizes: np.ndarray) -> None:
+def _check_bounds(what: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, sizes: np.ndarray) -> None:
     bad_region = (region < 0) | (region >= len(sizes))
     if bad_region.any():
         raise PlanError(f"{what} region {int(region[bad_region][0])} does not exist ({len(sizes)} regions)")
     bad = (offset < 0) | (offset + nbytes > sizes[region])
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise PlanError(f"{what} bytes [{int(offset[i])}, {int(offset[i] + nbytes[i])}) outside region "
-                        f"{int(region[i])} of {int(sizes[region[i]])} bytes")
+        raise PlanError(
+            f"{what} bytes [{int(offset[i])}, {int(offset[i] + nbytes[i])}) outside region "
+            f"{int(region[i])} of {int(sizes[region[i]])} bytes"
+        )
 
 
 def _check_sample(plan: Plan, src_map: Mapping[int, _Info], dest: _Info, samples: int) -> None:
@@ -272,10 +296,13 @@ def _check_sample(plan: Plan, src_map: Mapping[int, _Info], dest: _Info, samples
                 a = canonical_byte(lay, int(s.src_region[i]), int(s.src_offset[i]) + delta)
                 b = canonical_byte(dest, int(s.dst_region[i]), int(s.dst_offset[i]) + delta)
                 if a is None or a != b:
-                    raise PlanError(f"destination rank {plan.dst_rank}: read from source rank {s.src_rank} "
-                                    f"copies {a} into {b}")
+                    raise PlanError(
+                        f"destination rank {plan.dst_rank}: read from source rank {s.src_rank} copies {a} into {b}"
+                    )
                 sa, sb = lay.specs[a[0]], dest.specs[a[0]]
                 if sa != sb:
-                    raise PlanError(f"{a[0]!r}: {sa.shape}/{sa.dtype} on source rank {s.src_rank} but "
-                                    f"{sb.shape}/{sb.dtype} on destination rank {plan.dst_rank}")
+                    raise PlanError(
+                        f"{a[0]!r}: {sa.shape}/{sa.dtype} on source rank {s.src_rank} but "
+                        f"{sb.shape}/{sb.dtype} on destination rank {plan.dst_rank}"
+                    )
         pos += m

@@ -13,6 +13,7 @@ Run by ``scripts/gpu_check.sh`` on a machine with one CUDA GPU, torch and nixl-c
 Exits 0 with ``gpu_check: SKIP: <why>`` where no CUDA GPU (or no nixl) exists; 1 on any wrong byte.
 The last line is ``gpu_check: ok vram_read=<GB/s> d2d_copy=<GB/s> vram_vs_copy=<r> ...``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,9 @@ def serve(size: int) -> int:
     with transports.get("nixl")() as t:
         rg = t.register(src_gpu.data_ptr(), size, device="cuda:0")
         rc = t.register(src_cpu.data_ptr(), size, device="cpu")
-        out.write(json.dumps({"endpoint": t.endpoint().hex(), "gpu": rg.descriptor.hex(),
-                              "cpu": rc.descriptor.hex()}) + "\n")
+        out.write(
+            json.dumps({"endpoint": t.endpoint().hex(), "gpu": rg.descriptor.hex(), "cpu": rc.descriptor.hex()}) + "\n"
+        )
         sys.stdin.readline()
     return 0
 
@@ -110,8 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     size, op, rep = args.size, args.op_size, args.repeat
     print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {size} bytes per region")
     env = dict(os.environ, PYTHONPATH=ROOT)
-    server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(size)], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", str(size)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     failures = []
     figures: dict[str, float] = {}
     try:
@@ -138,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                 if i:
                     times.append(time.perf_counter() - t0)
             figures["vram_read"] = gbps(n * op, times)
-            expect = torch.cat([want_gpu[i * op:(i + 1) * op] for i in reversed(range(n))])
-            if not torch.equal(dst_gpu[:n * op], expect):
+            expect = torch.cat([want_gpu[i * op : (i + 1) * op] for i in reversed(range(n))])
+            if not torch.equal(dst_gpu[: n * op], expect):
                 failures.append("VRAM->VRAM bytes differ")
             dst_gpu.fill_(0xC3)
             prep_s = t.prepare(peer, remote, [lg, lc], ReadBatch.of(small))
             t.read(prep_s, timeout=TIMEOUT)
-            for (_, so, _, do, ln) in small:
-                if not torch.equal(dst_gpu[do:do + ln], want_gpu[so:so + ln]):
+            for _, so, _, do, ln in small:
+                if not torch.equal(dst_gpu[do : do + ln], want_gpu[so : so + ln]):
                     failures.append(f"small VRAM->VRAM read at {so} differs")
                     break
             # DRAM->VRAM and VRAM->DRAM in one batch (two memory-type pairs, two NIXL requests)

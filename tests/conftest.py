@@ -1,14 +1,8 @@
 """Shared fixtures. Hardware markers live here: ``gpu`` tests skip where no CUDA device exists."""
+
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def _has_cuda() -> bool:

@@ -5,6 +5,7 @@ answers; ``stop()``/``kill()``/``restart()`` let fault tests take it down mid-us
 ``etcd_server`` (session scope) yields a running one and stops it afterwards; it skips with a clear
 message only when no etcd binary is installed. Import it into a conftest to use it.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -37,8 +38,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EtcdServer:
     """One etcd process. ``prefix_cmd`` runs it elsewhere, e.g. ``["ip", "netns", "exec", NAME]``."""
 
-    def __init__(self, data_dir: str | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 prefix_cmd: Sequence[str] = (), start_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        prefix_cmd: Sequence[str] = (),
+        start_timeout: float = 30.0,
+    ) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError(f"no etcd binary; install it with: {INSTALL_HINT}")
@@ -65,19 +72,35 @@ class EtcdServer:
     def _argv(self) -> list[str]:
         peer = f"http://{self.host}:{self.peer_port}"
         return self.prefix_cmd + [
-            self.binary, "--name", "wbtest", "--data-dir", os.path.join(self.data_dir, "data"),
-            "--listen-client-urls", self.http, "--advertise-client-urls", self.http,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"wbtest={peer}", "--logger", "zap", "--log-level", "warn",
+            self.binary,
+            "--name",
+            "wbtest",
+            "--data-dir",
+            os.path.join(self.data_dir, "data"),
+            "--listen-client-urls",
+            self.http,
+            "--advertise-client-urls",
+            self.http,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"wbtest={peer}",
+            "--logger",
+            "zap",
+            "--log-level",
+            "warn",
         ]
 
-    def start(self) -> "EtcdServer":
+    def start(self) -> EtcdServer:
         if self.running:
             return self
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self._argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self._argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         finally:
             log.close()
         deadline = time.monotonic() + self.start_timeout
@@ -92,8 +115,10 @@ class EtcdServer:
 
     def healthy(self) -> bool:
         if self.prefix_cmd:
-            code = ("import json,sys,urllib.request as u;"
-                    f"sys.exit(0 if json.load(u.urlopen('{self.http}/health',timeout=1))['health']=='true' else 1)")
+            code = (
+                "import json,sys,urllib.request as u;"
+                f"sys.exit(0 if json.load(u.urlopen('{self.http}/health',timeout=1))['health']=='true' else 1)"
+            )
             argv = self.prefix_cmd + [sys.executable, "-c", code]
             return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
         try:
@@ -146,7 +171,7 @@ class EtcdServer:
         except OSError:
             return "<no log>"
 
-    def __enter__(self) -> "EtcdServer":
+    def __enter__(self) -> EtcdServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -18,6 +18,7 @@ process it started and deletes every namespace. Namespaces left by a crashed run
 pid dead) are removed on the next start. Tests skip with a clear message where namespaces cannot be
 made (not root, no iproute2, no CAP_SYS_ADMIN).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,7 +32,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -90,12 +92,18 @@ def _pid_alive(pid: int) -> bool:
 class Proc:
     """A process in a namespace, with a JSON-lines channel on stdin/stdout; stderr goes to a file."""
 
-    def __init__(self, host: "Host", argv: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(self, host: Host, argv: Sequence[str], env: dict[str, str]) -> None:
         self.host = host
         self.argv = list(argv)
         self._err = open(os.path.join(host.net.workdir, f"{host.name}-{next(_counter)}.err"), "w+b")
-        self.popen = subprocess.Popen(host.exec_prefix + self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._err, env=env, start_new_session=True)
+        self.popen = subprocess.Popen(
+            host.exec_prefix + self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=env,
+            start_new_session=True,
+        )
         self._lines: queue.Queue[bytes | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True, name=f"hosts-read-{self.popen.pid}").start()
 
@@ -161,7 +169,7 @@ class Proc:
 class Host:
     """One namespace: ``name``, ``addr`` on ``eth0``, and ways to run commands inside it."""
 
-    def __init__(self, net: "Network", index: int) -> None:
+    def __init__(self, net: Network, index: int) -> None:
         self.net, self.index = net, index
         self.name = f"{net.tag}-h{index}"
         self.addr = f"{SUBNET}.{index + 1}"
@@ -222,8 +230,20 @@ class Network:
             host = Host(self, i)
             self._add_ns(host.name)
             # Both ends are born in their namespaces: nothing touches the root namespace.
-            _ip("-n", self.switch, "link", "add", host.port_name, "type", "veth",
-                "peer", "name", "eth0", "netns", host.name)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                host.port_name,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                host.name,
+            )
             _ip("-n", self.switch, "link", "set", host.port_name, "master", "br0")
             _ip("-n", self.switch, "link", "set", host.port_name, "up")
             _ip("-n", host.name, "addr", "add", f"{host.addr}/24", "dev", "eth0")
@@ -254,7 +274,7 @@ class Network:
             _ip("netns", "del", name, check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         return self
 
     def __exit__(self, *exc: object) -> None:

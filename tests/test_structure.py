@@ -1,5 +1,6 @@
 """The shape ARCHITECTURE.md promises: one-way arrows between the three packages, no import cycle
 among the project's modules (lazy imports inside functions count), no module over 600 lines."""
+
 from __future__ import annotations
 
 import ast
@@ -61,8 +62,9 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_layers_point_one_way():
-    bad = [(m, d) for m, deps in _graph().items() for d in deps
-           if d.split(".")[0] in FORBIDDEN.get(m.split(".")[0], ())]
+    bad = [
+        (m, d) for m, deps in _graph().items() for d in deps if d.split(".")[0] in FORBIDDEN.get(m.split(".")[0], ())
+    ]
     assert not bad, f"imports against the layering rule: {bad}"
 
 
@@ -81,7 +83,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()

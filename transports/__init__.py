@@ -1,4 +1,5 @@
 """Data movers. Import a transport by name with ``get(name)``; optional ones load lazily."""
+
 from __future__ import annotations
 
 import importlib
@@ -43,5 +44,14 @@ def available() -> list[str]:
     return out
 
 
-__all__ = ["AuthError", "MissingExtraError", "ReadBatch", "Region", "Transport", "TransportError",
-           "available", "get", "REGISTRY"]
+__all__ = [
+    "AuthError",
+    "MissingExtraError",
+    "ReadBatch",
+    "Region",
+    "Transport",
+    "TransportError",
+    "available",
+    "get",
+    "REGISTRY",
+]

@@ -19,6 +19,7 @@ and answers one JSON line per command line on stdin (replies carry ``"ok": true`
 Region ``i`` holds ``region_bytes(size, seed)``, so a reader can check every byte it got.
 Library output goes to stderr; stdout carries only the protocol.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,6 @@ import threading
 from typing import Any
 
 import numpy as np
-
 
 #: Period of the "pattern" fill: a prime, so a block landing at a wrong 4 KiB-multiple offset shows.
 PATTERN_PERIOD = 1_048_573
@@ -49,8 +49,8 @@ def fill_region(arr: np.ndarray, seed: int, fill: str = "random") -> None:
         raise ValueError(f"unknown fill {fill!r}")
     tile = np.tile(rng.integers(0, 256, PATTERN_PERIOD, dtype=np.uint8), 64)
     for start in range(0, len(arr), len(tile)):
-        chunk = arr[start:start + len(tile)]
-        chunk[:] = tile[:len(chunk)]
+        chunk = arr[start : start + len(tile)]
+        chunk[:] = tile[: len(chunk)]
 
 
 def check_region(arr: np.ndarray, seed: int, fill: str = "random") -> bool:
@@ -60,7 +60,7 @@ def check_region(arr: np.ndarray, seed: int, fill: str = "random") -> bool:
     period = region_bytes(PATTERN_PERIOD, seed)  # the block fill_region tiles
     step = PATTERN_PERIOD * 64
     for start in range(0, len(arr), step):
-        chunk = arr[start:start + step]
+        chunk = arr[start : start + step]
         if not np.array_equal(chunk, np.resize(period, len(chunk))):
             return False
     return True
@@ -74,9 +74,12 @@ def region_bytes(size: int, seed: int, fill: str = "random") -> np.ndarray:
 
 
 def _stats(transport: Any, regions: dict) -> dict:
-    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
-            "regions": getattr(transport, "num_regions", len(regions)),
-            "connections": getattr(transport, "num_connections", None)}
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": threading.active_count(),
+        "regions": getattr(transport, "num_regions", len(regions)),
+        "connections": getattr(transport, "num_connections", None),
+    }
 
 
 def serve(spec: dict) -> int:
@@ -90,8 +93,7 @@ def serve(spec: dict) -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # keep stray prints off the protocol channel
     fill = spec.get("fill", "random")
-    t = transports.get(spec["transport"])(token=spec.get("token") and spec["token"].encode(),
-                                          **spec.get("options", {}))
+    t = transports.get(spec["transport"])(token=spec.get("token") and spec["token"].encode(), **spec.get("options", {}))
     buffers: dict[int, Any] = {}
     regions: dict[int, Any] = {}
 
@@ -150,16 +152,36 @@ class ServingProcess:
     ``timeout`` bounds every exchange (start-up included): a silent process is an error, not a hang.
     """
 
-    def __init__(self, transport: str, regions: list[dict], *, token: str | None = "secret",
-                 options: dict | None = None, fill: str = "random", timeout: float = 60.0,
-                 dumpable: bool = True) -> None:
-        self.spec = {"transport": transport, "token": token, "options": dict(options or {}),
-                     "regions": regions, "fill": fill, "dumpable": dumpable}
+    def __init__(
+        self,
+        transport: str,
+        regions: list[dict],
+        *,
+        token: str | None = "secret",
+        options: dict | None = None,
+        fill: str = "random",
+        timeout: float = 60.0,
+        dumpable: bool = True,
+    ) -> None:
+        self.spec = {
+            "transport": transport,
+            "token": token,
+            "options": dict(options or {}),
+            "regions": regions,
+            "fill": fill,
+            "dumpable": dumpable,
+        }
         self.timeout = timeout
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "transports._serve", json.dumps(self.spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "transports._serve", json.dumps(self.spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=root,
+        )
         hello = self._line()
         self.pid: int = hello["pid"]
         self.endpoint: bytes = bytes.fromhex(hello["endpoint"])
@@ -172,8 +194,9 @@ class ServingProcess:
         reader.join(self.timeout)
         if not result or not result[0]:
             self.kill()
-            raise RuntimeError(f"serving process {self.proc.pid} gave no reply within {self.timeout}s "
-                               f"(exit status {self.proc.poll()})")
+            raise RuntimeError(
+                f"serving process {self.proc.pid} gave no reply within {self.timeout}s (exit status {self.proc.poll()})"
+            )
         return json.loads(result[0])
 
     def command(self, **cmd: Any) -> dict:
@@ -211,7 +234,7 @@ class ServingProcess:
             self.proc.kill()
         self.proc.wait(self.timeout)
 
-    def __enter__(self) -> "ServingProcess":
+    def __enter__(self) -> ServingProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

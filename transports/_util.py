@@ -1,4 +1,5 @@
 """Small helpers shared by the built-in transports: raw memory views, field checks, stream balancing."""
+
 from __future__ import annotations
 
 import ctypes

@@ -22,6 +22,7 @@ Reads, after AUTH_OK, any number of times::
 
 Both ends validate every field before acting on it; anything malformed ends the connection.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,8 @@ import hmac
 import os
 import socket
 import struct
+from collections.abc import Callable, Sequence
 from enum import IntEnum
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -141,20 +142,21 @@ def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """``sendall`` over a scatter list, IOV_MAX at a time, without joining the buffers."""
     for i in range(0, len(views), IOV_MAX):
-        pending = list(views[i:i + IOV_MAX])
+        pending = list(views[i : i + IOV_MAX])
         while pending:
             pending = _advance(pending, sock.sendmsg(pending))
 
 
-def recv_into_views(sock: socket.socket, views: Sequence[memoryview],
-                    time_left: Callable[[], float] | None = None) -> None:
+def recv_into_views(
+    sock: socket.socket, views: Sequence[memoryview], time_left: Callable[[], float] | None = None
+) -> None:
     """Fills every buffer of ``views`` in order straight from the socket (scatter receive).
 
     ``time_left`` (raising once a deadline passed) bounds each receive, so a trickling peer cannot
     stretch the whole frame past its deadline.
     """
     for i in range(0, len(views), IOV_MAX):
-        pending = list(views[i:i + IOV_MAX])
+        pending = list(views[i : i + IOV_MAX])
         while pending:
             if time_left is not None:
                 sock.settimeout(time_left())
@@ -173,8 +175,7 @@ def new_nonce() -> bytes:
 
 def mac(key: bytes, role: bytes, instance: bytes, first: bytes, second: bytes) -> bytes:
     """The handshake proof: binds the role, the server instance and both nonces to the token."""
-    return hmac.new(key, b"wbridge-tcp-v1\0" + role + b"\0" + instance + first + second,
-                    hashlib.sha256).digest()
+    return hmac.new(key, b"wbridge-tcp-v1\0" + role + b"\0" + instance + first + second, hashlib.sha256).digest()
 
 
 def verify(expected: bytes, got: bytes) -> bool:

@@ -29,13 +29,15 @@ before anything moves; the serving side checks again and refuses reads outside a
 ``read`` either completes every read of the batch or raises ``TransportError`` (``AuthError`` for
 a failed handshake); after an error the destination bytes of that batch are unspecified.
 """
+
 from __future__ import annotations
 
 import json
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -72,7 +74,7 @@ class ReadBatch:
         return int(self.nbytes.sum())
 
     @classmethod
-    def of(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> "ReadBatch":
+    def of(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> ReadBatch:
         arr = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
         return cls(*(arr[:, i] for i in range(5)))
 
@@ -100,33 +102,44 @@ def decode_descriptor(kind: str, data: bytes, required: Sequence[str]) -> dict:
     except (ValueError, TypeError) as e:
         raise TransportError(f"{kind}: malformed descriptor: {e}") from None
     if not isinstance(d, dict) or d.get("transport") != kind:
-        raise TransportError(f"{kind}: descriptor is for transport {d.get('transport') if isinstance(d, dict) else d!r}")
+        raise TransportError(
+            f"{kind}: descriptor is for transport {d.get('transport') if isinstance(d, dict) else d!r}"
+        )
     missing = [k for k in required if k not in d]
     if missing:
         raise TransportError(f"{kind}: descriptor lacks {missing}")
     return d
 
 
-def check_batch_bounds(kind: str, batch: ReadBatch, remote_sizes: Sequence[int],
-                       local_sizes: Sequence[int], peer: str) -> None:
+def check_batch_bounds(
+    kind: str, batch: ReadBatch, remote_sizes: Sequence[int], local_sizes: Sequence[int], peer: str
+) -> None:
     """Raises ``TransportError`` if any read of ``batch`` falls outside its regions."""
     if len(batch) == 0:
         return
     rs = np.asarray(remote_sizes, dtype=np.int64)
     ls = np.asarray(local_sizes, dtype=np.int64)
-    bad = ((batch.src_region < 0) | (batch.src_region >= len(rs)) | (batch.dst_region < 0)
-           | (batch.dst_region >= len(ls)) | (batch.nbytes <= 0) | (batch.src_offset < 0)
-           | (batch.dst_offset < 0))
+    bad = (
+        (batch.src_region < 0)
+        | (batch.src_region >= len(rs))
+        | (batch.dst_region < 0)
+        | (batch.dst_region >= len(ls))
+        | (batch.nbytes <= 0)
+        | (batch.src_offset < 0)
+        | (batch.dst_offset < 0)
+    )
     if not bad.any():
-        bad = ((batch.src_offset + batch.nbytes > rs[batch.src_region])
-               | (batch.dst_offset + batch.nbytes > ls[batch.dst_region]))
+        bad = (batch.src_offset + batch.nbytes > rs[batch.src_region]) | (
+            batch.dst_offset + batch.nbytes > ls[batch.dst_region]
+        )
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise TransportError(
             f"{kind}: read {i} to peer {peer} out of bounds: src region {int(batch.src_region[i])} "
             f"offset {int(batch.src_offset[i])} dst region {int(batch.dst_region[i])} offset "
             f"{int(batch.dst_offset[i])} nbytes {int(batch.nbytes[i])} (remote sizes {list(rs)}, "
-            f"local sizes {list(ls)})")
+            f"local sizes {list(ls)})"
+        )
 
 
 class Transport(ABC):
@@ -171,8 +184,9 @@ class Transport(ABC):
         """Opens a peer from its endpoint; authenticates where the transport does."""
 
     @abstractmethod
-    def prepare(self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> Any:
+    def prepare(
+        self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> Any:
         """Validates ``batch`` and builds whatever can be reused by every ``read``."""
 
     @abstractmethod
@@ -193,7 +207,7 @@ class Transport(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -5,6 +5,7 @@ of ``op_size`` into a destination that is already touched (so page faults are no
 the bytes and reports GB/s (10**9 bytes per second). ``memcpy_ceiling`` and ``iperf3_ceiling`` measure
 what the same machine allows, for the ratios in ``benchmarks/transport_throughput.py``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +27,19 @@ from . import get
 from ._serve import ServingProcess, check_region
 from .base import ReadBatch
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:
@@ -44,12 +57,23 @@ def _progress(label: str) -> Callable[[int, int], None]:
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
     return show
 
 
-def run_bench(transport: str, size: int, op_size: int, streams: int = 4, *, repeat: int = 5, warmup: int = 1,
-              token: str = "bench", options: dict | None = None, timeout: float = 120.0,
-              progress: Callable[[int, int], None] | None = None) -> dict:
+def run_bench(
+    transport: str,
+    size: int,
+    op_size: int,
+    streams: int = 4,
+    *,
+    repeat: int = 5,
+    warmup: int = 1,
+    token: str = "bench",
+    options: dict | None = None,
+    timeout: float = 120.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """Reads ``size`` bytes in ops of ``op_size`` from a serving process ``repeat`` times; returns figures.
 
     ``streams`` goes to transports that take it; ``options`` are extra constructor keywords (both sides).
@@ -66,8 +90,12 @@ def run_bench(transport: str, size: int, op_size: int, streams: int = 4, *, repe
     dst = np.empty(size, dtype=np.uint8)
     dst.fill(0xA5)  # touch every page before timing
     times: list[float] = []
-    with ServingProcess(transport, [{"size": size, "seed": 1}], token=token, options=opts, fill="pattern",
-                        timeout=timeout) as server, cls(token=token.encode(), **opts) as t:
+    with (
+        ServingProcess(
+            transport, [{"size": size, "seed": 1}], token=token, options=opts, fill="pattern", timeout=timeout
+        ) as server,
+        cls(token=token.encode(), **opts) as t,
+    ):
         local = t.register(dst.ctypes.data, size)
         peer = t.connect(server.endpoint, timeout=timeout)
         prep = t.prepare(peer, server.descriptors, [local], batch)
@@ -84,10 +112,20 @@ def run_bench(transport: str, size: int, op_size: int, streams: int = 4, *, repe
         t.deregister(local)
         status = server.stop()
     gbps = [size / s / 1e9 for s in times]
-    return {"transport": transport, "size": size, "op_size": op_size, "ops": nops,
-            "streams": opts.get("streams"), "options": {k: v for k, v in opts.items() if k != "streams"},
-            "repeat": repeat, "seconds": times, "gbps": statistics.median(gbps), "gbps_best": max(gbps),
-            "verified": ok, "server_status": status}
+    return {
+        "transport": transport,
+        "size": size,
+        "op_size": op_size,
+        "ops": nops,
+        "streams": opts.get("streams"),
+        "options": {k: v for k, v in opts.items() if k != "streams"},
+        "repeat": repeat,
+        "seconds": times,
+        "gbps": statistics.median(gbps),
+        "gbps_best": max(gbps),
+        "verified": ok,
+        "server_status": status,
+    }
 
 
 def memcpy_ceiling(size: int, repeat: int = 5) -> float:
@@ -111,12 +149,17 @@ def iperf3_ceiling(size: int, streams: int = 1, timeout: float = 120.0) -> float
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         for _ in range(50):  # the server needs a moment to listen; retry while the connection is refused
-            out = subprocess.run([exe, "-c", "127.0.0.1", "-p", str(port), "-n", str(size), "-P", str(streams),
-                                  "-J"], capture_output=True, text=True, timeout=timeout)
+            out = subprocess.run(
+                [exe, "-c", "127.0.0.1", "-p", str(port), "-n", str(size), "-P", str(streams), "-J"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
             try:
                 return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
             except (ValueError, KeyError):
@@ -151,8 +194,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--op-size", type=parse_size, default=parse_size("4MiB"))
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra transport constructor keyword (JSON value), e.g. method=\"vm\"")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra transport constructor keyword (JSON value), e.g. method=\"vm\"",
+    )
     ap.add_argument("--ceiling", action="store_true", help="also measure memcpy and iperf3 loopback ceilings")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
@@ -163,17 +211,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
-    res = run_bench(args.transport, args.size, args.op_size, args.streams, repeat=args.repeat, options=options,
-                    progress=None if args.json else _progress(f"{args.transport} {_human(args.size)}"))
+    res = run_bench(
+        args.transport,
+        args.size,
+        args.op_size,
+        args.streams,
+        repeat=args.repeat,
+        options=options,
+        progress=None if args.json else _progress(f"{args.transport} {_human(args.size)}"),
+    )
     if args.ceiling:
         res["memcpy_gbps"] = memcpy_ceiling(args.size)
         res["iperf3_gbps"] = iperf3_ceiling(args.size)
     if args.json:
         print(json.dumps(res))
     else:
-        row = {"transport": res["transport"], "size": _human(res["size"]), "op size": _human(res["op_size"]),
-               "ops": res["ops"], "streams": res["streams"] or "-", "GB/s (median)": f"{res['gbps']:.2f}",
-               "GB/s (best)": f"{res['gbps_best']:.2f}", "bit-exact": res["verified"]}
+        row = {
+            "transport": res["transport"],
+            "size": _human(res["size"]),
+            "op size": _human(res["op_size"]),
+            "ops": res["ops"],
+            "streams": res["streams"] or "-",
+            "GB/s (median)": f"{res['gbps']:.2f}",
+            "GB/s (best)": f"{res['gbps_best']:.2f}",
+            "bit-exact": res["verified"],
+        }
         for k in ("memcpy_gbps", "iperf3_gbps"):
             if k in res:
                 row[k.replace("_gbps", " GB/s")] = "n/a" if res[k] is None else f"{res[k]:.2f}"

@@ -24,6 +24,7 @@ holds; the publisher's slot leases (wbridge) decide when memory may change.
 Liveness. A dead publisher fails ``process_vm_readv`` (``ESRCH``); a memfd mapping outlives its
 publisher, so ``read`` also checks the publisher through a pidfd after copying and raises if it died.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,9 +38,10 @@ import os
 import select
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -48,8 +50,14 @@ from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descr
 from .errors import AuthError, TransportError
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                                   ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_readv.argtypes = [
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
 _libc.process_vm_readv.restype = ctypes.c_ssize_t
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.mmap.restype = ctypes.c_void_p
@@ -78,7 +86,7 @@ def _start_time(pid: int) -> int:
     """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), 0 if gone."""
     stat = _read_text(f"/proc/{pid}/stat")
     try:
-        return int(stat[stat.rindex(")") + 2:].split()[19])
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
     except (ValueError, IndexError):
         return 0
 
@@ -124,7 +132,7 @@ def vm_read(pid: int, local_iov: np.ndarray, remote_iov: np.ndarray, deadline: f
             part = got - (int(done[k - 1]) if k else 0)
             if got == 0:
                 raise TransportError(f"local: process_vm_readv from pid {pid} made no progress")
-            local_iov, remote_iov, i = local_iov[i + k:].copy(), remote_iov[i + k:].copy(), 0
+            local_iov, remote_iov, i = local_iov[i + k :].copy(), remote_iov[i + k :].copy(), 0
             for iov in (local_iov, remote_iov):
                 iov[0, 0] += part
                 iov[0, 1] -= part
@@ -146,7 +154,8 @@ def _vm_error(pid: int, err: int) -> TransportError:
     if err == errno.EPERM:
         return TransportError(
             f"local: the kernel denied process_vm_readv on pid {pid} (EPERM: a different uid, Yama "
-            f"ptrace_scope, a non-dumpable publisher, or a seccomp filter); use the tcp transport")
+            f"ptrace_scope, a non-dumpable publisher, or a seccomp filter); use the tcp transport"
+        )
     if err == errno.ESRCH:
         return TransportError(f"local: peer pid {pid} is gone (ESRCH)")
     if err == errno.ENOSYS:
@@ -191,8 +200,8 @@ class LocalPrepared:
     """A validated batch as copy lists: memfd ``(dst, src, n)`` triples and ``process_vm_readv`` iovecs."""
 
     peer: LocalPeer
-    copies: np.ndarray = field(repr=False)      # (k, 3) int64: dst addr, src addr (mapped), nbytes
-    local_iov: np.ndarray = field(repr=False)   # (m, 2) uint64
+    copies: np.ndarray = field(repr=False)  # (k, 3) int64: dst addr, src addr (mapped), nbytes
+    local_iov: np.ndarray = field(repr=False)  # (m, 2) uint64
     remote_iov: np.ndarray = field(repr=False)  # (m, 2) uint64
     nbytes: int
 
@@ -208,10 +217,12 @@ class LocalTransport(Transport):
     """
 
     name = "local"
-    conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType({
-        "deregister": "one-sided: a reader that mapped or addresses a region needs nothing from the publisher",
-        "stopped": "one-sided: a stopped (hung) publisher does not stop reads of its memory",
-    })
+    conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "deregister": "one-sided: a reader that mapped or addresses a region needs nothing from the publisher",
+            "stopped": "one-sided: a stopped (hung) publisher does not stop reads of its memory",
+        }
+    )
     conformance_variants: ClassVar[Mapping[str, dict]] = MappingProxyType({"memfd": {}, "vm": {"method": "vm"}})
 
     def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", *, method: str = "auto") -> None:
@@ -282,8 +293,9 @@ class LocalTransport(Transport):
             for b in self._buffers:
                 if b.addr <= addr and addr + nbytes <= b.addr + b.nbytes:
                     memfd = [b.fd, b.ino, addr - b.addr, b.nbytes]
-            desc = _signed(self._key, pid=os.getpid(), nonce=self._nonce.hex(), region=rid, addr=addr,
-                           nbytes=nbytes, memfd=memfd)
+            desc = _signed(
+                self._key, pid=os.getpid(), nonce=self._nonce.hex(), region=rid, addr=addr, nbytes=nbytes, memfd=memfd
+            )
             region = Region(rid, addr, nbytes, device, desc)
             self._regions[rid] = region
         return region
@@ -299,8 +311,15 @@ class LocalTransport(Transport):
             _libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)  # consent; refused later reads say why
         boot, pidns = _host_identity()
         pid = os.getpid()
-        return _signed(self._key, pid=pid, start=_start_time(pid), boot=boot, pidns=pidns, nonce=self._nonce.hex(),
-                       nonce_addr=ctypes.addressof(self._nonce_buf))
+        return _signed(
+            self._key,
+            pid=pid,
+            start=_start_time(pid),
+            boot=boot,
+            pidns=pidns,
+            nonce=self._nonce.hex(),
+            nonce_addr=ctypes.addressof(self._nonce_buf),
+        )
 
     @property
     def num_regions(self) -> int:
@@ -341,8 +360,9 @@ class LocalTransport(Transport):
             self._peers.add(peer)
         return peer
 
-    def prepare(self, peer: LocalPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> LocalPrepared:
+    def prepare(
+        self, peer: LocalPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> LocalPrepared:
         with peer.lock:  # mappings are made here; disconnect must not run meanwhile
             if peer.closed:
                 raise TransportError(f"local: peer {peer.label} is disconnected")
@@ -396,18 +416,22 @@ class LocalTransport(Transport):
             try:
                 f = os.open(f"/proc/{peer.pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
-                raise TransportError(f"local: cannot open host buffer fd {fd} of {peer.label} ({e}): the kernel's "
-                                     f"ptrace access check failed; use the tcp transport") from e
+                raise TransportError(
+                    f"local: cannot open host buffer fd {fd} of {peer.label} ({e}): the kernel's "
+                    f"ptrace access check failed; use the tcp transport"
+                ) from e
             try:
                 st = os.fstat(f)
                 seals = fcntl.fcntl(f, fcntl.F_GET_SEALS)
                 if st.st_ino != ino or st.st_size != size or seals & _SEALS != _SEALS:
-                    raise TransportError(f"local: fd {fd} of {peer.label} is not the sealed host buffer its "
-                                         f"descriptor names")
+                    raise TransportError(
+                        f"local: fd {fd} of {peer.label} is not the sealed host buffer its descriptor names"
+                    )
                 addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | MAP_POPULATE, f, 0)
                 if addr in (None, MAP_FAILED):
-                    raise TransportError(f"local: cannot map host buffer of {peer.label}: "
-                                         f"{os.strerror(ctypes.get_errno())}")
+                    raise TransportError(
+                        f"local: cannot map host buffer of {peer.label}: {os.strerror(ctypes.get_errno())}"
+                    )
             finally:
                 os.close(f)
             peer.maps[(fd, ino)] = (addr, size)
@@ -468,5 +492,7 @@ class LocalTransport(Transport):
             raise TransportError("local: transport is closed")
 
     def __repr__(self) -> str:
-        return (f"LocalTransport(pid={os.getpid()}, method={self.method}, regions={len(self._regions)}, "
-                f"host_buffers={len(self._buffers)}, peers={len(self._peers)}, closed={self._closed})")
+        return (
+            f"LocalTransport(pid={os.getpid()}, method={self.method}, regions={len(self._regions)}, "
+            f"host_buffers={len(self._buffers)}, peers={len(self._peers)}, closed={self._closed})"
+        )

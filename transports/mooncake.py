@@ -21,6 +21,7 @@ cases with the reasons in ``conformance_skips``):
   buffer. Over ``rdma`` the NIC's memory keys do. So ``auto`` picks mooncake only on RDMA devices;
   use mooncake over tcp on trusted networks (tests, benchmarks) only.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,11 +29,12 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import ClassVar, Mapping, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,8 +45,10 @@ from .errors import TransportError
 try:
     from mooncake.engine import TransferEngine
 except ImportError as e:  # re-raised so that transports.get names the extra (and the system library)
-    raise ImportError(f"mooncake-transfer-engine is not importable ({e}); it needs the pip package "
-                      "mooncake-transfer-engine (or -non-cuda) and the system library libibverbs1") from e
+    raise ImportError(
+        f"mooncake-transfer-engine is not importable ({e}); it needs the pip package "
+        "mooncake-transfer-engine (or -non-cuda) and the system library libibverbs1"
+    ) from e
 
 _log = logging.getLogger(__name__)
 PROTOCOLS = ("auto", "tcp", "rdma")
@@ -82,8 +86,9 @@ class MooncakePrepared:
     inflight: Future | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
-        return (f"MooncakePrepared({self.peer.session}, reads={self.count}, bytes={self.nbytes}, "
-                f"released={self.released})")
+        return (
+            f"MooncakePrepared({self.peer.session}, reads={self.count}, bytes={self.nbytes}, released={self.released})"
+        )
 
 
 class MooncakeTransport(Transport):
@@ -95,18 +100,27 @@ class MooncakeTransport(Transport):
     """
 
     name = "mooncake"
-    conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType({
-        "auth": "the Mooncake engine has no peer authentication; the token is not used",
-        "forged": "over tcp the Mooncake engine serves any address a peer names (no server-side check); "
-                  "over rdma the NIC's memory keys would refuse it",
-        "deregister": "one-sided: the serving engine does not refuse reads of a deregistered buffer over tcp",
-        "leaks": "closing an engine takes ~1 s (its handshake listener wakes once a second), so 100 cycles "
-                 "take minutes; tests/transports/test_mooncake.py counts fds, OS threads and registrations "
-                 "over 10 cycles (100 under -m slow)",
-    })
+    conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "auth": "the Mooncake engine has no peer authentication; the token is not used",
+            "forged": "over tcp the Mooncake engine serves any address a peer names (no server-side check); "
+            "over rdma the NIC's memory keys would refuse it",
+            "deregister": "one-sided: the serving engine does not refuse reads of a deregistered buffer over tcp",
+            "leaks": "closing an engine takes ~1 s (its handshake listener wakes once a second), so 100 cycles "
+            "take minutes; tests/transports/test_mooncake.py counts fds, OS threads and registrations "
+            "over 10 cycles (100 under -m slow)",
+        }
+    )
 
-    def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", *, protocol: str = "auto",
-                 devices: str = "", max_batch: int = 512) -> None:
+    def __init__(
+        self,
+        token: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        protocol: str = "auto",
+        devices: str = "",
+        max_batch: int = 512,
+    ) -> None:
         super().__init__(token=token, host=host)
         if max_batch < 1:
             raise TransportError(f"mooncake: max_batch must be positive, got {max_batch}")
@@ -131,11 +145,11 @@ class MooncakeTransport(Transport):
         with self._lock:
             self._check_open()
             if self._engine.register_memory(addr, nbytes) != 0:
-                raise TransportError(f"mooncake: engine {self.session} refused to register {nbytes} bytes "
-                                     f"at {addr:#x}")
+                raise TransportError(f"mooncake: engine {self.session} refused to register {nbytes} bytes at {addr:#x}")
             rid = next(_ids)
-            desc = encode_descriptor("mooncake", session=self.session, protocol=self.protocol, region=rid,
-                                     addr=addr, nbytes=nbytes)
+            desc = encode_descriptor(
+                "mooncake", session=self.session, protocol=self.protocol, region=rid, addr=addr, nbytes=nbytes
+            )
             region = Region(rid, addr, nbytes, device, desc, handle=self)
             self._regions[rid] = region
         return region
@@ -173,8 +187,9 @@ class MooncakeTransport(Transport):
             self._peers.add(peer)
         return peer
 
-    def prepare(self, peer: MooncakePeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> MooncakePrepared:
+    def prepare(
+        self, peer: MooncakePeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> MooncakePrepared:
         if peer.closed:
             raise TransportError(f"mooncake: peer {peer.session} is disconnected")
         remote_addr, remote_size = [], []
@@ -194,7 +209,9 @@ class MooncakeTransport(Transport):
         remote = (remote_base[batch.src_region] + batch.src_offset).tolist()
         lengths = batch.nbytes.tolist()
         step = self.max_batch
-        chunks = [(local[i:i + step], remote[i:i + step], lengths[i:i + step]) for i in range(0, len(lengths), step)]
+        chunks = [
+            (local[i : i + step], remote[i : i + step], lengths[i : i + step]) for i in range(0, len(lengths), step)
+        ]
         prep = MooncakePrepared(peer, chunks, len(batch), batch.total_bytes)
         with self._lock:
             self._check_open()
@@ -208,8 +225,9 @@ class MooncakeTransport(Transport):
             if prepared.released or peer.closed:
                 raise TransportError(f"mooncake: read of a released batch or closed peer {peer.session}")
             if prepared.inflight is not None and not prepared.inflight.done():
-                raise TransportError(f"mooncake: an earlier read from {peer.session} has not finished yet "
-                                     "(it timed out); retry later")
+                raise TransportError(
+                    f"mooncake: an earlier read from {peer.session} has not finished yet (it timed out); retry later"
+                )
             if not prepared.chunks:
                 return
             fut = self._worker.submit(self._post, peer.session, prepared.chunks)
@@ -217,12 +235,16 @@ class MooncakeTransport(Transport):
         try:
             status = fut.result(timeout=timeout)
         except FutureTimeout:
-            raise TransportError(f"mooncake: read of {prepared.count} ops ({prepared.nbytes} bytes) from "
-                                 f"peer {peer.session} did not finish within {timeout}s") from None
+            raise TransportError(
+                f"mooncake: read of {prepared.count} ops ({prepared.nbytes} bytes) from "
+                f"peer {peer.session} did not finish within {timeout}s"
+            ) from None
         if status != 0:
-            raise TransportError(f"mooncake: batch read of {prepared.count} ops ({prepared.nbytes} bytes) "
-                                 f"from peer {peer.session} failed (engine status {status}; peer gone or "
-                                 f"address not served)")
+            raise TransportError(
+                f"mooncake: batch read of {prepared.count} ops ({prepared.nbytes} bytes) "
+                f"from peer {peer.session} failed (engine status {status}; peer gone or "
+                f"address not served)"
+            )
 
     def _post(self, session: str, chunks: list) -> int:
         """Runs on the worker thread: one engine call per chunk; the first failing status ends it."""
@@ -270,16 +292,19 @@ class MooncakeTransport(Transport):
                 try:
                     p.inflight.result(timeout=max(0.0, end - time.monotonic()))
                 except FutureTimeout:
-                    _log.warning("mooncake: deregistering %#x while a read from %s is still running", addr,
-                                 p.peer.session)
+                    _log.warning(
+                        "mooncake: deregistering %#x while a read from %s is still running", addr, p.peer.session
+                    )
 
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("mooncake: transport is closed")
 
     def __repr__(self) -> str:
-        return (f"MooncakeTransport({self.session}, protocol={self.protocol}, regions={len(self._regions)}, "
-                f"peers={len(self._peers)}, authenticated=False, closed={self._closed})")
+        return (
+            f"MooncakeTransport({self.session}, protocol={self.protocol}, regions={len(self._regions)}, "
+            f"peers={len(self._peers)}, authenticated=False, closed={self._closed})"
+        )
 
 
 def _session_field(d: dict) -> str:

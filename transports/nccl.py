@@ -19,6 +19,7 @@ more than the copies). Every wait is bounded by the read's timeout; the group is
 every pull, so a peer that died mid-pull cannot wedge later pulls. After an error the control
 connection is closed; the next ``read`` of the same prepared batch reconnects and re-prepares.
 """
+
 from __future__ import annotations
 
 import base64
@@ -34,8 +35,9 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -78,14 +80,14 @@ def _recv(sock: socket.socket, expect: Sequence[int] | None = None) -> tuple[int
     if jlen > length - 4:
         raise ConnectionError("malformed frame (JSON longer than the payload)")
     try:
-        payload = json.loads(data[4:4 + jlen])
+        payload = json.loads(data[4 : 4 + jlen])
     except ValueError as e:
         raise ConnectionError(f"malformed frame: {e}") from None
     if not isinstance(payload, dict):
         raise ConnectionError("malformed frame (payload is not an object)")
     if expect is not None and kind not in expect and kind != ERROR:
         raise ConnectionError(f"unexpected message type {kind} (expected {list(expect)})")
-    return kind, payload, data[4 + jlen:]
+    return kind, payload, data[4 + jlen :]
 
 
 def _mac(key: bytes, role: bytes, instance: bytes, first: bytes, second: bytes) -> bytes:
@@ -110,7 +112,7 @@ class _CudaMemory:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
 
 
-def _tensor(addr: int, nbytes: int, device: str) -> "torch.Tensor":
+def _tensor(addr: int, nbytes: int, device: str) -> torch.Tensor:
     if device == "cpu":
         return torch.frombuffer(memory_view(addr, nbytes), dtype=torch.uint8)
     return torch.as_tensor(_CudaMemory(addr, nbytes), device=device)
@@ -289,7 +291,7 @@ class _Plan:
 class _Server:
     """Control listener plus one thread per authenticated connection."""
 
-    def __init__(self, owner: "NcclTransport", host: str) -> None:
+    def __init__(self, owner: NcclTransport, host: str) -> None:
         self.owner = owner
         self.listener = socket.create_server((host, 0))
         self.host, self.port = self.listener.getsockname()[:2]
@@ -331,8 +333,11 @@ class _Server:
         client_nonce = _unb64(hello.get("nonce"))
         nonce = os.urandom(NONCE)
         key = self.owner._key
-        _send(conn, CHALLENGE, {"nonce": _b64(nonce), "proof": _b64(_mac(key, b"server", self.instance,
-                                                                          client_nonce, nonce))})
+        _send(
+            conn,
+            CHALLENGE,
+            {"nonce": _b64(nonce), "proof": _b64(_mac(key, b"server", self.instance, client_nonce, nonce))},
+        )
         _, auth, _ = _recv(conn, (AUTH,))
         if not hmac.compare_digest(_unb64(auth.get("proof")), _mac(key, b"client", self.instance, nonce, client_nonce)):
             _send(conn, ERROR, {"message": "authentication failed"})
@@ -378,8 +383,10 @@ class _Server:
         bad = (e["offset"] < 0) | (e["nbytes"] <= 0) | (e["offset"] + e["nbytes"] > sizes)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise TransportError(f"read {i} (region {int(e['region'][i])} offset {int(e['offset'][i])} nbytes "
-                                 f"{int(e['nbytes'][i])}) falls outside the registered region")
+            raise TransportError(
+                f"read {i} (region {int(e['region'][i])} offset {int(e['offset'][i])} nbytes "
+                f"{int(e['nbytes'][i])}) falls outside the registered region"
+            )
         devices = {table[int(i)].device for i in ids}
         _backend(sorted(devices), "the serving side")
         return _Plan(e["region"].copy(), e["offset"].copy(), e["nbytes"].copy(), direct)
@@ -396,8 +403,12 @@ class _Server:
             backend = _backend([s.device for s in served.values()], "the serving side")
             store = _EpochStore(deadline)
             result: dict = {}
-            worker = threading.Thread(target=self._send_epoch, name="wbridge-nccl-epoch", daemon=True,
-                                      args=(store, plan, served, backend, device, deadline, result))
+            worker = threading.Thread(
+                target=self._send_epoch,
+                name="wbridge-nccl-epoch",
+                daemon=True,
+                args=(store, plan, served, backend, device, deadline, result),
+            )
             _send(conn, READY, {"backend": backend})
             worker.start()
             try:
@@ -435,8 +446,10 @@ class _Server:
                 elif op == "check":
                     reply = {"value": store.check([str(k) for k in msg["keys"]])}
                 elif op == "wait":
-                    store.wait([str(k) for k in msg["keys"]],
-                               datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                    store.wait(
+                        [str(k) for k in msg["keys"]],
+                        datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())),
+                    )
                     reply = {}
                 else:
                     raise TransportError(f"unknown store call {op!r}")
@@ -444,17 +457,28 @@ class _Server:
             except (RuntimeError, KeyError, TypeError, ValueError) as e:
                 _send(conn, ERROR, {"message": f"store call failed: {e}"})
 
-    def _send_epoch(self, store: Any, plan: _Plan, served: dict, backend: str, device: str, deadline: float,
-                    result: dict) -> None:
+    def _send_epoch(
+        self, store: Any, plan: _Plan, served: dict, backend: str, device: str, deadline: float, result: dict
+    ) -> None:
         pg = None
         try:
             pg = _make_group(store, 0, backend, self.host, deadline - time.monotonic(), device)
             direct, packed = _split(plan.nbytes, plan.direct)
-            views = [served[int(plan.region[i])].tensor[int(plan.offset[i]):int(plan.offset[i] + plan.nbytes[i])]
-                     for i in direct]
+            views = [
+                served[int(plan.region[i])].tensor[int(plan.offset[i]) : int(plan.offset[i] + plan.nbytes[i])]
+                for i in direct
+            ]
             if len(packed):
-                views.append(torch.cat([served[int(plan.region[i])].tensor[
-                    int(plan.offset[i]):int(plan.offset[i] + plan.nbytes[i])] for i in packed]))
+                views.append(
+                    torch.cat(
+                        [
+                            served[int(plan.region[i])].tensor[
+                                int(plan.offset[i]) : int(plan.offset[i] + plan.nbytes[i])
+                            ]
+                            for i in packed
+                        ]
+                    )
+                )
             _wait(_post(pg, backend, device, views, 1, send=True), deadline, "send")
         except BaseException as e:  # noqa: BLE001 - reported to the reader and the log
             result["error"] = f"serving side: {e}"
@@ -515,8 +539,10 @@ class NcclPrepared:
     released: bool = False
 
     def __repr__(self) -> str:
-        return (f"NcclPrepared({self.peer.label}, reads={self.count}, bytes={self.nbytes}, backend={self.backend}, "
-                f"released={self.released})")
+        return (
+            f"NcclPrepared({self.peer.label}, reads={self.count}, bytes={self.nbytes}, backend={self.backend}, "
+            f"released={self.released})"
+        )
 
 
 class NcclTransport(Transport):
@@ -530,8 +556,15 @@ class NcclTransport(Transport):
     name = "nccl"
     supports_cuda = True
 
-    def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", *, direct_bytes: int = 64 << 10,
-                 max_timeout: float = 600.0, handshake_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        token: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        direct_bytes: int = 64 << 10,
+        max_timeout: float = 600.0,
+        handshake_timeout: float = 10.0,
+    ) -> None:
         super().__init__(token=token, host=host)
         if direct_bytes <= 0:
             raise TransportError("nccl: direct_bytes must be positive")
@@ -608,8 +641,11 @@ class NcclTransport(Transport):
     # -- reading -----------------------------------------------------------------------------
     def connect(self, endpoint: bytes, *, timeout: float) -> NcclPeer:
         d = decode_descriptor("nccl", endpoint, ("host", "port", "instance"))
-        peer = NcclPeer(str_field("nccl", d, "host"), int_field("nccl", d, "port", 1, 65535),
-                        hex_field("nccl", d, "instance", INSTANCE))
+        peer = NcclPeer(
+            str_field("nccl", d, "host"),
+            int_field("nccl", d, "port", 1, 65535),
+            hex_field("nccl", d, "instance", INSTANCE),
+        )
         with self._lock:
             self._check_open()
             self._peers.add(peer)
@@ -634,8 +670,9 @@ class NcclTransport(Transport):
             if kind == ERROR:
                 raise TransportError(f"nccl: peer {peer.label} refused the handshake: {msg.get('message')}")
             server_nonce = _unb64(msg.get("nonce"))
-            if not hmac.compare_digest(_unb64(msg.get("proof")),
-                                       _mac(self._key, b"server", peer.instance, nonce, server_nonce)):
+            if not hmac.compare_digest(
+                _unb64(msg.get("proof")), _mac(self._key, b"server", peer.instance, nonce, server_nonce)
+            ):
                 raise AuthError(f"nccl: peer {peer.label} failed to prove the shared token")
             _send(sock, AUTH, {"proof": _b64(_mac(self._key, b"client", peer.instance, server_nonce, nonce))})
             kind, msg, _ = _recv(sock, (OK,))
@@ -650,8 +687,9 @@ class NcclTransport(Transport):
         peer.sock = sock
         peer.generation += 1
 
-    def prepare(self, peer: NcclPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> NcclPrepared:
+    def prepare(
+        self, peer: NcclPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> NcclPrepared:
         ids, sizes, devices = [], [], []
         for i, desc in enumerate(remote_regions):
             d = decode_descriptor("nccl", desc, ("instance", "region", "nbytes", "device"))
@@ -673,17 +711,27 @@ class NcclTransport(Transport):
         dst = [r.handle[1] for r in local_regions]
         direct, packed = _split(batch.nbytes, self.direct_bytes)
         dr, do, n = batch.dst_region.tolist(), batch.dst_offset.tolist(), batch.nbytes.tolist()
-        direct_views = [dst[dr[i]][do[i]:do[i] + n[i]] for i in direct.tolist()]
+        direct_views = [dst[dr[i]][do[i] : do[i] + n[i]] for i in direct.tolist()]
         scatter, pos = [], 0
         for i in packed.tolist():
-            scatter.append((dst[dr[i]][do[i]:do[i] + n[i]], pos, pos + n[i]))
+            scatter.append((dst[dr[i]][do[i] : do[i] + n[i]], pos, pos + n[i]))
             pos += n[i]
         buf = torch.empty(pos, dtype=torch.uint8, device=device) if pos else None
         entries = np.empty(len(batch), dtype=ENTRY)
         entries["region"] = np.asarray(ids, dtype=np.int64)[batch.src_region] if len(batch) else []
         entries["offset"], entries["nbytes"] = batch.src_offset, batch.nbytes
-        prep = NcclPrepared(peer, next(_ids), entries.tobytes(), direct_views, buf, scatter, backend, device,
-                            len(batch), batch.total_bytes)
+        prep = NcclPrepared(
+            peer,
+            next(_ids),
+            entries.tobytes(),
+            direct_views,
+            buf,
+            scatter,
+            backend,
+            device,
+            len(batch),
+            batch.total_bytes,
+        )
         with self._lock:
             self._check_open()
         if len(batch):
@@ -730,8 +778,11 @@ class NcclTransport(Transport):
             store = _SocketStore(sock, deadline)
             pg = _make_group(store, 1, prepared.backend, self.host, _left(deadline, peer, "pull"), prepared.device)
             bufs = prepared.direct_views + ([prepared.packed] if prepared.packed is not None else [])
-            _wait(_post(pg, prepared.backend, prepared.device, bufs, 0, send=False), deadline,
-                  f"pull from peer {peer.label}")
+            _wait(
+                _post(pg, prepared.backend, prepared.device, bufs, 0, send=False),
+                deadline,
+                f"pull from peer {peer.label}",
+            )
             for view, a, b in prepared.scatter:
                 view.copy_(prepared.packed[a:b])
             sock.settimeout(_left(deadline, peer, "pull"))
@@ -797,8 +848,7 @@ class NcclTransport(Transport):
 
     def __repr__(self) -> str:
         where = f"{self._server.host}:{self._server.port}" if self._server else "not serving"
-        return (f"NcclTransport({where}, regions={len(self._regions)}, peers={len(self._peers)}, "
-                f"closed={self._closed})")
+        return f"NcclTransport({where}, regions={len(self._regions)}, peers={len(self._peers)}, closed={self._closed})"
 
 
 def _left(deadline: float, peer: NcclPeer, what: str) -> float:
@@ -806,4 +856,3 @@ def _left(deadline: float, peer: NcclPeer, what: str) -> float:
     if left <= 0:
         raise TransportError(f"nccl: {what} with peer {peer.label} timed out")
     return left
-

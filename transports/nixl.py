@@ -23,6 +23,7 @@ a transport bound to loopback then reaches other hosts over RDMA only. NIXL has 
 authentication (the token is not used); on the same host UCX may read through shared memory or
 CMA, which no registration check guards: see ``conformance_skips``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,9 +38,10 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -169,18 +171,21 @@ class NixlTransport(Transport):
 
     name = "nixl"
     supports_cuda = True
-    conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType({
-        "auth": "NIXL has no peer authentication; the token is not used",
-        "deregister": "one-sided: on the same host UCX reads through CMA/shared memory, which a deregistration "
-                      "on the serving side does not revoke",
-        "stopped": "one-sided: a stopped (hung) publisher does not stop reads of its memory on the same host",
-        "leaks": "starting a NIXL agent and its UCX context takes ~0.3 s and a first connection ~0.2 s, so 100 "
-                 "cycles take over a minute; tests/transports/test_nixl.py counts fds, OS threads and "
-                 "registrations over 10 cycles (100 under -m slow)",
-    })
+    conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "auth": "NIXL has no peer authentication; the token is not used",
+            "deregister": "one-sided: on the same host UCX reads through CMA/shared memory, which a deregistration "
+            "on the serving side does not revoke",
+            "stopped": "one-sided: a stopped (hung) publisher does not stop reads of its memory on the same host",
+            "leaks": "starting a NIXL agent and its UCX context takes ~0.3 s and a first connection ~0.2 s, so 100 "
+            "cycles take over a minute; tests/transports/test_nixl.py counts fds, OS threads and "
+            "registrations over 10 cycles (100 under -m slow)",
+        }
+    )
 
-    def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", *, backend: str = "UCX",
-                 poll_max: float = 1e-3) -> None:
+    def __init__(
+        self, token: bytes | str | None = None, host: str = "127.0.0.1", *, backend: str = "UCX", poll_max: float = 1e-3
+    ) -> None:
         super().__init__(token=token, host=host)
         self.backend = backend
         self.poll_max = poll_max
@@ -216,11 +221,13 @@ class NixlTransport(Transport):
                 reg = self._agent.register_memory([(addr, nbytes, dev, "")], mem)
                 md = self._agent.get_partial_agent_metadata(reg, True)
             except Exception as e:  # noqa: BLE001
-                raise TransportError(f"nixl: agent {self.agent_name} cannot register {nbytes} bytes of {mem} "
-                                     f"at {addr:#x}: {e!r}") from e
+                raise TransportError(
+                    f"nixl: agent {self.agent_name} cannot register {nbytes} bytes of {mem} at {addr:#x}: {e!r}"
+                ) from e
             rid = next(_ids)
-            desc = encode_descriptor("nixl", agent=self.agent_name, region=rid, addr=addr, nbytes=nbytes, mem=mem,
-                                     dev=dev, md=_b64(md))
+            desc = encode_descriptor(
+                "nixl", agent=self.agent_name, region=rid, addr=addr, nbytes=nbytes, mem=mem, dev=dev, md=_b64(md)
+            )
             region = Region(rid, addr, nbytes, device, desc, handle=(self, reg))
             self._regions[rid] = region
         return region
@@ -264,8 +271,9 @@ class NixlTransport(Transport):
             raise TransportError(f"nixl: metadata names agent {loaded!r}, the descriptor {name!r}")
         return loaded
 
-    def prepare(self, peer: NixlPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> NixlPrepared:
+    def prepare(
+        self, peer: NixlPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> NixlPrepared:
         remote = []
         for i, desc in enumerate(remote_regions):
             d = decode_descriptor("nixl", desc, ("agent", "region", "addr", "nbytes", "mem", "dev", "md"))
@@ -273,9 +281,16 @@ class NixlTransport(Transport):
                 raise TransportError(f"nixl: remote region {i} belongs to agent {d['agent']!r}, not peer {peer.name}")
             if d["mem"] not in ("DRAM", "VRAM"):
                 raise TransportError(f"nixl: remote region {i} has unknown memory type {d['mem']!r}")
-            remote.append((int_field("nixl", d, "region", 1), int_field("nixl", d, "addr", 1),
-                           int_field("nixl", d, "nbytes", 1), d["mem"], int_field("nixl", d, "dev", 0, 1 << 16),
-                           _unb64("nixl", d, "md")))
+            remote.append(
+                (
+                    int_field("nixl", d, "region", 1),
+                    int_field("nixl", d, "addr", 1),
+                    int_field("nixl", d, "nbytes", 1),
+                    d["mem"],
+                    int_field("nixl", d, "dev", 0, 1 << 16),
+                    _unb64("nixl", d, "md"),
+                )
+            )
         for r in local_regions:
             if not isinstance(r.handle, tuple) or r.handle[0] is not self or r.id not in self._regions:
                 raise TransportError(f"nixl: destination region {r.id} is not registered with this transport")
@@ -319,8 +334,10 @@ class NixlTransport(Transport):
                 prep.dlists.append(rh)
                 prep.xfers.append(self._agent.make_prepped_xfer("READ", lh, idx, rh, idx))
             except Exception as e:  # noqa: BLE001
-                raise TransportError(f"nixl: peer {prep.peer.name} refused {len(sel)} reads ({key}): {e!r} "
-                                     "(outside its registered memory, or its metadata is stale)") from e
+                raise TransportError(
+                    f"nixl: peer {prep.peer.name} refused {len(sel)} reads ({key}): {e!r} "
+                    "(outside its registered memory, or its metadata is stale)"
+                ) from e
 
     def read(self, prepared: NixlPrepared, *, timeout: float) -> None:
         peer = prepared.peer
@@ -347,8 +364,10 @@ class NixlTransport(Transport):
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise TransportError(f"nixl: read of {prepared.count} ops ({prepared.nbytes} bytes) from peer "
-                                     f"{peer.name} did not finish within {timeout}s")
+                raise TransportError(
+                    f"nixl: read of {prepared.count} ops ({prepared.nbytes} bytes) from peer "
+                    f"{peer.name} did not finish within {timeout}s"
+                )
             time.sleep(wait)
             wait = min(wait * 2, self.poll_max)
 
@@ -419,6 +438,8 @@ class NixlTransport(Transport):
             raise TransportError("nixl: transport is closed")
 
     def __repr__(self) -> str:
-        return (f"NixlTransport({self.agent_name}, backend={self.backend}, net_devices={self.net_devices}, "
-                f"regions={len(self._regions)}, peers={sum(map(len, self._peers.values()))}, "
-                f"closed={self._closed})")
+        return (
+            f"NixlTransport({self.agent_name}, backend={self.backend}, net_devices={self.net_devices}, "
+            f"regions={len(self._regions)}, peers={sum(map(len, self._peers.values()))}, "
+            f"closed={self._closed})"
+        )

@@ -11,10 +11,12 @@ the store next to the endpoints); ``choose_transport(local, remote)`` applies th
 A named preference skips the order but is still checked: a transport whose extra is missing here
 raises ``MissingExtraError`` naming the extra; one the peer lacks raises ``TransportError``.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from . import REGISTRY, available, get
 from .errors import TransportError
@@ -66,8 +68,13 @@ def capabilities(*, nccl: bool = False, transports: list[str] | None = None) -> 
     ``transports`` overrides the detected list (``transports.available()``).
     """
     names = list(available() if transports is None else transports)
-    return {"transports": names, "rdma": rdma_devices(), "cuda": _cuda(), "host": host_identity(),
-            "nccl": bool(nccl) and "nccl" in names}
+    return {
+        "transports": names,
+        "rdma": rdma_devices(),
+        "cuda": _cuda(),
+        "host": host_identity(),
+        "nccl": bool(nccl) and "nccl" in names,
+    }
 
 
 def _check_caps(side: str, caps: Mapping[str, Any]) -> None:
@@ -80,8 +87,9 @@ def _check_caps(side: str, caps: Mapping[str, Any]) -> None:
         raise TransportError(f"{side} capabilities: 'transports' must be a list")
 
 
-def candidates(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
-               preference: str = "auto") -> list[tuple[str, str]]:
+def candidates(
+    local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any], preference: str = "auto"
+) -> list[tuple[str, str]]:
     """Every usable transport for reading from the peer described by ``remote_caps``, best first, each
     with its reason (the ``auto`` order; a named ``preference`` is the only candidate).
 
@@ -104,8 +112,11 @@ def candidates(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
     rdma = bool(local_caps["rdma"] and remote_caps["rdma"])
     out = []
     if rdma:
-        out += [(name, f"RDMA devices on both sides ({', '.join(local_caps['rdma'])} here); {name} on both")
-                for name in RDMA_FIRST if name in both]
+        out += [
+            (name, f"RDMA devices on both sides ({', '.join(local_caps['rdma'])} here); {name} on both")
+            for name in RDMA_FIRST
+            if name in both
+        ]
     same_host = bool(local_caps["host"]) and local_caps["host"] == remote_caps["host"]
     if "local" in both and same_host:
         out.append(("local", "same host"))
@@ -113,17 +124,27 @@ def candidates(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
         out.append(("nccl", "no one-sided path; both sides opted in to nccl"))
     if "tcp" in both:
         rdma_note = "RDMA on both sides but no common RDMA transport" if rdma else "no RDMA on both sides"
-        out.append(("tcp", f"same host but local unavailable, {rdma_note}" if same_host else
-                    f"different hosts, {rdma_note}"))
+        out.append(
+            ("tcp", f"same host but local unavailable, {rdma_note}" if same_host else f"different hosts, {rdma_note}")
+        )
     if not out:
         raise TransportError(f"no common transport: this process has {sorted(here)}, the peer {sorted(there)}")
     return out
 
 
-def choose_transport(local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any],
-                     preference: str = "auto") -> tuple[str, str]:
+def choose_transport(
+    local_caps: Mapping[str, Any], remote_caps: Mapping[str, Any], preference: str = "auto"
+) -> tuple[str, str]:
     """``(name, reason)``: the first of ``candidates`` (same arguments, same errors)."""
     return candidates(local_caps, remote_caps, preference)[0]
 
 
-__all__ = ["CAPABILITY_KEYS", "RDMA_FIRST", "candidates", "capabilities", "choose_transport", "host_identity", "rdma_devices"]
+__all__ = [
+    "CAPABILITY_KEYS",
+    "RDMA_FIRST",
+    "candidates",
+    "capabilities",
+    "choose_transport",
+    "host_identity",
+    "rdma_devices",
+]

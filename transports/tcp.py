@@ -12,6 +12,7 @@ bounds, splits long reads, balances the pieces over the streams by bytes and pac
 once; ``read`` posts them (two frames in flight per stream) and receives each DATA frame straight
 into the destination memory (``recv_into``/``recvmsg_into`` on memoryviews of the destination).
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,9 +22,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class ServerConfig:
 
 def _send_error(sock: socket.socket, message: str) -> None:
     try:
-        sock.sendall(w.frame(w.FrameType.ERROR, message.encode()[:w.MAX_ERROR_BYTES]))
+        sock.sendall(w.frame(w.FrameType.ERROR, message.encode()[: w.MAX_ERROR_BYTES]))
     except OSError:
         pass
 
@@ -148,11 +149,14 @@ def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
         bad = (n == 0) | (off > sizes) | (n > sizes - np.minimum(off, sizes))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            _send_error(sock, f"read refused: entry {i} (region {int(entries['region'][i])}, offset "
-                              f"{int(off[i])}, nbytes {int(n[i])}) is outside the region of {int(sizes[i])} bytes")
+            _send_error(
+                sock,
+                f"read refused: entry {i} (region {int(entries['region'][i])}, offset "
+                f"{int(off[i])}, nbytes {int(n[i])}) is outside the region of {int(sizes[i])} bytes",
+            )
             return
         total = int(n.sum(dtype=np.uint64))
-        views = [served[r].view[o:o + k] for r, o, k in zip(index.tolist(), off.tolist(), n.tolist())]
+        views = [served[r].view[o : o + k] for r, o, k in zip(index.tolist(), off.tolist(), n.tolist())]
         sock.settimeout(cfg.frame_timeout)
         w.send_views(sock, [memoryview(w.pack_header(w.FrameType.DATA, total))] + views)
     finally:
@@ -210,8 +214,7 @@ class _Server:
         self.internal_errors = 0  # connections that ended in a server bug (the fuzz tests want 0)
         self._conns: dict[threading.Thread, socket.socket] = {}
         self._lock = threading.Lock()
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"wbridge-tcp-accept-{self.port}",
-                                          daemon=True)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"wbridge-tcp-accept-{self.port}", daemon=True)
         self._acceptor.start()
 
     @property
@@ -311,8 +314,9 @@ class TcpPrepared:
     nbytes: int
 
     def __repr__(self) -> str:
-        return (f"TcpPrepared(peer={self.peer.label}, reads={self.nreads}, bytes={self.nbytes}, "
-                f"streams={len(self.frames)})")
+        return (
+            f"TcpPrepared(peer={self.peer.label}, reads={self.nreads}, bytes={self.nbytes}, streams={len(self.frames)})"
+        )
 
 
 class TcpTransport(Transport):
@@ -325,9 +329,20 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", port: int = 0, streams: int = 4,
-                 *, split_bytes: int = 4 << 20, frame_bytes: int = 64 << 20, window: int = 2,
-                 handshake_timeout: float = 10.0, frame_timeout: float = 30.0, max_connections: int = 1024) -> None:
+    def __init__(
+        self,
+        token: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        streams: int = 4,
+        *,
+        split_bytes: int = 4 << 20,
+        frame_bytes: int = 64 << 20,
+        window: int = 2,
+        handshake_timeout: float = 10.0,
+        frame_timeout: float = 30.0,
+        max_connections: int = 1024,
+    ) -> None:
         super().__init__(token=token, host=host)
         if not 1 <= streams <= 64:
             raise TransportError(f"tcp: streams must be in [1, 64], got {streams}")
@@ -371,8 +386,9 @@ class TcpTransport(Transport):
                     raise TransportError(f"tcp: refusing to serve on {self.host} without a token; pass token=...")
                 cfg = ServerConfig(self._key, self._instance, self._table, self.handshake_timeout, self.frame_timeout)
                 self._server = _Server(self.host, self.port, cfg, self.max_connections)
-            return encode_descriptor("tcp", host=self._server.host, port=self._server.port,
-                                     instance=self._instance.hex())
+            return encode_descriptor(
+                "tcp", host=self._server.host, port=self._server.port, instance=self._instance.hex()
+            )
 
     @property
     def num_regions(self) -> int:
@@ -390,8 +406,13 @@ class TcpTransport(Transport):
         instance = hex_field("tcp", d, "instance", INSTANCE_BYTES)
         with self._lock:
             self._check_open()
-            peer = TcpPeer(host, port, instance, [None] * self.streams,
-                           ThreadPoolExecutor(self.streams - 1, "wbridge-tcp-stream") if self.streams > 1 else None)
+            peer = TcpPeer(
+                host,
+                port,
+                instance,
+                [None] * self.streams,
+                ThreadPoolExecutor(self.streams - 1, "wbridge-tcp-stream") if self.streams > 1 else None,
+            )
             self._peers.add(peer)
         deadline = time.monotonic() + timeout
         try:
@@ -415,10 +436,12 @@ class TcpTransport(Transport):
             kind, payload = w.recv_frame(sock, (w.FrameType.CHALLENGE, w.FrameType.ERROR))
             if kind is w.FrameType.ERROR or len(payload) != w.NONCE_BYTES + w.MAC_BYTES:
                 raise TransportError(f"tcp: peer {peer.label} refused the handshake: {payload[:200]!r}")
-            nonce, proof = payload[:w.NONCE_BYTES], payload[w.NONCE_BYTES:]
+            nonce, proof = payload[: w.NONCE_BYTES], payload[w.NONCE_BYTES :]
             if not w.verify(w.mac(self._key, b"server", peer.instance, client_nonce, nonce), proof):
-                raise AuthError(f"tcp: peer {peer.label} failed to prove the shared token "
-                                f"(wrong token, or another server instance at that address)")
+                raise AuthError(
+                    f"tcp: peer {peer.label} failed to prove the shared token "
+                    f"(wrong token, or another server instance at that address)"
+                )
             sock.sendall(w.frame(w.FrameType.AUTH, w.mac(self._key, b"client", peer.instance, nonce, client_nonce)))
             sock.settimeout(_left(deadline, peer, "authenticate"))
             kind, payload = w.recv_frame(sock, (w.FrameType.AUTH_OK, w.FrameType.ERROR))
@@ -435,8 +458,9 @@ class TcpTransport(Transport):
                 raise TransportError(f"tcp: handshake with peer {peer.label} failed: {e!r}") from e
             raise
 
-    def prepare(self, peer: TcpPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> TcpPrepared:
+    def prepare(
+        self, peer: TcpPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> TcpPrepared:
         remote_ids, remote_sizes = [], []
         for i, desc in enumerate(remote_regions):
             d = decode_descriptor("tcp", desc, ("instance", "region", "nbytes"))
@@ -458,8 +482,15 @@ class TcpTransport(Transport):
             frames.append(tuple(self._pack_frames(batch, rid, dst_views, op[sel], start[sel], size[sel])))
         return TcpPrepared(peer, tuple(frames), len(batch), batch.total_bytes)
 
-    def _pack_frames(self, batch: ReadBatch, rid: np.ndarray, dst_views: list[memoryview], op: np.ndarray,
-                     start: np.ndarray, size: np.ndarray) -> list[_Frame]:
+    def _pack_frames(
+        self,
+        batch: ReadBatch,
+        rid: np.ndarray,
+        dst_views: list[memoryview],
+        op: np.ndarray,
+        start: np.ndarray,
+        size: np.ndarray,
+    ) -> list[_Frame]:
         src_reg, src_off = rid[batch.src_region[op]], batch.src_offset[op] + start
         dst_reg, dst_off = batch.dst_region[op].tolist(), (batch.dst_offset[op] + start).tolist()
         sizes = size.tolist()
@@ -469,7 +500,7 @@ class TcpTransport(Transport):
             while j < len(op) and j - i < w.MAX_ENTRIES and (j == i or nbytes + sizes[j] <= self.frame_bytes):
                 nbytes += sizes[j]
                 j += 1
-            views = [dst_views[dst_reg[k]][dst_off[k]:dst_off[k] + sizes[k]] for k in range(i, j)]
+            views = [dst_views[dst_reg[k]][dst_off[k] : dst_off[k] + sizes[k]] for k in range(i, j)]
             request = w.frame(w.FrameType.READ, w.pack_entries(src_reg[i:j], src_off[i:j], size[i:j]))
             out.append(_Frame(request, views, nbytes))
             i = j
@@ -484,8 +515,11 @@ class TcpTransport(Transport):
             if peer.closed:
                 raise TransportError(f"tcp: peer {peer.label} is disconnected")
             jobs = [s for s in range(len(prepared.frames)) if prepared.frames[s]]
-            futures = [peer.pool.submit(self._run_stream, peer, s, prepared.frames[s], deadline)
-                       for s in jobs[:-1]] if peer.pool else []
+            futures = (
+                [peer.pool.submit(self._run_stream, peer, s, prepared.frames[s], deadline) for s in jobs[:-1]]
+                if peer.pool
+                else []
+            )
             errors: list[BaseException] = []
             if jobs:
                 try:
@@ -578,8 +612,10 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         where = f"{self._server.host}:{self._server.port}" if self._server else "not serving"
-        return (f"TcpTransport({where}, streams={self.streams}, regions={len(self._regions)}, "
-                f"peers={len(self._peers)}, closed={self._closed})")
+        return (
+            f"TcpTransport({where}, streams={self.streams}, regions={len(self._regions)}, "
+            f"peers={len(self._peers)}, closed={self._closed})"
+        )
 
 
 def _left(deadline: float, peer: TcpPeer, what: str) -> float:

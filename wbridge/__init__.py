@@ -3,11 +3,22 @@
 Trainer ranks ``Publisher.publish()`` registered memory under a version counter; rollout workers
 ``Subscriber.pull()`` exactly the bytes they need with planned one-sided reads.
 """
+
 from planner.layout import Flat, Fused, Shard, Stack
 
-from .errors import (AuthError, IntegrityError, LayoutError, MissingExtraError, PlanError,
-                     StaleVersionError, StoreError, TransportError, UsageError, WaitTimeout,
-                     WBridgeError)
+from .errors import (
+    AuthError,
+    IntegrityError,
+    LayoutError,
+    MissingExtraError,
+    PlanError,
+    StaleVersionError,
+    StoreError,
+    TransportError,
+    UsageError,
+    WaitTimeout,
+    WBridgeError,
+)
 from .publisher import Publisher
 from .store import Store, open_store
 from .subscriber import Subscriber
@@ -15,7 +26,23 @@ from .subscriber import Subscriber
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuthError", "Flat", "Fused", "IntegrityError", "LayoutError", "MissingExtraError", "PlanError",
-    "Publisher", "Shard", "Stack", "StaleVersionError", "Store", "StoreError", "Subscriber",
-    "TransportError", "UsageError", "WBridgeError", "WaitTimeout", "open_store",
+    "AuthError",
+    "Flat",
+    "Fused",
+    "IntegrityError",
+    "LayoutError",
+    "MissingExtraError",
+    "PlanError",
+    "Publisher",
+    "Shard",
+    "Stack",
+    "StaleVersionError",
+    "Store",
+    "StoreError",
+    "Subscriber",
+    "TransportError",
+    "UsageError",
+    "WBridgeError",
+    "WaitTimeout",
+    "open_store",
 ]

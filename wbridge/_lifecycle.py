@@ -1,8 +1,10 @@
 """Explicit lifetimes shared by Publisher and Subscriber."""
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("wbridge")
 

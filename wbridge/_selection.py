@@ -3,12 +3,13 @@
 The policy itself lives in ``transports.select`` (pure, shared with the transport tests); this
 adapter feeds it the capabilities each publisher rank advertises in its signed record.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from transports import select as _select
-
 
 RDMA_FIRST = _select.RDMA_FIRST
 

@@ -1,4 +1,5 @@
 """Helpers to treat torch tensors and numpy arrays as raw memory."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,8 +15,9 @@ def describe(name: str, t: Any) -> tuple[tuple[int, ...], str, str]:
     """``(shape, dtype name, device)`` of a contiguous tensor; ``LayoutError`` names it otherwise."""
     if isinstance(t, np.ndarray):
         if not t.flags.c_contiguous:
-            raise LayoutError(f"tensor {name!r} is not contiguous (numpy strides {t.strides}); "
-                              "register a contiguous array")
+            raise LayoutError(
+                f"tensor {name!r} is not contiguous (numpy strides {t.strides}); register a contiguous array"
+            )
         dtype = str(t.dtype)
         device = "cpu"
     else:
@@ -26,8 +28,10 @@ def describe(name: str, t: Any) -> tuple[tuple[int, ...], str, str]:
         if not isinstance(t, torch.Tensor):
             raise LayoutError(f"tensor {name!r}: expected a torch.Tensor or numpy array, got {type(t).__name__}")
         if not t.is_contiguous():
-            raise LayoutError(f"tensor {name!r} is not contiguous (strides {tuple(t.stride())}); "
-                              "call .contiguous() or register the underlying storage")
+            raise LayoutError(
+                f"tensor {name!r} is not contiguous (strides {tuple(t.stride())}); "
+                "call .contiguous() or register the underlying storage"
+            )
         dtype = str(t.dtype).removeprefix("torch.")
         device = str(t.device)
         if device != "cpu" and not device.startswith("cuda"):

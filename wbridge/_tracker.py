@@ -1,4 +1,5 @@
 """Publisher side of the control plane: which subscribers are live and what they have acked."""
+
 from __future__ import annotations
 
 import threading
@@ -67,8 +68,10 @@ class SubscriberTracker:
 
     def wait(self, pred, timeout: float, what: str) -> None:
         """Waits until ``pred(view)`` holds for every live subscriber (re-scanned each poll)."""
+
         def probe():
             return True if all(pred(s) for s in self.live()) else None
+
         Store.wait_until(probe, timeout, what, poll=0.001, max_poll=0.02)
 
 

@@ -1,4 +1,5 @@
 """The ``wbridge`` command: ``demo``, ``bench``, ``store serve``, ``info``."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .testing.synthetic import ModelConfig
 
     model = ModelConfig.demo() if not args.tiny else ModelConfig.tiny()
-    cfg = DemoConfig(versions=args.versions, model=model, transport=args.transport, mode=args.mode,
-                     fault=args.inject_fault, timeout=args.timeout)
+    cfg = DemoConfig(
+        versions=args.versions,
+        model=model,
+        transport=args.transport,
+        mode=args.mode,
+        fault=args.inject_fault,
+        timeout=args.timeout,
+    )
     return run(cfg, as_json=args.json)
 
 
@@ -37,8 +44,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         return int(bench_main(rest) or 0)
     path = os.path.join(_repo_benchmarks(), BENCHMARKS[args.what])
     if not os.path.exists(path):
-        print(f"wbridge bench {args.what}: {path} not found (benchmarks ship with the source tree)",
-              file=sys.stderr)
+        print(f"wbridge bench {args.what}: {path} not found (benchmarks ship with the source tree)", file=sys.stderr)
         return 2
     sys.argv = [path] + rest
     try:
@@ -89,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--transport", default="auto")
     demo.add_argument("--mode", default="one_step_off", choices=["sync", "one_step_off"])
     demo.add_argument("--tiny", action="store_true", help="a 1.5 MiB model instead of ~512 MiB")
-    demo.add_argument("--inject-fault", choices=["flip-bit"], default=None,
-                      help="corrupt one read on rollout 0 to show the bit-exact check failing")
+    demo.add_argument(
+        "--inject-fault",
+        choices=["flip-bit"],
+        default=None,
+        help="corrupt one read on rollout 0 to show the bit-exact check failing",
+    )
     demo.add_argument("--timeout", type=float, default=120.0)
     demo.add_argument("--json", action="store_true")
 

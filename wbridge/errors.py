@@ -18,6 +18,7 @@ their own roots; importing this module places those roots under ``WBridgeError``
 ``__bases__`` gain it; nothing else about them changes). Each class exists once: ``LayoutError``
 here *is* ``planner.errors.LayoutError``, so there is nothing to translate at the boundary.
 """
+
 from __future__ import annotations
 
 import planner.errors as _pe
@@ -68,6 +69,16 @@ class WaitTimeout(WBridgeError, TimeoutError):
 
 
 __all__ = [
-    "AuthError", "IntegrityError", "LayoutError", "MissingExtraError", "PlanError", "PlannerError",
-    "StaleVersionError", "StoreError", "TransportError", "UsageError", "WBridgeError", "WaitTimeout",
+    "AuthError",
+    "IntegrityError",
+    "LayoutError",
+    "MissingExtraError",
+    "PlanError",
+    "PlannerError",
+    "StaleVersionError",
+    "StoreError",
+    "TransportError",
+    "UsageError",
+    "WBridgeError",
+    "WaitTimeout",
 ]

@@ -30,6 +30,7 @@ publish is in flight: ``publish()``, ``publish_async()``, ``register()`` and ``c
 for it (``close()`` for a bounded time, after telling it to stop waiting on subscribers). One thread
 drives a publisher; ``wait_acked()``, ``subscribers()`` and ``close()`` may come from others.
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,10 +38,11 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -78,8 +80,8 @@ def served_transports(transport: str | Sequence[str]) -> list[str]:
 @dataclass
 class PublishStats:
     version: int
-    stall_s: float      # snapshot copy: the time the trainer's own memory was busy
-    wait_s: float       # time blocked on subscribers (mode semantics and slot leases)
+    stall_s: float  # snapshot copy: the time the trainer's own memory was busy
+    wait_s: float  # time blocked on subscribers (mode semantics and slot leases)
     total_s: float
     nbytes: int
     background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
@@ -89,22 +91,35 @@ class PublishStats:
 class _Registration:
     layout: RankLayout
     tensors: dict[str, Any]
-    slots: list[Any]                   # staging buffers (torch uint8), or live tensors (zero copy)
+    slots: list[Any]  # staging buffers (torch uint8), or live tensors (zero copy)
     regions: dict[str, list[list[Any]]] = field(default_factory=dict)  # transport -> slot -> regions
-    copies: list[list[tuple[Any, Any]]] = field(default_factory=list)   # slot -> (dst, src) views
-    stamps: list[Any] = field(default_factory=list)                       # slot -> stamp buffer
+    copies: list[list[tuple[Any, Any]]] = field(default_factory=list)  # slot -> (dst, src) views
+    stamps: list[Any] = field(default_factory=list)  # slot -> stamp buffer
     epoch: int = 0
     device: str = "cpu"
-    copy_stream: Any = None            # CUDA: the snapshot copy's own stream
+    copy_stream: Any = None  # CUDA: the snapshot copy's own stream
 
 
 class Publisher(Closeable):
-    def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *, rank: int = 0,
-                 world_size: int = 1, host_store: bool = False, token: str | bytes | None = None,
-                 transport: str | Sequence[str] = "auto", mode: str = "one_step_off",
-                 max_staleness: int | None = None, slots: int = 2, zero_copy: bool = False,
-                 host: str = "127.0.0.1", connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 checksums: bool = False, transport_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        channel: str,
+        store: str | Store = "tcp://127.0.0.1:29700",
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        host_store: bool = False,
+        token: str | bytes | None = None,
+        transport: str | Sequence[str] = "auto",
+        mode: str = "one_step_off",
+        max_staleness: int | None = None,
+        slots: int = 2,
+        zero_copy: bool = False,
+        host: str = "127.0.0.1",
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        checksums: bool = False,
+        transport_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "async" and (max_staleness is None or max_staleness < 0):
@@ -126,8 +141,8 @@ class Publisher(Closeable):
         self._connect_timeout = connect_timeout
         # publish_async(): one worker thread, at most one publish in flight, and a stop signal
         # that close() gives so a publish waiting on subscribers gives up at once.
-        self._start_lock = threading.Lock()    # held while a publish is started (and by close)
-        self._snap_lock = threading.Lock()     # held while the staging slots are written
+        self._start_lock = threading.Lock()  # held while a publish is started (and by close)
+        self._snap_lock = threading.Lock()  # held while the staging slots are written
         self._stop = threading.Event()
         self._worker: ThreadPoolExecutor | None = None
         self._inflight: Future | None = None
@@ -174,7 +189,9 @@ class Publisher(Closeable):
             return self._register(tensors)
 
     def _register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> int:
-        layout, live, device = build_layout(self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}")
+        layout, live, device = build_layout(
+            self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}"
+        )
         self._release_registration()
         if self.zero_copy:
             slots = [[byte_view(t) for t in live.values()]]
@@ -198,20 +215,30 @@ class Publisher(Closeable):
             reg.regions[name] = [
                 [t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
                 + [t.register(address(stamp), STAMP_BYTES, device="cpu")]
-                for slot, stamp in zip(slots, reg.stamps)]
+                for slot, stamp in zip(slots, reg.stamps)
+            ]
         count = self._store.add(self.keys.reg, 1)
         reg.epoch = (count - 1) // self.world_size + 1
         latest = VersionRecord.read(self._store, self.keys, self.token)
         self._next_version = (latest.v if latest else 0) + 1
         record = {
-            "rank": self.rank, "world_size": self.world_size, "epoch": reg.epoch,
-            "layout": layout.to_dict(), "host": socket.gethostname(), "pid": os.getpid(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "epoch": reg.epoch,
+            "layout": layout.to_dict(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
             "caps": publisher_capabilities(list(self._transports)),
-            "slots": self.slots, "zero_copy": self.zero_copy, "device": device,
+            "slots": self.slots,
+            "zero_copy": self.zero_copy,
+            "device": device,
             "transports": {
-                name: {"endpoint": _b64(t.endpoint()),
-                       "regions": [[_b64(r.descriptor) for r in slot] for slot in reg.regions[name]]}
-                for name, t in self._transports.items()},
+                name: {
+                    "endpoint": _b64(t.endpoint()),
+                    "regions": [[_b64(r.descriptor) for r in slot] for slot in reg.regions[name]],
+                }
+                for name, t in self._transports.items()
+            },
         }
         key = self.keys.rank(reg.epoch, self.rank)
         self._store.set(key, seal(self.token, key, record))
@@ -243,7 +270,7 @@ class Publisher(Closeable):
             ready = self._begin(deadline, "publish()")
         return self._publish(deadline, ready, background=False)
 
-    def publish_async(self, timeout: float = 60.0) -> "Future[int]":
+    def publish_async(self, timeout: float = 60.0) -> Future[int]:
         """Starts ``publish(timeout)``'s work on the publisher's background thread and returns a
         ``Future`` of the version (or of the error ``publish()`` would raise: ``WaitTimeout``,
         ``StoreError``...; ``UsageError`` if the publisher closes meanwhile).
@@ -289,8 +316,10 @@ class Publisher(Closeable):
             return
         done, _ = wait_futures([fut], timeout=max(0.0, deadline - time.monotonic()))
         if not done:
-            raise WaitTimeout(f"publisher rank {self.rank}: {what} timed out waiting for the publish of "
-                              f"version {self._next_version} still in flight")
+            raise WaitTimeout(
+                f"publisher rank {self.rank}: {what} timed out waiting for the publish of "
+                f"version {self._next_version} still in flight"
+            )
         self._inflight = None
 
     def _publish(self, deadline: float, ready: Any, background: bool) -> int:
@@ -309,7 +338,7 @@ class Publisher(Closeable):
         stamp = reg.stamps[slot].numpy().view(np.uint64)
         with self._snap_lock:  # close() releases the slots only between snapshots
             self._check_stopped(v)
-            stamp[1:] = (v, STAMP_WRITING, reg.epoch)    # before the first byte of the slot changes
+            stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
             sums = self._snapshot(reg, slot, ready)
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t2 = time.perf_counter()
@@ -317,9 +346,16 @@ class Publisher(Closeable):
             key = self.keys.sums(v, self.rank)
             self._store.set(key, seal(self.token, key, sums))
         if self._store.add(self.keys.snap(v, reg.epoch), 1) == self.world_size:
-            VersionRecord(v=v, epoch=reg.epoch, slot=slot, fence=self._store.get_int(self.keys.fence(slot)),
-                          world_size=self.world_size, zero_copy=self.zero_copy,
-                          checksums=self.checksums, committed_at=now()).write(self._store, self.keys, self.token)
+            VersionRecord(
+                v=v,
+                epoch=reg.epoch,
+                slot=slot,
+                fence=self._store.get_int(self.keys.fence(slot)),
+                world_size=self.world_size,
+                zero_copy=self.zero_copy,
+                checksums=self.checksums,
+                committed_at=now(),
+            ).write(self._store, self.keys, self.token)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:
             self._wait_acked(v, deadline, f"publisher rank {self.rank}: acks of version {v}")
@@ -343,17 +379,21 @@ class Publisher(Closeable):
     def subscribers(self) -> list[dict]:
         """The live subscribers: id, name, last acked version, version being read (0: none)."""
         self._check_open()
-        return [{"id": s.id, "name": s.name, "acked": self._tracker.acked(s), "reading": self._tracker.reading(s)}
-                for s in self._tracker.live()]
+        return [
+            {"id": s.id, "name": s.name, "acked": self._tracker.acked(s), "reading": self._tracker.reading(s)}
+            for s in self._tracker.live()
+        ]
 
     def _wait_acked(self, version: int, deadline: float, what: str) -> None:
         self._wait_subscribers(lambda s: self._tracker.acked(s) >= version, deadline, what)
 
     def _wait_subscribers(self, pred, deadline: float, what: str) -> None:
         """Waits until ``pred`` holds for every live subscriber; close() cuts the wait short."""
+
         def check(s) -> bool:
             self._check_stopped()
             return pred(s)
+
         self._check_stopped()
         self._tracker.wait(check, _left(deadline, what), what)
 
@@ -367,14 +407,14 @@ class Publisher(Closeable):
             what = f"publisher rank {self.rank}: acks of version {v - 1} before publishing {v}"
             self._wait_acked(v - 1, deadline, what)
         elif self.mode == "async" and v - self.max_staleness > 0:
-            what = (f"publisher rank {self.rank}: subscribers within {self.max_staleness} versions "
-                    f"of {v}")
+            what = f"publisher rank {self.rank}: subscribers within {self.max_staleness} versions of {v}"
             self._wait_acked(v - self.max_staleness, deadline, what)
         if self.mode != "async" and not self.zero_copy:
             # Do not pull a slot from under a reader; async readers get StaleVersionError instead.
             def free(s) -> bool:
                 r = self._tracker.reading(s)
                 return r <= 0 or r % self.slots != slot or r >= v
+
             what = f"publisher rank {self.rank}: readers of slot {slot}"
             self._wait_subscribers(free, deadline, what)
 
@@ -388,7 +428,7 @@ class Publisher(Closeable):
             with torch.cuda.stream(reg.copy_stream):
                 if ready is not None:
                     reg.copy_stream.wait_event(ready)
-                for dst, src in ([] if self.zero_copy else reg.copies[slot]):
+                for dst, src in [] if self.zero_copy else reg.copies[slot]:
                     dst.copy_(src, non_blocking=True)
             reg.copy_stream.synchronize()
         elif not self.zero_copy:
@@ -447,8 +487,10 @@ class Publisher(Closeable):
         fut = getattr(self, "_inflight", None)
         if fut is not None and not fut.done():
             state += f", publishing {self._next_version}"
-        return (f"Publisher({self.channel!r}, rank={self.rank}/{self.world_size}, mode={self.mode}, "
-                f"version={self.version}, transports={list(getattr(self, '_transports', {}))}, {state})")
+        return (
+            f"Publisher({self.channel!r}, rank={self.rank}/{self.world_size}, mode={self.mode}, "
+            f"version={self.version}, transports={list(getattr(self, '_transports', {}))}, {state})"
+        )
 
 
 def _copy_pairs(buf: Any, tensors: Any, layout: RankLayout, device: str) -> list[tuple[Any, Any]]:
@@ -456,7 +498,7 @@ def _copy_pairs(buf: Any, tensors: Any, layout: RankLayout, device: str) -> list
     pairs = []
     for t, lt in zip(tensors, layout.tensors):
         src = byte_view(t)
-        dst = buf[lt.offset:lt.offset + lt.nbytes]
+        dst = buf[lt.offset : lt.offset + lt.nbytes]
         pairs.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
     return pairs
 

@@ -14,6 +14,7 @@ straight in the registered tensors, or with ``staged=True`` in a private buffer 
 only after every read succeeded. A failed pull leaves ``version`` as ``None`` (live tensors hold no
 complete version) unless staged, where the live tensors keep the last complete version.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,31 +24,39 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 import transports as _transports
-from transports import select as _select
 from planner.builder import build_plan
 from planner.layout import Declaration, RankLayout
 from planner.plan import Plan
+from transports import select as _select
 from transports.base import ReadBatch
 
 from ._lifecycle import Closeable, quietly
 from ._selection import candidates
 from ._tensors import address, alloc_bytes, build_layout, byte_view
-from .errors import (AuthError, IntegrityError, StaleVersionError, StoreError, TransportError, UsageError,
-                     WaitTimeout, WBridgeError)
+from .errors import (
+    AuthError,
+    IntegrityError,
+    StaleVersionError,
+    StoreError,
+    TransportError,
+    UsageError,
+    WaitTimeout,
+    WBridgeError,
+)
 from .protocol import checksum as _checksum
 from .protocol.keys import Keys
 from .protocol.records import open_sealed, seal
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
-
 
 log = logging.getLogger("wbridge")
 
@@ -68,7 +77,7 @@ class PullStats:
 @dataclass
 class SubscriberStats:
     transports: dict[int, tuple[str, str]] = field(default_factory=dict)  # src rank -> (name, reason)
-    bytes_per_source: dict[int, int] = field(default_factory=dict)      # of the current plan
+    bytes_per_source: dict[int, int] = field(default_factory=dict)  # of the current plan
     pulls: list[PullStats] = field(default_factory=list)
     plans: int = 0
 
@@ -82,11 +91,11 @@ class _Source:
     rank: int
     transport: str
     endpoint: bytes
-    regions: list[list[bytes]]          # slot -> region descriptors
+    regions: list[list[bytes]]  # slot -> region descriptors
     batch: ReadBatch
     peer: Any = None
     prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared read
-    stamp: Any = None                                        # where the slot's stamp is read to
+    stamp: Any = None  # where the slot's stamp is read to
     stamp_region: Any = None
     stamp_prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared stamp read
 
@@ -103,13 +112,23 @@ class _Session:
 
 
 class Subscriber(Closeable):
-    def __init__(self, channel: str, store: str | Store = "tcp://127.0.0.1:29700", *,
-                 token: str | bytes | None = None, transport: str = "auto", staged: bool = False,
-                 verify: bool = False, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 lease_ttl: float = 10.0, name: str | None = None, host: str = "127.0.0.1",
-                 transport_options: Mapping[str, Mapping[str, Any]] | None = None,
-                 transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None,
-                 nccl: bool = False) -> None:
+    def __init__(
+        self,
+        channel: str,
+        store: str | Store = "tcp://127.0.0.1:29700",
+        *,
+        token: str | bytes | None = None,
+        transport: str = "auto",
+        staged: bool = False,
+        verify: bool = False,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        lease_ttl: float = 10.0,
+        name: str | None = None,
+        host: str = "127.0.0.1",
+        transport_options: Mapping[str, Mapping[str, Any]] | None = None,
+        transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None,
+        nccl: bool = False,
+    ) -> None:
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
@@ -127,7 +146,7 @@ class Subscriber(Closeable):
         self._session: _Session | None = None
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
-        self._dest: list[Any] = []             # destination buffers (uint8 views), one per region
+        self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
         self._commit: list[tuple[Any, Any]] = []  # staged: (live slice, private slice) views
         self._id: int | None = None
         self._lease = None
@@ -165,8 +184,14 @@ class Subscriber(Closeable):
             # record without a live lease would read as a dead subscriber
             self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
             key = self.keys.sub(self._id)
-            self._store.set(key, seal(self.token, key, {"name": self.name, "ttl": self.lease_ttl,
-                                                        "host": socket.gethostname(), "pid": os.getpid()}))
+            self._store.set(
+                key,
+                seal(
+                    self.token,
+                    key,
+                    {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()},
+                ),
+            )
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
@@ -204,7 +229,8 @@ class Subscriber(Closeable):
                 if time.monotonic() >= deadline:
                     raise StaleVersionError(
                         f"subscriber {self.name}: version {rec.v} was overwritten while being read "
-                        f"and no newer version arrived within {timeout:.1f}s") from None
+                        f"and no newer version arrived within {timeout:.1f}s"
+                    ) from None
                 continue
             self.stats.pulls.append(PullStats(rec.v, time.perf_counter() - t0, nbytes, ops, retries))
             return rec.v
@@ -223,14 +249,18 @@ class Subscriber(Closeable):
             if rec.zero_copy and self._store.get_int(self.keys.fence(rec.slot)) != rec.fence:
                 return None  # zero-copy versions are readable only while their publish() runs
             return rec
+
         try:
-            rec = Store.wait_until(probe, max(0.0, deadline - time.monotonic()),
-                                   f"version >= {want} on channel {self.channel!r}")
+            rec = Store.wait_until(
+                probe, max(0.0, deadline - time.monotonic()), f"version >= {want} on channel {self.channel!r}"
+            )
             self._newest = max(self._newest, rec.v)
             return rec
         except WaitTimeout:
-            raise WaitTimeout(f"subscriber {self.name}: no version >= {want} on channel "
-                              f"{self.channel!r} within {timeout:.1f}s (is a publisher running?)") from None
+            raise WaitTimeout(
+                f"subscriber {self.name}: no version >= {want} on channel "
+                f"{self.channel!r} within {timeout:.1f}s (is a publisher running?)"
+            ) from None
 
     def _apply(self, rec: VersionRecord, deadline: float) -> tuple[int, int]:
         session = self._session
@@ -307,14 +337,20 @@ class Subscriber(Closeable):
             prep = src.stamp_prepared.get(rec.slot)
             if prep is None:
                 stamp_index = len(src.regions[rec.slot]) - 1
-                prep = t.prepare(src.peer, src.regions[rec.slot], [src.stamp_region],
-                                 ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]))
+                prep = t.prepare(
+                    src.peer,
+                    src.regions[rec.slot],
+                    [src.stamp_region],
+                    ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]),
+                )
                 src.stamp_prepared[rec.slot] = prep
             t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
             got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
             if got != want:
-                raise StaleVersionError(f"publisher rank {src.rank}: slot {rec.slot} holds version "
-                                        f"{got[1]} (state {got[2]}), not version {rec.v}")
+                raise StaleVersionError(
+                    f"publisher rank {src.rank}: slot {rec.slot} holds version "
+                    f"{got[1]} (state {got[2]}), not version {rec.v}"
+                )
 
         for f in [self._pool.submit(one, src) for src in session.sources]:
             f.result()
@@ -329,8 +365,9 @@ class Subscriber(Closeable):
             try:
                 raw = self._store.wait(key, max(0.0, deadline - time.monotonic()))
             except WaitTimeout:
-                raise WaitTimeout(f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} "
-                                  "never registered") from None
+                raise WaitTimeout(
+                    f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} never registered"
+                ) from None
             records.append(open_sealed(self.token, key, raw))
         layouts = [RankLayout.from_dict(d["layout"]) for d in records]
         plan = build_plan(layouts, self._layout)
@@ -340,8 +377,9 @@ class Subscriber(Closeable):
         try:
             for src_ops in plan.sources:
                 d = records[src_ops.src_rank]
-                batch = ReadBatch(src_ops.src_region, src_ops.src_offset, src_ops.dst_region,
-                                  src_ops.dst_offset, src_ops.nbytes)
+                batch = ReadBatch(
+                    src_ops.src_region, src_ops.src_offset, src_ops.dst_region, src_ops.dst_offset, src_ops.nbytes
+                )
                 sources.append(self._connect(src_ops.src_rank, d, batch, deadline))
         except BaseException:
             for src in sources:
@@ -367,8 +405,13 @@ class Subscriber(Closeable):
         options = candidates(self.preference, self._caps, remote)
         for i, (name, reason) in enumerate(options):
             served = record["transports"][name]
-            src = _Source(rank=rank, transport=name, endpoint=_unb64(served["endpoint"]),
-                          regions=[[_unb64(x) for x in slot] for slot in served["regions"]], batch=batch)
+            src = _Source(
+                rank=rank,
+                transport=name,
+                endpoint=_unb64(served["endpoint"]),
+                regions=[[_unb64(x) for x in slot] for slot in served["regions"]],
+                batch=batch,
+            )
             try:
                 t = self._transport(name)
                 src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
@@ -378,8 +421,14 @@ class Subscriber(Closeable):
                 if isinstance(e, AuthError) or i == len(options) - 1:
                     raise
                 tried.append(f"{name}: {e}")
-                log.warning("subscriber %s: %s to publisher rank %d failed (%s); trying %s",
-                            self.name, name, rank, e, options[i + 1][0])
+                log.warning(
+                    "subscriber %s: %s to publisher rank %d failed (%s); trying %s",
+                    self.name,
+                    name,
+                    rank,
+                    e,
+                    options[i + 1][0],
+                )
                 continue
             if tried:
                 reason = f"{reason}; after {'; '.join(tried)}"
@@ -396,8 +445,9 @@ class Subscriber(Closeable):
             if self._wrapper is not None:
                 t = self._wrapper(t)
             self._transports[name] = t
-            self._local_regions[name] = [t.register(address(b), int(b.numel()), device=self._device)
-                                         for b in self._dest]
+            self._local_regions[name] = [
+                t.register(address(b), int(b.numel()), device=self._device) for b in self._dest
+            ]
         return t
 
     def _verify(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
@@ -406,10 +456,16 @@ class Subscriber(Closeable):
             key = self.keys.sums(rec.v, src.rank)
             sums = open_sealed(self.token, key, self._store.wait(key, max(0.0, deadline - time.monotonic())))
             if sums.get("algo") != _checksum.ALGO:
-                raise IntegrityError(f"publisher rank {src.rank} uses checksum {sums.get('algo')}, "
-                                     f"this subscriber {_checksum.ALGO}")
-            _checksum.verify_reads(src.batch, sums, self._dest, self._fetch_chunk(src, rec.slot, deadline),
-                                   where=f"publisher rank {src.rank}, version {rec.v}")
+                raise IntegrityError(
+                    f"publisher rank {src.rank} uses checksum {sums.get('algo')}, this subscriber {_checksum.ALGO}"
+                )
+            _checksum.verify_reads(
+                src.batch,
+                sums,
+                self._dest,
+                self._fetch_chunk(src, rec.slot, deadline),
+                where=f"publisher rank {src.rank}, version {rec.v}",
+            )
 
     def _fetch_chunk(self, src: _Source, slot: int, deadline: float):
         t = self._transports[src.transport]
@@ -426,6 +482,7 @@ class Subscriber(Closeable):
             finally:
                 t.deregister(local)
             return scratch.numpy()
+
         return fetch
 
     # ------------------------------------------------------------------------------------------
@@ -477,12 +534,15 @@ class Subscriber(Closeable):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self._layout else "new")
-        return (f"Subscriber({self.channel!r}, id={self._id}, version={self.version}, "
-                f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})")
+        return (
+            f"Subscriber({self.channel!r}, id={self._id}, version={self.version}, "
+            f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})"
+        )
 
 
-def _commit_pairs(plan: Plan, layout: RankLayout, live: Mapping[str, Any], private: Any,
-                  device: str) -> list[tuple[Any, Any]]:
+def _commit_pairs(
+    plan: Plan, layout: RankLayout, live: Mapping[str, Any], private: Any, device: str
+) -> list[tuple[Any, Any]]:
     """Staged mode: (live slice, private slice) views of every mapped byte range, built once per plan."""
     if len(plan) == 0:
         return []
@@ -498,7 +558,7 @@ def _commit_pairs(plan: Plan, layout: RankLayout, live: Mapping[str, Any], priva
     m_off = offs[idx]
     m_end = np.maximum.reduceat(ends, idx)
     out = []
-    tensors = sorted(((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors))
+    tensors = sorted((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors)
     bounds = np.array([t[0] for t in tensors])
     views = {name: byte_view(t) for name, t in live.items()}
     for a, b in zip(m_off.tolist(), m_end.tolist()):
@@ -506,7 +566,7 @@ def _commit_pairs(plan: Plan, layout: RankLayout, live: Mapping[str, Any], priva
             k = int(np.searchsorted(bounds, a, side="right")) - 1
             lo, hi, name = tensors[k]
             n = min(b, hi) - a
-            dst, src = views[name][a - lo:a - lo + n], private[a:a + n]
+            dst, src = views[name][a - lo : a - lo + n], private[a : a + n]
             out.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
             a += n
     return out

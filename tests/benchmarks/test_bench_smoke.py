@@ -4,6 +4,7 @@ real store, real transports, gloo baselines) and must end with its summary line.
 Each run checks every pull bit for bit inside the benchmark and exits non-zero on a mismatch, so a
 zero exit status plus the last line is the whole contract checked here.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ RATIO = r"(?:[0-9]+\.[0-9]{2}|inf|n/a)"
 
 def run_benchmark(script: str, *args: str, timeout: float) -> list[str]:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--quiet", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quiet", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
     lines = proc.stdout.strip().splitlines()
     assert lines, f"{script} printed nothing; stderr:\n{proc.stderr[-2000:]}"
@@ -29,12 +36,29 @@ def run_benchmark(script: str, *args: str, timeout: float) -> list[str]:
 
 @pytest.mark.timeout(150)
 def test_update_e2e_tiny_prints_summary_line() -> None:
-    lines = run_benchmark("update_e2e.py", "--model", "tiny", "--versions", "1", "--warmup", "1",
-                          "--staged", "none", "--no-baseline-b", "--bench-repeat", "1", "--timeout", "60",
-                          timeout=140)
+    lines = run_benchmark(
+        "update_e2e.py",
+        "--model",
+        "tiny",
+        "--versions",
+        "1",
+        "--warmup",
+        "1",
+        "--staged",
+        "none",
+        "--no-baseline-b",
+        "--bench-repeat",
+        "1",
+        "--timeout",
+        "60",
+        timeout=140,
+    )
     last = lines[-1]
-    assert re.fullmatch(rf"update_e2e: local_vs_gather_bcast={RATIO} tcp_vs_gather_bcast={RATIO} "
-                        rf"efficiency={RATIO} rss_ratio={RATIO}", last), last
+    assert re.fullmatch(
+        rf"update_e2e: local_vs_gather_bcast={RATIO} tcp_vs_gather_bcast={RATIO} "
+        rf"efficiency={RATIO} rss_ratio={RATIO}",
+        last,
+    ), last
     # the table names every method that ran, each with a finite time
     table = "\n".join(lines)
     for method in ("wbridge-tcp", "wbridge-local", "gather-bcast"):
@@ -43,10 +67,25 @@ def test_update_e2e_tiny_prints_summary_line() -> None:
 
 @pytest.mark.timeout(150)
 def test_stall_tiny_prints_summary_line() -> None:
-    lines = run_benchmark("stall.py", "--model", "tiny", "--steps", "2", "--train-s", "0.2", "--gen-s", "0.2",
-                          "--timeout", "60", timeout=140)
+    lines = run_benchmark(
+        "stall.py",
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--train-s",
+        "0.2",
+        "--gen-s",
+        "0.2",
+        "--timeout",
+        "60",
+        timeout=140,
+    )
     last = lines[-1]
-    assert re.fullmatch(rf"stall: async_vs_baseline={RATIO} one_step_off_vs_baseline={RATIO} "
-                        rf"sync_vs_baseline={RATIO}", last), last
+    assert re.fullmatch(
+        rf"stall: async_vs_baseline={RATIO} one_step_off_vs_baseline={RATIO} "
+        rf"sync_vs_baseline={RATIO}",
+        last,
+    ), last
     for mode in ("gather-bcast", "sync", "one_step_off", "async"):
         assert re.search(rf"^\s*{mode}\s+[0-9.]+\s", "\n".join(lines), re.M), lines

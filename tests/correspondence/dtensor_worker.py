@@ -2,6 +2,7 @@
 runs ``from_dtensor`` and writes its entries (local arrays + declarations) and, on rank 0, the
 full tensors to ``OUT/rank{r}.pt``. Run as ``python dtensor_worker.py RANK WORLD PORT OUT MODEL``.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,15 @@ def tiny_qwen2(hf: bool) -> torch.nn.Module:
     if hf:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        cfg = Qwen2Config(vocab_size=131, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)
+        cfg = Qwen2Config(
+            vocab_size=131,
+            hidden_size=128,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+        )
         return Qwen2ForCausalLM(cfg).float()
     nn = torch.nn
     H, I, V, hd = 128, 96, 131, 32
@@ -75,35 +83,47 @@ def tiny_qwen2(hf: bool) -> torch.nn.Module:
 
 
 TP_PLAN = {
-    "self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
-    "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row",
+    "self_attn.q_proj": "col",
+    "self_attn.k_proj": "col",
+    "self_attn.v_proj": "col",
+    "self_attn.o_proj": "row",
+    "mlp.gate_proj": "col",
+    "mlp.up_proj": "col",
+    "mlp.down_proj": "row",
 }
 
 
 def apply_tp(model: torch.nn.Module, tp_mesh) -> None:
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {}
     for i, _ in enumerate(model.model.layers):
         for k, v in TP_PLAN.items():
             plan[f"model.layers.{i}.{k}"] = ColwiseParallel() if v == "col" else RowwiseParallel()
-    plan["model.embed_tokens"] = RowwiseParallel()     # vocab-parallel embedding: Shard(0)
+    plan["model.embed_tokens"] = RowwiseParallel()  # vocab-parallel embedding: Shard(0)
     plan["lm_head"] = ColwiseParallel()
     parallelize_module(model, tp_mesh, plan)
 
 
 def dump(entries, full, path) -> None:
-    torch.save({
-        "entries": {k: (t.detach().clone(), decl_to_dict(d)) for k, (t, d) in entries.items()},
-        "full": full,
-    }, path)
+    torch.save(
+        {
+            "entries": {k: (t.detach().clone(), decl_to_dict(d)) for k, (t, d) in entries.items()},
+            "full": full,
+        },
+        path,
+    )
 
 
 def main() -> None:
     rank, world, port, out, model_kind = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -2,6 +2,7 @@
 stacked experts, padded vocabulary), written the way vLLM's layers load checkpoints: each
 parameter carries a ``weight_loader`` that narrows the full Hugging Face tensor and copies.
 They stand in for an engine's model where running the engine itself is not the point."""
+
 from __future__ import annotations
 
 import torch
@@ -61,7 +62,7 @@ class Col(nn.Module):
     def load(self, param, w, shard=None):
         start = self.rank * self.n
         size = max(0, min(self.n, w.shape[self.dim] - start))
-        if size:          # a rank past the real vocabulary holds padding only
+        if size:  # a rank past the real vocabulary holds padding only
             param.data.narrow(self.dim, 0, size).copy_(w.narrow(self.dim, start, size))
 
 
@@ -79,7 +80,7 @@ class Experts(nn.Module):
 
     def __init__(self, n_experts, hidden, inter, expert_map, meta=False):
         super().__init__()
-        self.expert_map = list(expert_map)          # local slot -> global expert
+        self.expert_map = list(expert_map)  # local slot -> global expert
         self.inter = inter
         self.w13_weight = _p(len(self.expert_map), 2 * inter, hidden, meta=meta)
         self.w2_weight = _p(len(self.expert_map), hidden, inter, meta=meta)
@@ -126,9 +127,21 @@ class VllmStyleModel(nn.Module):
         E = cfg.get("experts", 0)
         self.expert_map = list(range(rank * E // ep, (rank + 1) * E // ep)) if E else []
         first_moe = cfg.get("first_moe", 0)
-        self.model.layers = nn.ModuleList([
-            Layer(cfg, tp, rank, bool(E) and i >= first_moe, self.expert_map, meta, qkv_order, cfg.get("qkv_bias", False))
-            for i in range(cfg["layers"])])
+        self.model.layers = nn.ModuleList(
+            [
+                Layer(
+                    cfg,
+                    tp,
+                    rank,
+                    bool(E) and i >= first_moe,
+                    self.expert_map,
+                    meta,
+                    qkv_order,
+                    cfg.get("qkv_bias", False),
+                )
+                for i in range(cfg["layers"])
+            ]
+        )
         self.model.norm = Norm(H, meta)
         self.lm_head = Col(V, H, tp, rank, 0, meta, pad_to=pad)
 

@@ -6,10 +6,12 @@ all source ranks (and proves every element is covered); ``scatter`` writes canon
 destination entries that were garbage-filled first, and ``check_written`` proves every mapped
 destination element was written.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +35,8 @@ def piece_view(flat: np.ndarray, p: Piece) -> np.ndarray:
     """The elements of local flat array ``flat`` that piece ``p`` covers, shaped as its box."""
     item = flat.itemsize
     return np.lib.stride_tricks.as_strided(
-        flat[p.offset:], shape=p.box.sizes, strides=tuple(s * item for s in p.strides), writeable=True)
+        flat[p.offset :], shape=p.box.sizes, strides=tuple(s * item for s in p.strides), writeable=True
+    )
 
 
 def canonical_view(full: np.ndarray, p: Piece) -> np.ndarray:
@@ -52,14 +55,16 @@ def check_entries(entries: Mapping[str, tuple[Any, Any]], full: Mapping[str, Any
         for p in pieces_of(name, local, decl):
             want = canonical_view(to_numpy(full[p.tensor]), p)
             got = piece_view(flat, p)
-            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (
                 f"{name}: piece of {p.tensor} at {p.box} differs"
+            )
             n += p.box.numel
     return n
 
 
-def assemble(per_rank: Iterable[Mapping[str, tuple[Any, Any]]], shapes: Mapping[str, tuple],
-             dtype) -> dict[str, np.ndarray]:
+def assemble(
+    per_rank: Iterable[Mapping[str, tuple[Any, Any]]], shapes: Mapping[str, tuple], dtype
+) -> dict[str, np.ndarray]:
     """Canonical tensors rebuilt from source entries; asserts full coverage and agreeing replicas."""
     out = {k: np.zeros(s, dtype=dtype) for k, s in shapes.items()}
     seen = {k: np.zeros(s, dtype=np.int32) for k, s in shapes.items()}
@@ -108,8 +113,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, world: int, extra: list[str], timeout: float, python: str | None = None,
-              env: dict | None = None) -> None:
+def run_ranks(
+    script: str, world: int, extra: list[str], timeout: float, python: str | None = None, env: dict | None = None
+) -> None:
     """Runs ``world`` processes of ``script RANK WORLD PORT *extra``; kills all on timeout or failure."""
     import os
     import subprocess
@@ -119,9 +125,15 @@ def run_ranks(script: str, world: int, extra: list[str], timeout: float, python:
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     penv = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
-    procs = [subprocess.Popen([python or sys.executable, script, str(r), str(world), str(port), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=penv)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [python or sys.executable, script, str(r), str(world), str(port), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=penv,
+        )
+        for r in range(world)
+    ]
     deadline = time.monotonic() + timeout
     outs = []
     try:
@@ -134,7 +146,7 @@ def run_ranks(script: str, world: int, extra: list[str], timeout: float, python:
             p.kill()
         for p in procs:
             p.wait(timeout=10)
-        raise AssertionError(f"{script}: ranks did not finish within {timeout}s")
+        raise AssertionError(f"{script}: ranks did not finish within {timeout}s") from None
     bad = [(r, p.returncode, outs[r][-3000:]) for r, p in enumerate(procs) if p.returncode != 0]
     assert not bad, f"{script}: ranks failed: {bad}"
 
@@ -162,7 +174,7 @@ def plan_transfer(sources: list[Mapping[str, tuple[Any, Any]]], dests: list[Mapp
         lay = b.build()
         buf = np.zeros(lay.region_sizes[0] if lay.region_sizes else 0, dtype=np.uint8)
         for lt, (t, _) in zip(lay.tensors, entries.values()):
-            buf[lt.offset:lt.offset + lt.nbytes] = to_numpy(t).reshape(-1).view(np.uint8)
+            buf[lt.offset : lt.offset + lt.nbytes] = to_numpy(t).reshape(-1).view(np.uint8)
         src_layouts.append(lay)
         src_regions[r] = [buf]
     dst_layouts, dst_regions = [], []

@@ -8,6 +8,7 @@ Prints one JSON line per rank: trace and expansion time, peak RSS, tensors, piec
 ``--check`` also verifies, over all 8 ranks, that every canonical element is held by exactly the
 expected number of ranks (1 for TP/EP-split tensors, 8 for replicated ones).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from engines import DeepseekStyleModel, deepseek_shapes  # noqa: E402
+
 from planner.layout import pieces_for  # noqa: E402
 from wbridge.integrations.trace import expand_experts, expand_layers, trace_load_weights, with_shapes  # noqa: E402
 
@@ -33,14 +35,17 @@ def kimi_config() -> dict:
         return json.load(f)["kimi-k2"]
 
 
-def extract(cfg: dict, rank: int, tp: int = 8, ep: int = 8, per_rank_traced: int = 2,
-            max_group_bytes: int = 1 << 30):
+def extract(cfg: dict, rank: int, tp: int = 8, ep: int = 8, per_rank_traced: int = 2, max_group_bytes: int = 1 << 30):
     E_small = per_rank_traced * ep
     dense = cfg["first_k_dense_replace"]
     t0 = time.perf_counter()
     small = DeepseekStyleModel(cfg, tp=tp, rank=rank, ep=ep, meta=True, layers=dense + 1, experts=E_small)
-    traced = trace_load_weights(small, small.load_weights, deepseek_shapes(cfg, layers=dense + 1, experts=E_small),
-                                max_group_bytes=max_group_bytes)
+    traced = trace_load_weights(
+        small,
+        small.load_weights,
+        deepseek_shapes(cfg, layers=dense + 1, experts=E_small),
+        max_group_bytes=max_group_bytes,
+    )
     t1 = time.perf_counter()
     E = cfg["n_routed_experts"]
     full_map = list(range(rank * E // ep, (rank + 1) * E // ep))
@@ -64,23 +69,34 @@ def main() -> None:
     held: dict[str, int] = {}
     for rank in ranks:
         traced, res, t_trace, t_expand = extract(cfg, rank)
-        big = DeepseekStyleModel(cfg, tp=8, rank=rank, ep=8, meta=True)   # meta: shapes only
+        big = DeepseekStyleModel(cfg, tp=8, rank=rank, ep=8, meta=True)  # meta: shapes only
         params = dict(big.named_parameters())
         n_pieces = 0
         mapped = 0
         for name, items in res.entries.items():
             shape = tuple(params[name].shape)
             for view, decl in items:
-                for p in pieces_for(name, decl, shape[len(view):]):
+                for p in pieces_for(name, decl, shape[len(view) :]):
                     n_pieces += 1
                     mapped += p.box.numel
                     held[p.tensor] = held.get(p.tensor, 0) + p.box.numel
-        print(json.dumps({
-            "rank": rank, "trace_s": round(t_trace, 2), "expand_s": round(t_expand, 2),
-            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-            "traced_params": len(traced.entries), "params": len(res.entries), "pieces": n_pieces,
-            "mapped_params_b": round(mapped / 1e9, 2), "model_params_b": round(total / 1e9, 1),
-            "mapped_bf16_gib": round(2 * mapped / 2**30, 1)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "trace_s": round(t_trace, 2),
+                    "expand_s": round(t_expand, 2),
+                    "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+                    "traced_params": len(traced.entries),
+                    "params": len(res.entries),
+                    "pieces": n_pieces,
+                    "mapped_params_b": round(mapped / 1e9, 2),
+                    "model_params_b": round(total / 1e9, 1),
+                    "mapped_bf16_gib": round(2 * mapped / 2**30, 1),
+                }
+            ),
+            flush=True,
+        )
     if args.check:
         bad = {}
         for name, shape in shapes.items():

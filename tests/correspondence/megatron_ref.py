@@ -1,5 +1,6 @@
 """Megatron-core tensors built from full Hugging Face tensors by Megatron's own conventions,
 written independently of ``wbridge.integrations.megatron`` (reshape/cat/chunk), so tests compare two codes."""
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ def megatron_rank_tensors(full, cfg, tp_rank, tp, ep_rank=0, ep=1, divisible_by=
     padded = -(-V // (divisible_by * tp)) * divisible_by * tp
 
     def vocab(w):
-        p = torch.full((padded, H), float("nan"), dtype=w.dtype)   # padding rows: never read
+        p = torch.full((padded, H), float("nan"), dtype=w.dtype)  # padding rows: never read
         p[:V] = w
         return p.chunk(tp)[tp_rank].clone()
 
@@ -41,7 +42,9 @@ def megatron_rank_tensors(full, cfg, tp_rank, tp, ep_rank=0, ep=1, divisible_by=
             for jj, e in enumerate(range(ep_rank * E // ep, (ep_rank + 1) * E // ep)):
                 x = h + f"mlp.experts.{e}."
                 y = m + f"mlp.experts.local_experts.{jj}."
-                out[y + "linear_fc1.weight"] = torch.cat([full[x + "gate_proj.weight"], full[x + "up_proj.weight"]]).clone()
+                out[y + "linear_fc1.weight"] = torch.cat(
+                    [full[x + "gate_proj.weight"], full[x + "up_proj.weight"]]
+                ).clone()
                 out[y + "linear_fc2.weight"] = full[x + "down_proj.weight"].clone()
         else:
             g = full[h + "mlp.gate_proj.weight"].chunk(tp)[tp_rank]
@@ -56,8 +59,21 @@ def megatron_config(cfg, tp_rank, tp, ep_rank=0, ep=1, pp_rank=0, pp=1):
     from wbridge.integrations.megatron import MegatronGPT
 
     E = cfg.get("experts", 0)
-    return MegatronGPT(hidden=cfg["hidden"], num_layers=cfg["layers"], num_heads=cfg["heads"],
-                       num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"], ffn=cfg["inter"],
-                       vocab=cfg["vocab"], tp_rank=tp_rank, tp_size=tp, pp_rank=pp_rank, pp_size=pp,
-                       ep_rank=ep_rank, ep_size=ep, num_experts=E, moe_ffn=cfg.get("moe_inter", 0),
-                       moe_layers=tuple(range(cfg.get("first_moe", 0), cfg["layers"])) if E else None)
+    return MegatronGPT(
+        hidden=cfg["hidden"],
+        num_layers=cfg["layers"],
+        num_heads=cfg["heads"],
+        num_kv_heads=cfg["kv_heads"],
+        head_dim=cfg["head_dim"],
+        ffn=cfg["inter"],
+        vocab=cfg["vocab"],
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_rank=pp_rank,
+        pp_size=pp,
+        ep_rank=ep_rank,
+        ep_size=ep,
+        num_experts=E,
+        moe_ffn=cfg.get("moe_inter", 0),
+        moe_layers=tuple(range(cfg.get("first_moe", 0), cfg["layers"])) if E else None,
+    )

@@ -4,6 +4,7 @@
 Publishes ``VERSIONS`` versions (weights of version v: seed v), each after OUT/want{v} appears,
 and exits when OUT/done appears (bounded waits).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,13 +32,27 @@ def main() -> None:
     from tests.correspondence.test_trace import MOE, full_weights
     from wbridge import Publisher
 
-    rank, world, port, out, tp, ep, versions = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
-                                                sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
+    rank, world, port, out, tp, ep, versions = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        int(sys.argv[5]),
+        int(sys.argv[6]),
+        int(sys.argv[7]),
+    )
     tr, er = rank % tp, rank // tp
     tensors = megatron_rank_tensors(full_weights(MOE, seed=1), MOE, tr, tp, er, ep)
     entries = megatron_config(MOE, tr, tp, er, ep).entries(tensors)
-    with Publisher("corr", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, host_store=rank == 0,
-                   token=TOKEN, transport="tcp") as pub:
+    with Publisher(
+        "corr",
+        f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        host_store=rank == 0,
+        token=TOKEN,
+        transport="tcp",
+    ) as pub:
         pub.register(entries)
         for v in range(1, versions + 1):
             wait_for(os.path.join(out, f"want{v}"), 120)

@@ -1,4 +1,5 @@
 """``from_dtensor`` on real DTensors: 4 gloo processes, FSDP2, FSDP2 x TP, raw placements."""
+
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from planner.layout import Fused, Shard
+from planner.layout import Fused
 from wbridge.protocol.declarations import decl_from_dict
 
 from .helpers import assemble, check_entries, run_ranks, scatter, to_numpy
@@ -115,7 +116,7 @@ def test_raw_placements(dumps):
 @pytest.mark.timeout(200)
 def test_dtensor_to_fused_rollout(dumps):
     """Pairing: FSDP2 x TP trainer -> a TP=2 rollout with fused qkv/gate_up (kv heads replicated)."""
-    from wbridge.integrations.megatron import qkv_fused, gate_up_fused
+    from wbridge.integrations.megatron import gate_up_fused, qkv_fused
 
     ranks = _load(dumps, "fsdp_tp")
     full = ranks[0][1]
@@ -126,21 +127,34 @@ def test_dtensor_to_fused_rollout(dumps):
         qkv = np.full((64 + 32 + 32, 128), np.nan, np.float32)
         gu = np.full((96, 128), np.nan, np.float32)
         entries = {
-            "qkv": (qkv, qkv_fused(p + "self_attn.{}_proj.weight", hidden=128, num_heads=4,
-                                    num_kv_heads=1, head_dim=32, tp_rank=tp_rank, tp_size=2)),
-            "gate_up": (gu, gate_up_fused(p + "mlp.{}_proj.weight", hidden=128, intermediate=96,
-                                          tp_rank=tp_rank, tp_size=2)),
+            "qkv": (
+                qkv,
+                qkv_fused(
+                    p + "self_attn.{}_proj.weight",
+                    hidden=128,
+                    num_heads=4,
+                    num_kv_heads=1,
+                    head_dim=32,
+                    tp_rank=tp_rank,
+                    tp_size=2,
+                ),
+            ),
+            "gate_up": (
+                gu,
+                gate_up_fused(p + "mlp.{}_proj.weight", hidden=128, intermediate=96, tp_rank=tp_rank, tp_size=2),
+            ),
         }
         scatter(entries, canon)
         q = to_numpy(full[p + "self_attn.q_proj.weight"])
         k = to_numpy(full[p + "self_attn.k_proj.weight"])
         v = to_numpy(full[p + "self_attn.v_proj.weight"])
-        want = np.concatenate([q[64 * tp_rank:64 * (tp_rank + 1)], k, v])
+        want = np.concatenate([q[64 * tp_rank : 64 * (tp_rank + 1)], k, v])
         assert np.array_equal(qkv, want)
         g = to_numpy(full[p + "mlp.gate_proj.weight"])
         u = to_numpy(full[p + "mlp.up_proj.weight"])
-        assert np.array_equal(gu, np.concatenate([g[48 * tp_rank:48 * (tp_rank + 1)],
-                                                  u[48 * tp_rank:48 * (tp_rank + 1)]]))
+        assert np.array_equal(
+            gu, np.concatenate([g[48 * tp_rank : 48 * (tp_rank + 1)], u[48 * tp_rank : 48 * (tp_rank + 1)]])
+        )
 
 
 @pytest.mark.timeout(200)

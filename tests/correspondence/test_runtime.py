@@ -2,6 +2,7 @@
 replicated on both ranks) in two processes, rollout subscribers whose layouts are traced from a
 vLLM-style loader (TP=2 x EP=2, fused qkv/gate_up, stacked experts, padded vocabulary) pulling
 over TCP; garbage-filled before each pull, bit-exact against the engine's own load_weights."""
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from wbridge import Subscriber
 from wbridge.integrations.trace import trace_load_weights
@@ -28,21 +28,36 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 def test_megatron_publishers_to_traced_vllm_style_subscribers(tmp_path):
     port, world, versions = free_port(), 2, 2
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "runtime_roles.py"), str(r), str(world), str(port),
-                               str(tmp_path), "1", "2", str(versions)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "runtime_roles.py"),
+                str(r),
+                str(world),
+                str(port),
+                str(tmp_path),
+                "1",
+                "2",
+                str(versions),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
     subs = []
     try:
         rollouts = []
         for r in range(2):
             m = VllmStyleModel(MOE, tp=2, rank=r, ep=2)
             entries = trace_load_weights(m, m.load_weights, hf_shapes(MOE)).bind(m)
-            sub = Subscriber("corr", f"tcp://127.0.0.1:{port}", token="corr-token", transport="tcp",
-                             connect_timeout=60)
+            sub = Subscriber("corr", f"tcp://127.0.0.1:{port}", token="corr-token", transport="tcp", connect_timeout=60)
             subs.append(sub)
             rollouts.append((m, entries))
         deadline = time.monotonic() + 60
-        while True:     # the store is up once rank 0's publisher exists
+        while True:  # the store is up once rank 0's publisher exists
             try:
                 for sub, (_, entries) in zip(subs, rollouts):
                     sub.register(entries)
@@ -53,7 +68,7 @@ def test_megatron_publishers_to_traced_vllm_style_subscribers(tmp_path):
                 time.sleep(0.2)
         for v in range(1, versions + 1):
             open(tmp_path / f"want{v}", "w").close()
-            for r, (sub, (m, entries)) in enumerate(zip(subs, rollouts)):
+            for r, (sub, (_m, entries)) in enumerate(zip(subs, rollouts)):
                 garbage_fill(entries)
                 got = sub.pull(min_version=v, timeout=60.0)
                 assert got >= v

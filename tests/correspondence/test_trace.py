@@ -1,5 +1,6 @@
 """Rollout layouts traced from vLLM-style loaders; trainer layouts from the Megatron helpers;
 bit-exact transfers between them through the planner; failing checks that name the parameter."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ import torch
 from planner.layout import Fused, Shard, Stack
 from wbridge.errors import LayoutError
 from wbridge.integrations.megatron import qkv_fused
-from wbridge.integrations.trace import (TraceResult, cache_key, cached_trace, check_declarations, expand_experts,
-                           expand_layers, trace_load_weights, with_shapes)
+from wbridge.integrations.trace import (
+    TraceResult,
+    cache_key,
+    cached_trace,
+    check_declarations,
+    expand_experts,
+    expand_layers,
+    trace_load_weights,
+    with_shapes,
+)
 
 from .engines import VllmStyleModel, hf_shapes
 from .helpers import check_entries, plan_transfer, to_numpy
@@ -56,8 +65,20 @@ def assert_same_params(a, b):
 def test_traced_declarations_dense():
     _, r = rollout_entries(DENSE_GQA1, tp=2, rank=1)
     qkv = r.entries["model.layers.0.self_attn.qkv_proj.weight"]
-    assert qkv == (((), qkv_fused("model.layers.0.self_attn.{}_proj.weight", hidden=64, num_heads=4,
-                                  num_kv_heads=1, head_dim=16, tp_rank=1, tp_size=2)),)
+    assert qkv == (
+        (
+            (),
+            qkv_fused(
+                "model.layers.0.self_attn.{}_proj.weight",
+                hidden=64,
+                num_heads=4,
+                num_kv_heads=1,
+                head_dim=16,
+                tp_rank=1,
+                tp_size=2,
+            ),
+        ),
+    )
     emb = r.entries["model.embed_tokens.weight"][0][1]
     # 131 rows padded to 64 * tp = 256: rank 1 holds rows 128..255, of which 3 are real.
     assert emb == Shard("model.embed_tokens.weight", (131, 64), (128, 0), padded=True)
@@ -66,13 +87,12 @@ def test_traced_declarations_dense():
     assert set(r.entries) == {n for n, _ in VllmStyleModel(DENSE_GQA1, tp=2, rank=1).named_parameters()}
 
 
-@pytest.mark.parametrize("cfg,tp,ep", [(DENSE, 2, 1), (DENSE_GQA1, 2, 1), (MOE, 2, 2)],
-                         ids=["dense", "gqa1", "moe"])
+@pytest.mark.parametrize("cfg,tp,ep", [(DENSE, 2, 1), (DENSE_GQA1, 2, 1), (MOE, 2, 2)], ids=["dense", "gqa1", "moe"])
 @pytest.mark.timeout(120)
 def test_megatron_trainer_to_traced_rollout(cfg, tp, ep):
     """Megatron TP=2 (EP=2 for experts) trainer -> traced vLLM-style rollout at TP=2 (and TP=1)."""
     full = full_weights(cfg)
-    kv_tp = min(tp, cfg["kv_heads"])        # Megatron needs query groups divisible by TP
+    kv_tp = min(tp, cfg["kv_heads"])  # Megatron needs query groups divisible by TP
     mtp = kv_tp
     sources = []
     for r in range(mtp * ep):
@@ -89,9 +109,9 @@ def test_megatron_trainer_to_traced_rollout(cfg, tp, ep):
             ref = reference_engine(cfg, full, tp=rtp, rank=r, ep=rtp if cfg.get("experts") else 1)
             for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
                 lay = rollouts[r][1].unmapped.get(n)
-                if lay:   # vocabulary padding: compare only the mapped rows
+                if lay:  # vocabulary padding: compare only the mapped rows
                     rows = min(p.shape[0], cfg["vocab"] - r * p.shape[0])
-                    p, q = p[:max(rows, 0)], q[:max(rows, 0)]
+                    p, q = p[: max(rows, 0)], q[: max(rows, 0)]
                 assert torch.equal(p, q), f"rank {r}: {n}"
 
 
@@ -103,8 +123,9 @@ def test_megatron_pp_stage_and_padding():
         entries = megatron_config(cfg, 1, 2, pp_rank=pp_rank, pp=2).entries(t)
         assert check_entries(entries, full) > 0
         names = {s.name for _, d in entries.values() for s in ([d] if isinstance(d, Shard) else d.parts)}
-        assert all(f"layers.{2 * pp_rank}." in n or f"layers.{2 * pp_rank + 1}." in n or "layers" not in n
-                   for n in names)
+        assert all(
+            f"layers.{2 * pp_rank}." in n or f"layers.{2 * pp_rank + 1}." in n or "layers" not in n for n in names
+        )
     # Megatron pads the vocabulary to 128 * tp = 256 rows: rank 1 holds rows 128..255, only 3 real.
     shape, decl = megatron_config(cfg, 1, 2).params()["embedding.word_embeddings.weight"]
     assert shape == (128, 64) and decl == Shard("model.embed_tokens.weight", (131, 64), (128, 0), padded=True)
@@ -116,12 +137,22 @@ def test_megatron_pp_stage_and_padding():
 
 # --- failing checks -------------------------------------------------------------------------
 
+
 def test_wrong_fusion_order_is_reported():
     m = VllmStyleModel(DENSE, tp=2, rank=0, qkv_order="kqv")
     traced = trace_load_weights(m, m.load_weights, hf_shapes(DENSE))
-    declared = {f"model.layers.{i}.self_attn.qkv_proj.weight": qkv_fused(
-        f"model.layers.{i}.self_attn.{{}}_proj.weight", hidden=64, num_heads=4, num_kv_heads=2,
-        head_dim=16, tp_rank=0, tp_size=2) for i in range(2)}
+    declared = {
+        f"model.layers.{i}.self_attn.qkv_proj.weight": qkv_fused(
+            f"model.layers.{i}.self_attn.{{}}_proj.weight",
+            hidden=64,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            tp_rank=0,
+            tp_size=2,
+        )
+        for i in range(2)
+    }
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     with pytest.raises(LayoutError, match=r"model\.layers\.0\.self_attn\.qkv_proj\.weight: declared layout differs"):
         check_declarations(declared, traced, shapes)
@@ -150,10 +181,11 @@ def test_permutation_is_reported():
 
     def transposing(weights):
         inner((n, w.t().contiguous().t() if "o_proj" not in n else w) for n, w in weights)
-        with torch.no_grad():   # a loader that stores o_proj rows in reverse order
+        with torch.no_grad():  # a loader that stores o_proj rows in reverse order
             for i in range(2):
                 p = m.model.layers[i].self_attn.o_proj.weight
                 p.data.copy_(p.data.flip(0))
+
     with pytest.raises(LayoutError, match=r"model\.layers\.0\.self_attn\.o_proj\.weight: the loader reorders"):
         trace_load_weights(m, transposing, hf_shapes(DENSE))
 
@@ -167,6 +199,7 @@ def test_loader_error_is_wrapped():
 
 
 # --- caching and replication by pattern ---------------------------------------------------------
+
 
 def test_json_cache_roundtrip(tmp_path):
     m = VllmStyleModel(MOE, tp=2, rank=1, ep=2)
@@ -187,7 +220,7 @@ def test_json_cache_roundtrip(tmp_path):
 
 def test_expand_layers_and_experts_match_full_trace():
     big = dict(MOE, layers=5, experts=8)
-    small = dict(MOE, layers=2, experts=4)          # layer 0 dense, layer 1 MoE; 2 experts per rank
+    small = dict(MOE, layers=2, experts=4)  # layer 0 dense, layer 1 MoE; 2 experts per rank
     for rank in range(2):
         ms = VllmStyleModel(small, tp=2, rank=rank, ep=2)
         rs = trace_load_weights(ms, ms.load_weights, hf_shapes(small))
@@ -220,7 +253,7 @@ def test_groups_and_parking_leave_real_weights_alone():
     assert grouped.entries == whole.entries and grouped.unmapped == whole.unmapped
     part = trace_load_weights(m, m.load_weights, hf_shapes(MOE), params=["model.norm.weight"])
     assert list(part.entries) == ["model.norm.weight"]
-    for n, p in m.named_parameters():       # placeholders never reached the real weights
+    for n, p in m.named_parameters():  # placeholders never reached the real weights
         assert torch.equal(p, before[n]) and p.dtype == torch.float32, n
 
 
@@ -229,10 +262,22 @@ def test_deepseek_style_replication_matches_full_trace():
     a two-layer, two-experts-per-rank trace expanded by name pattern equals the full trace."""
     from .engines import DeepseekStyleModel, deepseek_shapes
 
-    c = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
-             num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
-             num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-             qk_rope_head_dim=8, v_head_dim=16)
+    c = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    )
     tp = ep = 4
     for rank in (0, 3):
         small = DeepseekStyleModel(c, tp=tp, rank=rank, ep=ep, layers=2, experts=2 * ep)

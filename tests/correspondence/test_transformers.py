@@ -1,6 +1,7 @@
 """Hugging Face transformers models as trainers and rollout workers (TP=1): a tiny random Qwen2
 (GQA, 1 kv head) and a tiny Qwen3-MoE (experts fused by transformers 5 into [E, 2I, H]), built
 from configs (no hub). Layouts are traced through transformers' own checkpoint conversion."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,15 @@ def qwen2(seed):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=131, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=131,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg).float()
 
 
@@ -30,9 +38,19 @@ def qwen3_moe(seed):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=131, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=131,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     return Qwen3MoeForCausalLM(cfg).float()
 
 
@@ -49,9 +67,11 @@ def test_qwen3_moe_trainer_to_qwen3_moe_rollout():
     _perturb(trainer)
     res = trace(rollout)
     gu = res.entries["model.layers.0.mlp.experts.gate_up_proj"]
-    assert [v for v, _ in gu] == [(0,), (1,), (2,), (3,)]          # [gate_e; up_e] per expert view
-    assert [s.name for s in gu[2][1].parts] == ["model.layers.0.mlp.experts.2.gate_proj.weight",
-                                                 "model.layers.0.mlp.experts.2.up_proj.weight"]
+    assert [v for v, _ in gu] == [(0,), (1,), (2,), (3,)]  # [gate_e; up_e] per expert view
+    assert [s.name for s in gu[2][1].parts] == [
+        "model.layers.0.mlp.experts.2.gate_proj.weight",
+        "model.layers.0.mlp.experts.2.up_proj.weight",
+    ]
     assert set(checkpoint_shapes(rollout)) == res.canonical_names()
     src, dst = entries(trainer), res.bind(rollout)
     plan_transfer([src], [dst])
@@ -94,7 +114,7 @@ def test_qwen2_rollout_from_module_matches_trace():
 
     assert set(plain) == set(traced.entries)
     for n, (t, d) in plain.items():
-        (view, td), = traced.entries[n]
+        ((view, td),) = traced.entries[n]
         assert view == () and pieces_for(n, d, t.shape) == pieces_for(n, td, t.shape), n
     rollout = qwen2(3)
     plan_transfer([plain], [from_module(rollout)])

@@ -9,16 +9,16 @@ trainer's weights fused the vLLM way, bit for bit; every tensor the engine expos
 second engine's. The MoE test drives the same pull through vLLM's own weight-transfer API
 (``WeightTransferConfig(backend="wbridge")``, ``wbridge.integrations.vllm_transfer``).
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import time
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
 from .helpers import free_port
@@ -27,16 +27,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 VLLM_PY = os.environ.get("WBRIDGE_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not os.path.exists(VLLM_PY),
-                                                    reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"),
+]
 
 
 def _spawn(*args, log, path=()):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]), VLLM_CPU_KVCACHE_SPACE="1",
-               OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        OMP_NUM_THREADS="1",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
     # A session of its own: cleanup kills the whole group (vLLM's engine-core and worker children).
-    return subprocess.Popen([VLLM_PY, os.path.join(HERE, "vllm_roles.py"), *map(str, args)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [VLLM_PY, os.path.join(HERE, "vllm_roles.py"), *map(str, args)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _wait(procs, timeout, logs):
@@ -49,7 +61,7 @@ def _wait(procs, timeout, logs):
     finally:
         for p in procs:
             try:
-                os.killpg(p.pid, signal.SIGKILL)     # the group we started (leftover engine children)
+                os.killpg(p.pid, signal.SIGKILL)  # the group we started (leftover engine children)
             except (ProcessLookupError, PermissionError):
                 pass
             if p.poll() is None:
@@ -80,18 +92,23 @@ def test_vllm_pulls_perturbed_weights(tmp_path):
     # Engines one at a time: each vLLM engine (main, engine core, worker) takes several GiB here.
     files = {n: open(logs[n], "w") for n in ("trainer", "engine", "reference")}
     try:
-        procs = [_spawn("engine", ckpt, out, port, log=files["engine"]),
-                 _spawn("trainer", ckpt, out, port, log=files["trainer"])]
+        procs = [
+            _spawn("engine", ckpt, out, port, log=files["engine"]),
+            _spawn("trainer", ckpt, out, port, log=files["trainer"]),
+        ]
         _wait(procs, 500, {n: logs[n] for n in ("engine", "trainer")})
-        _wait([_spawn("reference", out / "perturbed", out, log=files["reference"])], 300,
-              {"reference": logs["reference"]})
+        _wait(
+            [_spawn("reference", out / "perturbed", out, log=files["reference"])], 300, {"reference": logs["reference"]}
+        )
     finally:
         for f in files.values():
             f.close()
     eng, ref = _load(out / "engine.pt"), _load(out / "reference.pt")
     trained = torch.load(out / "trainer.pt")
-    print(f"\nvLLM subscribe (trace + plan) {eng['subscribe_s']:.3f}s, pull+reload {eng['pull_s']:.3f}s, "
-          f"stats {eng['stats']}; tokens before {eng['before']} after {eng['after']}")
+    print(
+        f"\nvLLM subscribe (trace + plan) {eng['subscribe_s']:.3f}s, pull+reload {eng['pull_s']:.3f}s, "
+        f"stats {eng['stats']}; tokens before {eng['before']} after {eng['after']}"
+    )
     assert eng["version"] >= 1
     assert eng["after"] == ref["tokens"]
     assert eng["after"] != eng["before"]
@@ -104,8 +121,9 @@ def test_vllm_pulls_perturbed_weights(tmp_path):
             a + "qkv_proj.weight": torch.cat([trained[a + f"{x}_proj.weight"] for x in "qkv"]),
             a + "qkv_proj.bias": torch.cat([trained[a + f"{x}_proj.bias"] for x in "qkv"]),
             a + "o_proj.weight": trained[a + "o_proj.weight"],
-            p + "mlp.gate_up_proj.weight": torch.cat([trained[p + "mlp.gate_proj.weight"],
-                                                      trained[p + "mlp.up_proj.weight"]]),
+            p + "mlp.gate_up_proj.weight": torch.cat(
+                [trained[p + "mlp.gate_proj.weight"], trained[p + "mlp.up_proj.weight"]]
+            ),
             p + "mlp.down_proj.weight": trained[p + "mlp.down_proj.weight"],
         }
         for k, v in want.items():
@@ -134,7 +152,8 @@ def _plugin_dist(where):
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wbridge-vllm-plugin\nVersion: 0.0.0\n")
     (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in plugins.items()))
+        "[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in plugins.items())
+    )
     return where
 
 
@@ -152,8 +171,11 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
     plugin = _plugin_dist(tmp_path / "plugin")
     logs = {n: str(tmp_path / f"{n}.log") for n in ("make_a", "make_b", "engine", "reference")}
     with open(logs["make_a"], "w") as fa, open(logs["make_b"], "w") as fb:
-        _wait([_spawn("make_moe", a, 0, log=fa), _spawn("make_moe", b, 1, log=fb)], 240,
-              {"make_a": logs["make_a"], "make_b": logs["make_b"]})
+        _wait(
+            [_spawn("make_moe", a, 0, log=fa), _spawn("make_moe", b, 1, log=fb)],
+            240,
+            {"make_a": logs["make_a"], "make_b": logs["make_b"]},
+        )
     with open(logs["engine"], "w") as f:
         _wait([_spawn("moe_engine", a, b, out, free_port(), log=f, path=[plugin])], 400, {"engine": logs["engine"]})
     with open(logs["reference"], "w") as f:
@@ -174,5 +196,6 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
         p = f"model.layers.{i}."
         assert torch.equal(st[p + "mlp.experts.routed_experts.w13_weight"], tr[p + "mlp.experts.gate_up_proj"])
         assert torch.equal(st[p + "mlp.experts.routed_experts.w2_weight"], tr[p + "mlp.experts.down_proj"])
-        assert torch.equal(st[p + "self_attn.qkv_proj.weight"],
-                           torch.cat([tr[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]))
+        assert torch.equal(
+            st[p + "self_attn.qkv_proj.weight"], torch.cat([tr[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        )

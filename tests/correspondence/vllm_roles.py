@@ -7,6 +7,7 @@
 
 Each writes its results to OUT_DIR as torch files; the test compares them.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,18 +27,42 @@ def tiny_config():
     from transformers import Qwen2Config
 
     # GQA: 4 query heads, 2 kv heads; head_dim 32 (vLLM CPU attention needs >= 32).
-    return Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                       tie_word_embeddings=False, torch_dtype="float32", bos_token_id=0, eos_token_id=1)
+    return Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=0,
+        eos_token_id=1,
+    )
 
 
 def tiny_moe_config():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
-                          tie_word_embeddings=False, torch_dtype="float32", bos_token_id=0, eos_token_id=1)
+    return Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        bos_token_id=0,
+        eos_token_id=1,
+    )
 
 
 def make_moe(ckpt: str, seed: int = 0) -> None:
@@ -67,8 +92,17 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
     store = f"tcp://127.0.0.1:{port}"
 
     def init(token: str) -> None:
-        llm.init_weight_transfer_engine({"init_info": {"channel": CHANNEL, "store": store, "token": token,
-                                                       "transport": "tcp", "cache_dir": os.path.join(out, "cache")}})
+        llm.init_weight_transfer_engine(
+            {
+                "init_info": {
+                    "channel": CHANNEL,
+                    "store": store,
+                    "token": token,
+                    "transport": "tcp",
+                    "cache_dir": os.path.join(out, "cache"),
+                }
+            }
+        )
 
     llm = _llm(ckpt, extension=True, transfer="wbridge")
     before = _generate(llm)
@@ -79,7 +113,7 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
         v = pub.publish(timeout=60.0)
         # Broken paths first, through vLLM's API: each must fail with wbridge's own message.
         errors["start_before_init"] = _error(llm.start_weight_update)
-        init("wrong-token")            # joins; the store's records fail authentication at the pull
+        init("wrong-token")  # joins; the store's records fail authentication at the pull
         llm.start_weight_update()
         errors["wrong_token"] = _error(lambda: llm.update_weights({"update_info": {"min_version": v, "timeout": 20.0}}))
         after_failed = _generate(llm)  # a failed pull leaves the kernels alone
@@ -91,17 +125,27 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
         staging = llm.collective_rpc("wbridge_staging")[0]
         stats = llm.collective_rpc("wbridge_stats")[0]
         llm.shutdown_weight_transfer_engine()
-    torch.save({"before": before, "after": after, "after_failed": after_failed, "version": v,
-                "weight_version": llm.get_weight_version(), "stats": stats, "errors": errors,
-                "staging": staging, "trainer": {k: v.detach().clone() for k, v in trainer.state_dict().items()}},
-               os.path.join(out, "moe_engine.pt"))
+    torch.save(
+        {
+            "before": before,
+            "after": after,
+            "after_failed": after_failed,
+            "version": v,
+            "weight_version": llm.get_weight_version(),
+            "stats": stats,
+            "errors": errors,
+            "staging": staging,
+            "trainer": {k: v.detach().clone() for k, v in trainer.state_dict().items()},
+        },
+        os.path.join(out, "moe_engine.pt"),
+    )
 
 
 def _error(fn) -> str | None:
     """``"Type: message"`` of what ``fn()`` raised, or None."""
     try:
         fn()
-    except Exception as e:   # noqa: BLE001 (vLLM re-raises a worker's error as a bare Exception)
+    except Exception as e:  # noqa: BLE001 (vLLM re-raises a worker's error as a bare Exception)
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -113,7 +157,7 @@ def make(ckpt: str) -> None:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_config()).float()
     with torch.no_grad():
-        for p in model.parameters():      # larger weights: greedy tokens depend on them visibly
+        for p in model.parameters():  # larger weights: greedy tokens depend on them visibly
             p.normal_(0, 0.3)
     model.save_pretrained(ckpt, safe_serialization=True)
 
@@ -130,7 +174,7 @@ def trainer(ckpt: str, out: str, port: int) -> None:
     ids = torch.tensor([PROMPT])
     loss = model(input_ids=ids, labels=torch.flip(ids, [1])).loss
     loss.backward()
-    opt.step()                       # the perturbation: one optimizer step
+    opt.step()  # the perturbation: one optimizer step
     model.save_pretrained(os.path.join(out, "perturbed"), safe_serialization=True)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out, "trainer.pt"))
     with Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
@@ -148,9 +192,17 @@ def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | N
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    kw = dict(model=ckpt, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              gpu_memory_utilization=0.3, max_model_len=128, max_num_seqs=4, seed=0,
-              enable_prefix_caching=False)
+    kw = dict(
+        model=ckpt,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        enable_prefix_caching=False,
+    )
     if in_process:
         # Engine core and worker in this process: half the start-up time of the default three
         # processes, same kernels. Only the reference engines use it; the engine that pulls runs
@@ -184,18 +236,30 @@ def engine(ckpt: str, out: str, port: int) -> None:
             raise TimeoutError("trainer never published")
         time.sleep(0.2)
     t0 = time.perf_counter()
-    n = llm.collective_rpc("wbridge_subscribe", args=(CHANNEL, f"tcp://127.0.0.1:{port}"),
-                           kwargs={"token": TOKEN, "transport": "tcp", "cache_dir": os.path.join(out, "cache")})[0]
+    n = llm.collective_rpc(
+        "wbridge_subscribe",
+        args=(CHANNEL, f"tcp://127.0.0.1:{port}"),
+        kwargs={"token": TOKEN, "transport": "tcp", "cache_dir": os.path.join(out, "cache")},
+    )[0]
     t1 = time.perf_counter()
     v = llm.collective_rpc("wbridge_pull", kwargs={"timeout": 60.0})[0]
     t2 = time.perf_counter()
     after = _generate(llm)
-    torch.save({"before": before, "after": after, "version": v, "entries": n,
-                "subscribe_s": t1 - t0, "pull_s": t2 - t1,
-                "stats": llm.collective_rpc("wbridge_stats")[0],
-                "staging": llm.collective_rpc("wbridge_staging")[0],
-                "params_before": params_before,
-                "params": llm.collective_rpc("wbridge_parameters")[0]}, os.path.join(out, "engine.pt"))
+    torch.save(
+        {
+            "before": before,
+            "after": after,
+            "version": v,
+            "entries": n,
+            "subscribe_s": t1 - t0,
+            "pull_s": t2 - t1,
+            "stats": llm.collective_rpc("wbridge_stats")[0],
+            "staging": llm.collective_rpc("wbridge_staging")[0],
+            "params_before": params_before,
+            "params": llm.collective_rpc("wbridge_parameters")[0],
+        },
+        os.path.join(out, "engine.pt"),
+    )
     llm.collective_rpc("wbridge_close")
     open(os.path.join(out, "engine_done"), "w").close()
 
@@ -204,13 +268,15 @@ def reference(ckpt: str, out: str) -> None:
     import torch
 
     deadline = time.monotonic() + 300
-    while not os.path.exists(os.path.join(out, "published")):   # the trainer saved ckpt before
+    while not os.path.exists(os.path.join(out, "published")):  # the trainer saved ckpt before
         if time.monotonic() > deadline:
             raise TimeoutError("trainer never published")
         time.sleep(0.2)
     llm = _llm(ckpt, extension=True, in_process=True)
-    torch.save({"tokens": _generate(llm), "params": llm.collective_rpc("wbridge_parameters")[0]},
-               os.path.join(out, "reference.pt"))
+    torch.save(
+        {"tokens": _generate(llm), "params": llm.collective_rpc("wbridge_parameters")[0]},
+        os.path.join(out, "reference.pt"),
+    )
 
 
 def moe_reference(ckpt: str, out: str) -> None:

@@ -1,12 +1,14 @@
 """Fault-test processes: the runtime actors plus what fault tests need (re-registering after a
 restart, the subscriber list, joining a test host's network namespace), and helpers to stop a pull
 half-way (``wbridge.testing.faults.Pause``) and wait for it."""
+
 from __future__ import annotations
 
 import ctypes
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tests.runtime.actors import PubActor, SubActor
 
@@ -53,8 +55,7 @@ def pause_fault(tmp_path, on_reads: tuple[int, ...], hold: float = 60.0) -> tupl
     """A ``fault=`` for ``SubActor`` that stops reads ``on_reads`` half-way until released; returns
     it with the signal and release file paths."""
     signal_path, release_path = str(tmp_path / "paused"), str(tmp_path / "release")
-    fault = ("pause", {"signal_path": signal_path, "release_path": release_path, "hold": hold,
-                       "on_reads": on_reads})
+    fault = ("pause", {"signal_path": signal_path, "release_path": release_path, "hold": hold, "on_reads": on_reads})
     return fault, signal_path, release_path
 
 

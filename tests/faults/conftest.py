@@ -1,4 +1,5 @@
 """Fixtures for the fault tests: test hosts (network namespaces), etcd, a standalone store process."""
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,13 @@ def standalone_store_proc(host: str = "127.0.0.1", timeout: float = 60.0) -> tup
     """``wbridge store serve`` in its own process; returns it and its URL once it serves."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "wbridge.cli", "store", "serve", "--host", host,
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "wbridge.cli", "store", "serve", "--host", host, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     out = b""

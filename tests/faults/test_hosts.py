@@ -4,6 +4,7 @@ restored, the publisher's side (store on a third host) or the subscriber's (stor
 
 Workers are forked from the harness's forkserver and then join their host's namespace (``in_netns``),
 so every process has its own address: 10.123.0.1 (A), 10.123.0.2 (B), 10.123.0.3 (C)."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,18 +30,43 @@ def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
     try:
         server.start()
         url = server.url + "/cut/"
-        pub = Worker("pub@A", in_netns, a.name, FaultPub, url, 0, 1, 1, model_kind="tiny", host=a.addr,
-                     transport="tcp", mode="async", max_staleness=10)
-        sub = Worker("sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny",
-                     host=b.addr, transport="tcp", fault=fault)
+        pub = Worker(
+            "pub@A",
+            in_netns,
+            a.name,
+            FaultPub,
+            url,
+            0,
+            1,
+            1,
+            model_kind="tiny",
+            host=a.addr,
+            transport="tcp",
+            mode="async",
+            max_staleness=10,
+        )
+        sub = Worker(
+            "sub@B",
+            in_netns,
+            b.name,
+            FaultSub,
+            url,
+            1,
+            0,
+            fused=False,
+            model_kind="tiny",
+            host=b.addr,
+            transport="tcp",
+            fault=fault,
+        )
         pub.call("publish", 1)
         first = sub.call("pull", min_version=1)
         assert first["bad"] == [] and first["transports"][0][0] == "tcp"
 
         pub.call("publish", 2)
         sub.send("try_pull", timeout=PULL_TIMEOUT)
-        wait_paused(paused, 1)          # half of version 2 is in
-        net.cut(a)                      # the publisher's host drops off the network
+        wait_paused(paused, 1)  # half of version 2 is in
+        net.cut(a)  # the publisher's host drops off the network
         release(go)
         r = sub.result(PULL_TIMEOUT + 30)
         assert r["error"] in ("TransportError", "WaitTimeout"), r
@@ -61,7 +87,6 @@ def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
         server.close()
 
 
-
 def test_subscriber_cut_off_with_its_store_errors_within_its_timeout(network, tmp_path) -> None:
     """The subscriber's own link goes down mid-pull: publisher and store (tcp://, hosted by the
     publisher) become unreachable together. The pull must still fail within its timeout."""
@@ -69,10 +94,38 @@ def test_subscriber_cut_off_with_its_store_errors_within_its_timeout(network, tm
     a, b = net.hosts
     url = f"tcp://{a.addr}:29700"
     fault, paused, go = pause_fault(tmp_path, on_reads=(2,))
-    pub = Worker("pub@A", in_netns, a.name, FaultPub, url, 0, 1, 1, host_store=True, model_kind="tiny",
-                 host=a.addr, transport="tcp", mode="async", max_staleness=10)
-    sub = Worker("sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny", host=b.addr,
-                 transport="tcp", fault=fault, connect_timeout=5.0, lease_ttl=1.0)
+    pub = Worker(
+        "pub@A",
+        in_netns,
+        a.name,
+        FaultPub,
+        url,
+        0,
+        1,
+        1,
+        host_store=True,
+        model_kind="tiny",
+        host=a.addr,
+        transport="tcp",
+        mode="async",
+        max_staleness=10,
+    )
+    sub = Worker(
+        "sub@B",
+        in_netns,
+        b.name,
+        FaultSub,
+        url,
+        1,
+        0,
+        fused=False,
+        model_kind="tiny",
+        host=b.addr,
+        transport="tcp",
+        fault=fault,
+        connect_timeout=5.0,
+        lease_ttl=1.0,
+    )
     try:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []

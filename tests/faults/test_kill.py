@@ -1,6 +1,7 @@
 """Processes SIGKILLed in the middle of a pull: a publisher rank (the subscriber fails in time and
 holds no complete version; after a restart and a new epoch the next pull is exact) and a subscriber
 (a ``sync`` publisher stops waiting for it once its lease lapses)."""
+
 from __future__ import annotations
 
 import time
@@ -17,16 +18,21 @@ SLACK = 6.0  # a loaded 2-core machine: process wake-ups and store round trips
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("store_url,staged", [("cli", False), ("etcd", True)], indirect=["store_url"],
-                         ids=["cli-store-direct", "etcd-staged"])
+@pytest.mark.parametrize(
+    "store_url,staged",
+    [("cli", False), ("etcd", True)],
+    indirect=["store_url"],
+    ids=["cli-store-direct", "etcd-staged"],
+)
 def test_publisher_killed_mid_pull_then_restarted(store_url: str, staged: bool, tmp_path) -> None:
     # TP=2 publishers; a TP=1 subscriber reads half of every tensor from each rank (2 sources,
     # one batch each). Its reads 3 and 4 (the pull of v2) stop half-way; rank 1 dies there.
     fault, paused, go = pause_fault(tmp_path, on_reads=(3, 4))
     kw = dict(model_kind="tiny", mode="async", max_staleness=10, transport="tcp")
     pubs = [Worker(f"pub{r}", FaultPub, store_url, r, 2, 2, **kw) for r in range(2)]
-    sub = Worker("sub", FaultSub, store_url, 1, 0, fused=False, staged=staged, transport="tcp",
-                 model_kind="tiny", fault=fault)
+    sub = Worker(
+        "sub", FaultSub, store_url, 1, 0, fused=False, staged=staged, transport="tcp", model_kind="tiny", fault=fault
+    )
     try:
         call_all(pubs, "publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []
@@ -72,8 +78,9 @@ def test_subscriber_killed_mid_pull_sync_publisher_stops_waiting(kind: str, tmp_
         url = request.getfixturevalue("etcd_url")
         pub = Worker("pub", FaultPub, url, 0, 1, 1, model_kind="tiny", mode="sync")
     fault, paused, _ = pause_fault(tmp_path, on_reads=(2,))  # never released: it dies paused
-    sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp",
-                 lease_ttl=ttl, fault=fault)
+    sub = Worker(
+        "sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp", lease_ttl=ttl, fault=fault
+    )
     try:
         sub.send("pull", min_version=1)
         assert pub.call("publish", 1)["v"] == 1  # sync: returns once the subscriber acked 1

@@ -1,5 +1,6 @@
 """Servers listen only on the address they were given: on a test host, on that host's address; by
 default, on loopback. Checked from the kernel's socket tables (``ss``), not from the code's intent."""
+
 from __future__ import annotations
 
 import subprocess
@@ -44,10 +45,25 @@ def test_servers_bind_only_the_address_given(network) -> None:
     net = network(2)
     a, b = net.hosts
     url = f"tcp://{a.addr}:29700"
-    pub = Worker("pub@A", in_netns, a.name, FaultPub, url, 0, 1, 1, host_store=True, model_kind="tiny",
-                 host=a.addr, transport=SERVED, mode="async", max_staleness=10)
-    sub = Worker("sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny",
-                 host=b.addr, transport="tcp")
+    pub = Worker(
+        "pub@A",
+        in_netns,
+        a.name,
+        FaultPub,
+        url,
+        0,
+        1,
+        1,
+        host_store=True,
+        model_kind="tiny",
+        host=a.addr,
+        transport=SERVED,
+        mode="async",
+        max_staleness=10,
+    )
+    sub = Worker(
+        "sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny", host=b.addr, transport="tcp"
+    )
     try:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []
@@ -66,8 +82,19 @@ def test_servers_bind_only_the_address_given(network) -> None:
 def test_defaults_listen_on_loopback_only() -> None:
     """No host given anywhere: the hosted store and every served transport listen on 127.0.0.1."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", FaultPub, url, 0, 1, 1, host_store=True, model_kind="tiny", transport=SERVED,
-                 mode="async", max_staleness=10)
+    pub = Worker(
+        "pub",
+        FaultPub,
+        url,
+        0,
+        1,
+        1,
+        host_store=True,
+        model_kind="tiny",
+        transport=SERVED,
+        mode="async",
+        max_staleness=10,
+    )
     sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp")
     try:
         pub.call("publish", 1)

@@ -1,6 +1,7 @@
 """``benchmarks/soak.py`` in small: 10 versions with kills (its ``main``, run in this process so its
 workers come from the already warm forkserver); the last line has the documented format and shows
 no torn pull and no hang."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,9 @@ def load_soak():
 
 @pytest.mark.timeout(180)
 def test_soak_smoke(capsys) -> None:
-    status = load_soak().main(["--versions", "10", "--kill-prob", "0.25", "--seed", "3", "--timeout", "30",
-                               "--lease-ttl", "1.0"])
+    status = load_soak().main(
+        ["--versions", "10", "--kill-prob", "0.25", "--seed", "3", "--timeout", "30", "--lease-ttl", "1.0"]
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     m = LAST_LINE.match(lines[-1])
     assert m, f"last line {lines[-1]!r} is not the soak line"

@@ -6,6 +6,7 @@ cannot read outside a publisher's registered regions.
 The attacker here is the test process itself: it hosts the store and rewrites keys between pulls.
 Publishers are two real processes (TP=2); each test opens a fresh subscriber in this process.
 """
+
 from __future__ import annotations
 
 import base64
@@ -55,8 +56,9 @@ def channel():
 def _pub_factory(url: str, rank: int):
     from .actors import FaultPub
 
-    return FaultPub(url, rank, 2, 2, model_kind="tiny", mode="async", max_staleness=100, transport="tcp",
-                    checksums=True)
+    return FaultPub(
+        url, rank, 2, 2, model_kind="tiny", mode="async", max_staleness=100, transport="tcp", checksums=True
+    )
 
 
 class Tampered:
@@ -66,7 +68,7 @@ class Tampered:
         self.store, self.changes = store, changes
         self.saved = {k: store.get(k) for k in changes}
 
-    def __enter__(self) -> "Tampered":
+    def __enter__(self) -> Tampered:
         for k, v in self.changes.items():
             self.store.set(k, v)
         return self
@@ -128,6 +130,7 @@ def test_clean_pull_first(channel) -> None:
 
 # -- version records -----------------------------------------------------------------------------
 
+
 def test_version_record_forged_with_another_token(channel) -> None:
     rec = body(channel.get(KEYS.version))
     forged = seal(ATTACKER, KEYS.version, dict(rec, v=rec["v"] + 1))
@@ -162,18 +165,19 @@ def test_version_record_replayed_from_another_channel(channel) -> None:
 
 # -- publisher rank records (layout and transport descriptors) -------------------------------------
 
+
 def _redirected(raw: bytes, host: str, port: int) -> dict:
     """Rank record payload pointing the tcp transport at ``host:port`` and at a bigger region 7."""
     rec = body(raw)
     tcp = rec["transports"]["tcp"]
     ep = json.loads(base64.b64decode(tcp["endpoint"]))
-    tcp["endpoint"] = base64.b64encode(encode_descriptor("tcp", host=host, port=port,
-                                                         instance=ep["instance"])).decode()
+    tcp["endpoint"] = base64.b64encode(encode_descriptor("tcp", host=host, port=port, instance=ep["instance"])).decode()
     for slot in tcp["regions"]:
         for i, d in enumerate(slot):
             desc = json.loads(base64.b64decode(d))
-            slot[i] = base64.b64encode(encode_descriptor("tcp", instance=desc["instance"], region=7,
-                                                         nbytes=desc["nbytes"] * 4)).decode()
+            slot[i] = base64.b64encode(
+                encode_descriptor("tcp", instance=desc["instance"], region=7, nbytes=desc["nbytes"] * 4)
+            ).decode()
     rec["layout"]["tensors"] = rec["layout"]["tensors"][::-1]
     return rec
 
@@ -212,6 +216,7 @@ def test_rank_record_replayed_into_a_later_epoch(channel) -> None:
 
 # -- checksum records --------------------------------------------------------------------------------
 
+
 def test_checksums_replayed_from_an_older_version(channel) -> None:
     """v1's checksums copied over v2's: the verified, staged pull fails and commits nothing."""
     changes = {KEYS.sums(2, r): channel.get(KEYS.sums(1, r)) for r in range(2)}
@@ -219,6 +224,7 @@ def test_checksums_replayed_from_an_older_version(channel) -> None:
 
 
 # -- rollback ------------------------------------------------------------------------------------------
+
 
 def test_old_version_record_replayed_does_not_roll_a_subscriber_back(channel) -> None:
     """v1's genuine version record, saved when it was current and written back after v2: the
@@ -238,6 +244,7 @@ def test_old_version_record_replayed_does_not_roll_a_subscriber_back(channel) ->
 
 
 # -- reads outside registered regions, over the wire -----------------------------------------------
+
 
 def test_read_outside_a_registered_region_is_refused_by_the_publisher(channel) -> None:
     """A client with the token that lies to itself about a region's size (a forged descriptor that
@@ -281,23 +288,41 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
     from .actors import FaultPub, release, wait_paused
 
     store = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
-    pub = Worker("pub", FaultPub, store.url, 0, 1, 1, model_kind="tiny", mode="async", max_staleness=100,
-                 transport="tcp", checksums=True)
+    pub = Worker(
+        "pub",
+        FaultPub,
+        store.url,
+        0,
+        1,
+        1,
+        model_kind="tiny",
+        mode="async",
+        max_staleness=100,
+        transport="tcp",
+        checksums=True,
+    )
     paused, go = str(tmp_path / "paused"), str(tmp_path / "go")
     tensors = make_tensors(ModelConfig.tiny(), 1, 0, fused=False, fill_value=GARBAGE)
-    sub = Subscriber("t", store.url, token=TOKEN, transport="tcp", verify=verify, staged=True,
-                     transport_wrapper=wrapper("pause", signal_path=paused, release_path=go, on_reads=(1,)))
+    sub = Subscriber(
+        "t",
+        store.url,
+        token=TOKEN,
+        transport="tcp",
+        verify=verify,
+        staged=True,
+        transport_wrapper=wrapper("pause", signal_path=paused, release_path=go, on_reads=(1,)),
+    )
     sub.register(tensors)
     try:
         pub.call("publish", 1)
-        pub.call("publish", 2)                       # slot 0
+        pub.call("publish", 2)  # slot 0
         rec = body(store.get(KEYS.version))
         assert (rec["v"], rec["slot"]) == (2, 0)
         with ThreadPoolExecutor(1) as pool:
             pulling = pool.submit(sub.pull, None, 30.0)
-            wait_paused(paused, 1)                   # half of version 2 read
+            wait_paused(paused, 1)  # half of version 2 read
             pub.call("publish", 3)
-            pub.call("publish", 4)                   # slot 0 again: version 2's bytes are gone
+            pub.call("publish", 4)  # slot 0 again: version 2's bytes are gone
             store.set(KEYS.fence(0), str(rec["fence"]).encode())  # the lie: "slot 0 unchanged"
             release(go)
             # The stamps in the publisher's memory expose the lie: version 2 is dropped as stale.

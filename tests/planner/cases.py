@@ -3,6 +3,7 @@
 Each case returns ``(sources, dests)``. Sizes are tiny so a test can execute every plan on real
 byte buffers.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,16 @@ def shard(name: str, shape: tuple[int, ...], dim: int, part: tuple[int, int]) ->
     return local, Shard(name, shape, offs)
 
 
-def sharded(tensors: dict[str, tuple[tuple[int, ...], int | None]], tp: int, dp: int = 1, *,
-            dtype: str = "float32", rank0: int = 0, pack: bool = True, uneven: bool = True) -> list[RankLayout]:
+def sharded(
+    tensors: dict[str, tuple[tuple[int, ...], int | None]],
+    tp: int,
+    dp: int = 1,
+    *,
+    dtype: str = "float32",
+    rank0: int = 0,
+    pack: bool = True,
+    uneven: bool = True,
+) -> list[RankLayout]:
     """Ranks ``rank0 + d * tp + t``: every tensor split along its dim (None: replicated) into ``tp``."""
     out = []
     for d in range(dp):
@@ -53,8 +62,9 @@ def case_uneven_4_to_3() -> tuple[list[RankLayout], list[RankLayout]]:
 
 
 def case_row_to_col() -> tuple[list[RankLayout], list[RankLayout]]:
-    return sharded({"w": ((9, 7), 0)}, tp=3, dtype="float16"), sharded({"w": ((9, 7), 1)}, tp=2,
-                                                                        dtype="float16", rank0=3)
+    return sharded({"w": ((9, 7), 0)}, tp=3, dtype="float16"), sharded(
+        {"w": ((9, 7), 1)}, tp=2, dtype="float16", rank0=3
+    )
 
 
 def case_replicas() -> tuple[list[RankLayout], list[RankLayout]]:
@@ -83,8 +93,12 @@ def megatron_fc1(tp: int, ffn: int, hidden: int, rank0: int = 0, dtype: str = "f
     for t in range(tp):
         o, s = split(ffn, tp)[t]
         b = LayoutBuilder(rank0 + t)
-        b.add("linear_fc1", (2 * s, hidden), dtype,
-              Fused(0, (Shard("gate", (ffn, hidden), (o, 0)), Shard("up", (ffn, hidden), (o, 0)))))
+        b.add(
+            "linear_fc1",
+            (2 * s, hidden),
+            dtype,
+            Fused(0, (Shard("gate", (ffn, hidden), (o, 0)), Shard("up", (ffn, hidden), (o, 0)))),
+        )
         out.append(b.build())
     return out
 
@@ -93,25 +107,29 @@ def case_gate_up() -> tuple[list[RankLayout], list[RankLayout]]:
     return megatron_fc1(2, 12, 5), megatron_fc1(4, 12, 5, rank0=8)
 
 
-def gqa_rollout(tp: int, heads: int, kv_heads: int, head_dim: int, hidden: int, rank0: int,
-                dtype: str = "float32") -> list[RankLayout]:
+def gqa_rollout(
+    tp: int, heads: int, kv_heads: int, head_dim: int, hidden: int, rank0: int, dtype: str = "float32"
+) -> list[RankLayout]:
     """vLLM QKVParallelLinear with ``kv_heads < tp``: each kv head replicated on ``tp / kv_heads`` ranks."""
     out = []
     qh = heads // tp
     rep = tp // kv_heads
     for t in range(tp):
         kvh = t // rep
-        parts = (Shard("q", (heads * head_dim, hidden), (t * qh * head_dim, 0), (qh * head_dim, hidden)),
-                 Shard("k", (kv_heads * head_dim, hidden), (kvh * head_dim, 0), (head_dim, hidden)),
-                 Shard("v", (kv_heads * head_dim, hidden), (kvh * head_dim, 0), (head_dim, hidden)))
+        parts = (
+            Shard("q", (heads * head_dim, hidden), (t * qh * head_dim, 0), (qh * head_dim, hidden)),
+            Shard("k", (kv_heads * head_dim, hidden), (kvh * head_dim, 0), (head_dim, hidden)),
+            Shard("v", (kv_heads * head_dim, hidden), (kvh * head_dim, 0), (head_dim, hidden)),
+        )
         b = LayoutBuilder(rank0 + t)
         b.add("qkv_proj", ((qh + 2) * head_dim, hidden), dtype, Fused(0, parts))
         out.append(b.build())
     return out
 
 
-def megatron_qkv(tp: int, heads: int, kv_heads: int, head_dim: int, hidden: int, rank0: int = 0,
-                 dtype: str = "float32") -> list[RankLayout]:
+def megatron_qkv(
+    tp: int, heads: int, kv_heads: int, head_dim: int, hidden: int, rank0: int = 0, dtype: str = "float32"
+) -> list[RankLayout]:
     """Megatron linear_qkv: per query group g, rows ``[q_g; k_g; v_g]``; TP splits whole groups."""
     out = []
     per = heads // kv_heads  # query heads per group
@@ -121,9 +139,16 @@ def megatron_qkv(tp: int, heads: int, kv_heads: int, head_dim: int, hidden: int,
         go, gs = split(kv_heads, tp)[t]
         stack = []
         for g in range(go, go + gs):
-            stack.append(Fused(0, (Shard("q", (heads * head_dim, hidden), (g * per * head_dim, 0)),
-                                   Shard("k", (kv_heads * head_dim, hidden), (g * head_dim, 0)),
-                                   Shard("v", (kv_heads * head_dim, hidden), (g * head_dim, 0)))))
+            stack.append(
+                Fused(
+                    0,
+                    (
+                        Shard("q", (heads * head_dim, hidden), (g * per * head_dim, 0)),
+                        Shard("k", (kv_heads * head_dim, hidden), (g * head_dim, 0)),
+                        Shard("v", (kv_heads * head_dim, hidden), (g * head_dim, 0)),
+                    ),
+                )
+            )
         b.add("linear_qkv", (gs,) + gshape, dtype, Stack(tuple(stack)))
         out.append(b.build())
     return out
@@ -135,8 +160,9 @@ def case_gqa_kv_replicated() -> tuple[list[RankLayout], list[RankLayout]]:
     return src, gqa_rollout(4, 8, 2, 3, 5, rank0=30)
 
 
-def vocab(tp: int, vocab_size: int, hidden: int, rank0: int, dtype: str = "float32",
-          name: str = "embed") -> list[RankLayout]:
+def vocab(
+    tp: int, vocab_size: int, hidden: int, rank0: int, dtype: str = "float32", name: str = "embed"
+) -> list[RankLayout]:
     """Vocab-parallel embedding with the vocabulary padded to a multiple of ``tp``."""
     per = -(-vocab_size // tp)
     out = []
@@ -151,24 +177,35 @@ def case_padded_vocab() -> tuple[list[RankLayout], list[RankLayout]]:
     return vocab(4, 10, 3, 0), vocab(3, 10, 3, 40) + vocab(8, 10, 3, 50)
 
 
-def experts_stacked(ep: int, experts: int, ffn: int, hidden: int, rank0: int = 0,
-                    dtype: str = "float32") -> list[RankLayout]:
+def experts_stacked(
+    ep: int, experts: int, ffn: int, hidden: int, rank0: int = 0, dtype: str = "float32"
+) -> list[RankLayout]:
     """vLLM-style FusedMoE: ``w13[e_local] = [gate_e; up_e]`` and ``w2[e_local] = down_e``."""
     out = []
     for r in range(ep):
         eo, es = split(experts, ep)[r]
         b = LayoutBuilder(rank0 + r)
-        b.add("w13", (es, 2 * ffn, hidden), dtype, Stack(tuple(
-            Fused(0, (Shard(f"e{e}.gate", (ffn, hidden)), Shard(f"e{e}.up", (ffn, hidden))))
-            for e in range(eo, eo + es))))
-        b.add("w2", (es, hidden, ffn), dtype, Stack(tuple(Shard(f"e{e}.down", (hidden, ffn))
-                                                         for e in range(eo, eo + es))))
+        b.add(
+            "w13",
+            (es, 2 * ffn, hidden),
+            dtype,
+            Stack(
+                tuple(
+                    Fused(0, (Shard(f"e{e}.gate", (ffn, hidden)), Shard(f"e{e}.up", (ffn, hidden))))
+                    for e in range(eo, eo + es)
+                )
+            ),
+        )
+        b.add(
+            "w2", (es, hidden, ffn), dtype, Stack(tuple(Shard(f"e{e}.down", (hidden, ffn)) for e in range(eo, eo + es)))
+        )
         out.append(b.build())
     return out
 
 
-def experts_separate(ep: int, experts: int, ffn: int, hidden: int, rank0: int = 0, dp: int = 1,
-                     dtype: str = "float32") -> list[RankLayout]:
+def experts_separate(
+    ep: int, experts: int, ffn: int, hidden: int, rank0: int = 0, dp: int = 1, dtype: str = "float32"
+) -> list[RankLayout]:
     """One tensor per expert and projection, EP placement (experts 0..E/ep-1 on EP rank 0...)."""
     out = []
     for d in range(dp):
@@ -193,8 +230,9 @@ def case_moe_stacked_to_separate() -> tuple[list[RankLayout], list[RankLayout]]:
 FLAT_TENSORS = {"a": (5, 3), "b": (7,), "c": (2, 2, 3), "d": (3, 4)}
 
 
-def fsdp1_flat(world: int, tensors: dict[str, tuple[int, ...]], rank0: int = 0,
-               dtype: str = "float32") -> list[RankLayout]:
+def fsdp1_flat(
+    world: int, tensors: dict[str, tuple[int, ...]], rank0: int = 0, dtype: str = "float32"
+) -> list[RankLayout]:
     """FSDP1 flat parameter: all tensors concatenated, padded, cut into ``world`` equal 1-D shards."""
     sizes = {n: math.prod(s) for n, s in tensors.items()}
     total = sum(sizes.values())
@@ -231,4 +269,5 @@ def case_overlapping_sources() -> tuple[list[RankLayout], list[RankLayout]]:
 
 
 CASES: dict[str, Callable[[], tuple[list[RankLayout], list[RankLayout]]]] = {
-    name.removeprefix("case_"): fn for name, fn in globals().items() if name.startswith("case_")}
+    name.removeprefix("case_"): fn for name, fn in globals().items() if name.startswith("case_")
+}

@@ -9,6 +9,7 @@ Typical use::
 Canonical tensors are random bytes (``uint8`` arrays of ``numel * itemsize``), so any dtype works
 and a misplaced byte is caught.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,7 +43,7 @@ def _piece_indices(piece, spec_shape: Sequence[int]) -> tuple[np.ndarray, np.nda
     """(local element index, canonical flat element index) of every element of a piece."""
     loc = np.array([piece.offset], dtype=np.int64)
     can = np.zeros(1, dtype=np.int64)
-    cstrides = [math.prod(spec_shape[i + 1:]) for i in range(len(spec_shape))]
+    cstrides = [math.prod(spec_shape[i + 1 :]) for i in range(len(spec_shape))]
     for o, n, st, cs in zip(piece.box.offsets, piece.box.sizes, piece.strides, cstrides):
         idx = np.arange(n, dtype=np.int64)
         loc = (loc[:, None] + idx * st).ravel()
@@ -54,12 +55,15 @@ def _byte_indices(elems: np.ndarray, isz: int) -> np.ndarray:
     return (elems[:, None] * isz + np.arange(isz, dtype=np.int64)).ravel()
 
 
-def fill_layout(layout: RankLayout, canon: Mapping[str, np.ndarray], *, fill: int | None = None,
-                seed: int = 1) -> list[np.ndarray]:
+def fill_layout(
+    layout: RankLayout, canon: Mapping[str, np.ndarray], *, fill: int | None = None, seed: int = 1
+) -> list[np.ndarray]:
     """Regions of ``layout`` holding ``canon`` where pieces map, ``fill`` (or random junk) elsewhere."""
     rng = np.random.default_rng(seed)
-    regions = [np.full(n, fill, dtype=np.uint8) if fill is not None else
-               rng.integers(0, 256, n, dtype=np.uint8) for n in layout.region_sizes]
+    regions = [
+        np.full(n, fill, dtype=np.uint8) if fill is not None else rng.integers(0, 256, n, dtype=np.uint8)
+        for n in layout.region_sizes
+    ]
     specs = layout.spec_map()
     for t in layout.tensors:
         isz = itemsize(t.dtype)
@@ -84,19 +88,28 @@ def mapped_mask(layout: RankLayout) -> list[np.ndarray]:
     return masks
 
 
-def execute(plan: Plan, src_regions: Mapping[int, Sequence[np.ndarray]], dst_regions: Sequence[np.ndarray],
-            write_count: Sequence[np.ndarray] | None = None) -> None:
+def execute(
+    plan: Plan,
+    src_regions: Mapping[int, Sequence[np.ndarray]],
+    dst_regions: Sequence[np.ndarray],
+    write_count: Sequence[np.ndarray] | None = None,
+) -> None:
     """Copies the bytes of every ReadOp; counts writes per destination byte if asked."""
     for op in plan.ops():
         src = src_regions[op.src_rank][op.src_region]
-        dst_regions[op.dst_region][op.dst_offset:op.dst_offset + op.nbytes] = \
-            src[op.src_offset:op.src_offset + op.nbytes]
+        dst_regions[op.dst_region][op.dst_offset : op.dst_offset + op.nbytes] = src[
+            op.src_offset : op.src_offset + op.nbytes
+        ]
         if write_count is not None:
-            write_count[op.dst_region][op.dst_offset:op.dst_offset + op.nbytes] += 1
+            write_count[op.dst_region][op.dst_offset : op.dst_offset + op.nbytes] += 1
 
 
-def check_plans(plans: Mapping[int, Plan], sources: Sequence[RankLayout], dests: Sequence[RankLayout],
-                canon: Mapping[str, np.ndarray] | None = None) -> dict[int, list[np.ndarray]]:
+def check_plans(
+    plans: Mapping[int, Plan],
+    sources: Sequence[RankLayout],
+    dests: Sequence[RankLayout],
+    canon: Mapping[str, np.ndarray] | None = None,
+) -> dict[int, list[np.ndarray]]:
     """Executes every plan and asserts: bit-exact mapped bytes, untouched padding (sentinel), every
     mapped byte written exactly once, and ``sum(op bytes) == needed_bytes == mapped bytes``.
 
@@ -116,10 +129,12 @@ def check_plans(plans: Mapping[int, Plan], sources: Sequence[RankLayout], dests:
         masks = mapped_mask(d)
         mapped = sum(int(m.sum()) for m in masks)
         assert plan.total_bytes == plan.needed_bytes == mapped, (
-            f"rank {d.rank}: read {plan.total_bytes}, needed {plan.needed_bytes}, mapped {mapped}")
+            f"rank {d.rank}: read {plan.total_bytes}, needed {plan.needed_bytes}, mapped {mapped}"
+        )
         for r, (got, want, cnt, m) in enumerate(zip(regions, expected, counts, masks)):
-            assert np.array_equal(cnt[m], np.ones(int(m.sum()), dtype=np.int32)), \
+            assert np.array_equal(cnt[m], np.ones(int(m.sum()), dtype=np.int32)), (
                 f"rank {d.rank} region {r}: mapped bytes not written exactly once"
+            )
             assert not cnt[~m].any(), f"rank {d.rank} region {r}: unmapped bytes were written"
             bad = np.flatnonzero(got != want)
             assert not len(bad), f"rank {d.rank} region {r}: {len(bad)} wrong bytes, first at {bad[:5]}"

@@ -1,4 +1,5 @@
 """Balancing across replicas: the assignment bound, split floors, rotation for lone planners."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,9 +19,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @settings(max_examples=80, deadline=None)
-@given(weights=st.lists(st.integers(1, 5000), min_size=1, max_size=60),
-       classes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
-       min_split=st.sampled_from([16, 64, 1024]), seed=st.integers(0, 1000))
+@given(
+    weights=st.lists(st.integers(1, 5000), min_size=1, max_size=60),
+    classes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    min_split=st.sampled_from([16, 64, 1024]),
+    seed=st.integers(0, 1000),
+)
 def test_assign_parts_cover_items_and_meet_the_bound(weights, classes, min_split, seed):
     rng = random.Random(seed)
     ranks, groups = 0, []
@@ -43,6 +47,7 @@ def test_assign_parts_cover_items_and_meet_the_bound(weights, classes, min_split
         got = [loads.get(r, 0) for r in g]
         assert max(got) - min(got) < 2 * (min_split + 16), (g, got)
 
+
 def test_split_only_above_the_floor():
     src = sharded({"w": ((1024, 1024), None)}, tp=1, dp=2)  # 4 MiB float32, two replicas
     dst = sharded({"w": ((1024, 1024), None)}, tp=1, rank0=10)[0]
@@ -55,7 +60,7 @@ def test_split_only_above_the_floor():
 
 def test_joint_planning_balances_replicas():
     tensors = {f"w{i}": ((64 + 8 * i, 32), 0) for i in range(6)} | {"n": ((32,), None)}
-    src = sharded(tensors, tp=2, dp=4)                       # 8 source ranks, 4 replicas of each shard
+    src = sharded(tensors, tp=2, dp=4)  # 8 source ranks, 4 replicas of each shard
     dst = [d for k in range(6) for d in sharded(tensors, tp=4, rank0=100 + 4 * k)]
     plans = build_plans(src, dst, min_split_bytes=256)
     check_plans(plans, src, dst)
@@ -66,7 +71,7 @@ def test_joint_planning_balances_replicas():
 
 def test_lone_planners_spread_over_replicas():
     """Each subscriber plans alone; rotation by destination rank spreads them over replicas."""
-    tensors = {"w": ((16, 16), None)}                          # one small tensor: nothing to split
+    tensors = {"w": ((16, 16), None)}  # one small tensor: nothing to split
     src = sharded(tensors, tp=1, dp=4)
     dst = [d for k in range(8) for d in sharded(tensors, tp=1, rank0=40 + k)]
     plans = {d.rank: build_plan(src, d, min_split_bytes=1 << 20) for d in dst}
@@ -89,8 +94,9 @@ def test_sort_order_matches_a_plain_stable_sort():
 
     rng = np.random.default_rng(0)
     for case in range(200):
-        runs = [np.sort(rng.integers(0, 50 if case % 2 else 10**9, rng.integers(1, 20)))
-                for _ in range(rng.integers(1, 12))]
+        runs = [
+            np.sort(rng.integers(0, 50 if case % 2 else 10**9, rng.integers(1, 20))) for _ in range(rng.integers(1, 12))
+        ]
         keys = np.concatenate(runs).astype(np.int64)
         order = sort_order(keys)
         got = keys if order is None else keys[order]

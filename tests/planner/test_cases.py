@@ -1,4 +1,5 @@
 """Table-driven planner tests: every layout kind, executed on real byte buffers."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The README's worked planner example runs and prints exactly what the README shows."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ DOC = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 def test_worked_example_output_matches_the_document():
     with open(DOC) as f:
         text = f.read()
-    text = text[text.index("### Worked example: a TP=2 trainer to a fused TP=1 rollout"):]
+    text = text[text.index("### Worked example: a TP=2 trainer to a fused TP=1 rollout") :]
     code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
     shown = re.search(r"prints\n\n```\n(.*?)```", text, re.DOTALL).group(1)
     out = io.StringIO()

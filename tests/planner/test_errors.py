@@ -1,4 +1,5 @@
 """Planner errors: missing tensors, dtype and shape mismatches, bad plans. Each names tensor and rank."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,7 @@ def test_missing_tensor_lists_names_and_ranks():
 
 
 def test_partially_held_tensor():
-    src = sharded({"w": ((8, 2), 0)}, tp=2)[:1]   # only rows 0..3 exist on the sources
+    src = sharded({"w": ((8, 2), 0)}, tp=2)[:1]  # only rows 0..3 exist on the sources
     dst = [_one(9, "w", (8, 2))]
     with pytest.raises(PlanError, match=r"'w'.*rank 9.*16 of 16|'w'.*rank 9.*8 of 16"):
         build_plans(src, dst)
@@ -80,13 +81,16 @@ def _mutate(plan: Plan, **cols) -> Plan:
     return dataclasses.replace(plan, sources=(SourceOps(s.src_rank, **new),) + plan.sources[1:])
 
 
-@pytest.mark.parametrize("cols, pattern", [
-    ({"src_offset": lambda a: a + 4}, "unmapped source bytes|source rank"),
-    ({"dst_offset": lambda a: a + 4}, "overlap|unmapped destination|outside"),
-    ({"nbytes": lambda a: a - 4}, "reads .* bytes but"),
-    ({"src_offset": lambda a: a + 10**6}, "outside region"),
-    ({"dst_region": lambda a: a + 3}, "region 3 does not exist"),
-])
+@pytest.mark.parametrize(
+    "cols, pattern",
+    [
+        ({"src_offset": lambda a: a + 4}, "unmapped source bytes|source rank"),
+        ({"dst_offset": lambda a: a + 4}, "overlap|unmapped destination|outside"),
+        ({"nbytes": lambda a: a - 4}, "reads .* bytes but"),
+        ({"src_offset": lambda a: a + 10**6}, "outside region"),
+        ({"dst_region": lambda a: a + 3}, "region 3 does not exist"),
+    ],
+)
 def test_validate_rejects_broken_plans(cols, pattern):
     src, dst, plan = _good()
     validate_plan(plan, src, dst)
@@ -99,9 +103,13 @@ def test_validate_catches_wrong_data_mapping():
     # Swap the sources of the two halves: in bounds, no overlap, right total, wrong bytes.
     src, dst, plan = _good()
     a, b = plan.sources
-    swapped = dataclasses.replace(plan, sources=(
-        SourceOps(a.src_rank, a.src_region, a.src_offset, b.dst_region, b.dst_offset, a.nbytes),
-        SourceOps(b.src_rank, b.src_region, b.src_offset, a.dst_region, a.dst_offset, b.nbytes)))
+    swapped = dataclasses.replace(
+        plan,
+        sources=(
+            SourceOps(a.src_rank, a.src_region, a.src_offset, b.dst_region, b.dst_offset, a.nbytes),
+            SourceOps(b.src_rank, b.src_region, b.src_offset, a.dst_region, a.dst_offset, b.nbytes),
+        ),
+    )
     with pytest.raises(PlanError, match="copies"):
         validate_plan(swapped, src, dst)
 

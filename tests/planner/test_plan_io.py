@@ -1,4 +1,5 @@
 """Plans and layouts are plain data: JSON round trips, deterministic builds, summaries."""
+
 from __future__ import annotations
 
 import json

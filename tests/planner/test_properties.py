@@ -2,6 +2,7 @@
 
 Every example executes its plans on byte buffers with the three checks of ``helpers.check_plans``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,8 +43,12 @@ def _shard_side(data, specs, ranks, dtype):
         for b, (o, s) in zip(builders, _cuts(data, sp.shape[dim], len(ranks))):
             if s:
                 local = tuple(s if i == dim else n for i, n in enumerate(sp.shape))
-                b.add(sp.name, local, dtype, Shard(sp.name, sp.shape, tuple(o if i == dim else 0
-                                                                         for i in range(len(sp.shape)))))
+                b.add(
+                    sp.name,
+                    local,
+                    dtype,
+                    Shard(sp.name, sp.shape, tuple(o if i == dim else 0 for i in range(len(sp.shape)))),
+                )
     return [b.build() for b in builders]
 
 
@@ -61,8 +66,11 @@ def _fused_side(data, specs, ranks, dtype):
             members, group = group[:take], group[take:]
             cuts = [_cuts(data, sp.shape[0], len(ranks)) for sp in members]
             for ri, b in enumerate(builders):
-                parts = [Shard(sp.name, sp.shape, (c[ri][0],) + (0,) * len(tail), (c[ri][1],) + tail)
-                         for sp, c in zip(members, cuts) if c[ri][1]]
+                parts = [
+                    Shard(sp.name, sp.shape, (c[ri][0],) + (0,) * len(tail), (c[ri][1],) + tail)
+                    for sp, c in zip(members, cuts)
+                    if c[ri][1]
+                ]
                 if parts:
                     rows = sum(p.sizes[0] for p in parts)
                     b.add(f"fused{gi}", (rows,) + tail, dtype, Fused(0, tuple(parts)))
@@ -104,8 +112,12 @@ def _ep_side(data, specs, ranks, dtype):
             by_shape.setdefault(sp.shape, []).append(sp)
         for shape, group in by_shape.items():
             if len(group) > 1 and data.draw(st.booleans()):
-                builders[h].add("stack_" + "_".join(g.name for g in group), (len(group),) + shape, dtype,
-                                Stack(tuple(Shard(g.name, g.shape) for g in group)))
+                builders[h].add(
+                    "stack_" + "_".join(g.name for g in group),
+                    (len(group),) + shape,
+                    dtype,
+                    Stack(tuple(Shard(g.name, g.shape) for g in group)),
+                )
             else:
                 for g in group:
                     builders[h].add(g.name, shape, dtype, Shard(g.name, shape))
@@ -169,8 +181,11 @@ def _replicate(layouts, copies: int, rank0: int):
     from planner import RankLayout
 
     n = len(layouts)
-    return [RankLayout(rank0 + c * n + i, lay.tensors, lay.specs, lay.region_sizes)
-            for c in range(copies) for i, lay in enumerate(layouts)]
+    return [
+        RankLayout(rank0 + c * n + i, lay.tensors, lay.specs, lay.region_sizes)
+        for c in range(copies)
+        for i, lay in enumerate(layouts)
+    ]
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

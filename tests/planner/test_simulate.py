@@ -1,4 +1,5 @@
 """The flow simulator against hand-computed makespans and lower bounds."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Publisher and subscriber processes for the runtime tests (driven through ``harness.Worker``)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +20,18 @@ def model(kind: str = "small") -> ModelConfig:
 
 
 class PubActor:
-    def __init__(self, url: str, rank: int, world: int, tp: int, *, host_store: bool = False,
-                 model_kind: str = "small", token: str = TOKEN, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        rank: int,
+        world: int,
+        tp: int,
+        *,
+        host_store: bool = False,
+        model_kind: str = "small",
+        token: str = TOKEN,
+        **kwargs: Any,
+    ) -> None:
         self.cfg = model(model_kind)
         self.tensors = make_tensors(self.cfg, tp, rank % tp, fused=False, version=None)
         self.pub = Publisher("t", url, rank=rank, world_size=world, host_store=host_store, token=token, **kwargs)
@@ -51,15 +62,26 @@ class PubActor:
 
 
 class SubActor:
-    def __init__(self, url: str, tp: int, rank: int, *, fused: bool = True, model_kind: str = "small",
-                 token: str = TOKEN, extra: dict | None = None, fault: tuple[str, dict] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        tp: int,
+        rank: int,
+        *,
+        fused: bool = True,
+        model_kind: str = "small",
+        token: str = TOKEN,
+        extra: dict | None = None,
+        fault: tuple[str, dict] | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.cfg = model(model_kind)
         self.tensors = make_tensors(self.cfg, tp, rank, fused=fused, version=None, fill_value=0x5A)
         if extra:
             import torch
 
             from wbridge import Shard
+
             for name, (shape, gshape) in extra.items():
                 self.tensors[name] = (torch.zeros(shape, dtype=torch.bfloat16), Shard(name, tuple(gshape)))
         if fault is not None:
@@ -79,8 +101,9 @@ class SubActor:
             h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes())
         return h.hexdigest()
 
-    def pull(self, min_version: int | None = None, timeout: float = 30.0, garbage: int | None = 0xA5,
-             delay: float = 0.0) -> dict:
+    def pull(
+        self, min_version: int | None = None, timeout: float = 30.0, garbage: int | None = 0xA5, delay: float = 0.0
+    ) -> dict:
         if garbage is not None:
             self.fill(garbage)
         if delay:
@@ -88,10 +111,15 @@ class SubActor:
         t0 = time.time()
         v = self.sub.pull(min_version=min_version, timeout=timeout)
         t1 = time.time()
-        return {"v": v, "t_start": t0, "t_ack": t1, "bad": mismatches(self.tensors, v),
-                "bytes_per_source": dict(self.sub.stats.bytes_per_source),
-                "transports": dict(self.sub.stats.transports),
-                "retries": self.sub.stats.last.retries if self.sub.stats.last else 0}
+        return {
+            "v": v,
+            "t_start": t0,
+            "t_ack": t1,
+            "bad": mismatches(self.tensors, v),
+            "bytes_per_source": dict(self.sub.stats.bytes_per_source),
+            "transports": dict(self.sub.stats.transports),
+            "retries": self.sub.stats.last.retries if self.sub.stats.last else 0,
+        }
 
     def try_pull(self, timeout: float = 10.0) -> dict:
         """A pull expected to fail: the error class and the state it left."""
@@ -100,8 +128,13 @@ class SubActor:
             v = self.sub.pull(timeout=timeout)
             return {"error": None, "v": v, "elapsed": time.time() - t0}
         except Exception as e:  # noqa: BLE001
-            return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-                    "message": str(e), "elapsed": time.time() - t0, "version": self.sub.version}
+            return {
+                "error": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e),
+                "elapsed": time.time() - t0,
+                "version": self.sub.version,
+            }
 
     def check(self, v: int) -> list[str]:
         return mismatches(self.tensors, v)

@@ -1,5 +1,6 @@
 """Worker processes driven by the test through a pipe: the test sends a command, the worker runs it
 and answers. Every call has a timeout, and every worker is killed when the test ends."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -8,7 +9,8 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # forkserver: one process imports torch and wbridge once, every worker is a cheap fork of it
 # (spawn re-imports torch in every worker: seconds each on a loaded 2-core machine).
@@ -55,7 +57,9 @@ def _loop(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
 class Worker:
     """Runs ``factory(*args, **kwargs)`` in a spawned process; ``call`` invokes its methods."""
 
-    def __init__(self, name: str, factory: Callable[..., Any], *args: Any, timeout: float = 60.0, **kwargs: Any) -> None:
+    def __init__(
+        self, name: str, factory: Callable[..., Any], *args: Any, timeout: float = 60.0, **kwargs: Any
+    ) -> None:
         self.name = name
         self._conn, child = CTX.Pipe()
         self.proc = CTX.Process(target=_loop, args=(child, factory, args, kwargs), name=name, daemon=True)

@@ -1,11 +1,11 @@
 """Bad input gets a typed error that names the tensor, and nothing is half-applied."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from wbridge import (LayoutError, PlanError, Publisher, Shard, Subscriber, UsageError,
-                     WBridgeError)
+from wbridge import LayoutError, PlanError, Publisher, Shard, Subscriber, UsageError, WBridgeError
 
 from .harness import free_port
 
@@ -14,10 +14,21 @@ G = (8, 6)
 
 @pytest.fixture
 def pub():
-    p = Publisher("bad", f"tcp://127.0.0.1:{free_port()}", host_store=True, token="t", transport="tcp",
-                  mode="async", max_staleness=100)
-    p.register({"w": (torch.arange(48, dtype=torch.bfloat16).reshape(G), Shard("w", G)),
-                "n": (torch.ones(6, dtype=torch.float32), Shard("n", (6,)))})
+    p = Publisher(
+        "bad",
+        f"tcp://127.0.0.1:{free_port()}",
+        host_store=True,
+        token="t",
+        transport="tcp",
+        mode="async",
+        max_staleness=100,
+    )
+    p.register(
+        {
+            "w": (torch.arange(48, dtype=torch.bfloat16).reshape(G), Shard("w", G)),
+            "n": (torch.ones(6, dtype=torch.float32), Shard("n", (6,))),
+        }
+    )
     p.publish(timeout=10)
     yield p
     p.close()
@@ -51,7 +62,7 @@ def test_shape_mismatch_is_plan_error_naming_the_tensor(pub) -> None:
 
 @pytest.mark.timeout(60)
 def test_dtype_mismatch_is_plan_error_naming_the_tensor(pub) -> None:
-    dst = torch.zeros(6, dtype=torch.bfloat16)    # the publisher has float32
+    dst = torch.zeros(6, dtype=torch.bfloat16)  # the publisher has float32
     sub = subscriber(pub, {"n": (dst, Shard("n", (6,)))})
     with pytest.raises(PlanError, match="n"):
         sub.pull(timeout=10)

@@ -1,5 +1,6 @@
 """End to end: 4 publisher processes (TP=2 x DP=2), 3 subscribers with other layouts, real store,
 real transports. Every pull starts from garbage and must restore every byte."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,9 +33,11 @@ def test_three_versions_bit_exact_and_late_joiner(transport: str) -> None:
     try:
         pubs = start_publishers(url, transport=sorted({"tcp", transport}))
         workers += pubs
-        subs = [Worker("sub-tp0", SubActor, url, 2, 0, transport=transport),
-                Worker("sub-tp1", SubActor, url, 2, 1, transport=transport),
-                Worker("sub-full", SubActor, url, 1, 0, fused=False, transport=transport)]
+        subs = [
+            Worker("sub-tp0", SubActor, url, 2, 0, transport=transport),
+            Worker("sub-tp1", SubActor, url, 2, 1, transport=transport),
+            Worker("sub-full", SubActor, url, 1, 0, fused=False, transport=transport),
+        ]
         workers += subs
         served: dict[int, int] = {}
         late = None

@@ -1,4 +1,5 @@
 """Failures give typed errors within their timeouts and never a silent partial update."""
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,16 @@ def test_wrong_token_is_auth_error(store) -> None:
 @pytest.mark.timeout(60)
 def test_unknown_tensor_is_plan_error_naming_it(store) -> None:
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, model_kind="tiny")
-    sub = Worker("sub", SubActor, store.url, 1, 0, fused=False, model_kind="tiny",
-                 extra={"model.layers.9.mlp.not_a_weight": ((4, 4), (4, 4))})
+    sub = Worker(
+        "sub",
+        SubActor,
+        store.url,
+        1,
+        0,
+        fused=False,
+        model_kind="tiny",
+        extra={"model.layers.9.mlp.not_a_weight": ((4, 4), (4, 4))},
+    )
     try:
         pub.call("publish", 1)
         r = sub.call("try_pull", timeout=5.0)
@@ -99,13 +108,22 @@ def test_killed_publisher_fails_the_pull_cleanly(store, staged: bool) -> None:
 @pytest.mark.timeout(60)
 def test_auto_falls_back_to_tcp_when_local_cannot_connect(store) -> None:
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, model_kind="tiny", transport=["tcp", "local"])
-    sub = Worker("sub", SubActor, store.url, 1, 0, fused=False, model_kind="tiny", transport="auto",
-                 fault=("fail-connect", {"only": "local"}))
+    sub = Worker(
+        "sub",
+        SubActor,
+        store.url,
+        1,
+        0,
+        fused=False,
+        model_kind="tiny",
+        transport="auto",
+        fault=("fail-connect", {"only": "local"}),
+    )
     try:
         pub.call("publish", 1)
         got = sub.call("pull", min_version=1)
         assert got["bad"] == []
-        (name, reason), = got["transports"].values()
+        ((name, reason),) = got["transports"].values()
         assert name == "tcp" and "local" in reason, reason
     finally:
         sub.stop(), pub.stop()

@@ -1,5 +1,6 @@
 """Integrity: checksummed versions catch bytes corrupted in flight; a slot reused under a slow
 reader never yields a torn version."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,17 @@ def test_bit_flipped_in_flight_is_integrity_error(staged: bool) -> None:
     pubs = publishers(url, 2, checksums=True)
     # the 3rd plan batch is corrupted: the first pull (one batch per publisher rank) is clean;
     # single-read batches (verification re-reads) are not counted
-    sub = Worker("sub", SubActor, url, 2, 1, verify=True, staged=staged, transport="tcp",
-                 fault=("flip-bit", {"on_reads": (3,), "min_ops": 2}))
+    sub = Worker(
+        "sub",
+        SubActor,
+        url,
+        2,
+        1,
+        verify=True,
+        staged=staged,
+        transport="tcp",
+        fault=("flip-bit", {"on_reads": (3,), "min_ops": 2}),
+    )
     try:
         call_all(pubs, "publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []
@@ -68,7 +78,7 @@ def test_slot_reused_under_a_slow_reader_is_never_torn() -> None:
         sub.send("pull", min_version=1)
         pub.call("wait_reader", 1)
         pub.call("publish", 2)
-        pub.call("publish", 3)   # slot of version 1 again
+        pub.call("publish", 3)  # slot of version 1 again
         got = sub.result(60)
         assert got["v"] == 3, got["v"]
         assert got["retries"] >= 1

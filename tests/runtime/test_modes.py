@@ -2,6 +2,7 @@
 
 A subscriber is told to wait ``DELAY`` seconds before it starts pulling; a publish that must wait
 for its ack can only return after that start, and one that must not wait returns before it."""
+
 from __future__ import annotations
 
 import time

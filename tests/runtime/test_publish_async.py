@@ -7,6 +7,7 @@ that the *staging slot* changed under its reads, but a trainer writing its *live
 the copy leaves a slot that is stable and torn, and nothing downstream can tell it from a real
 version. That is why the contract is on the caller (on a GPU, the copy stream's ordering).
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,7 +34,7 @@ class AsyncPubActor(PubActor):
     def step(self, v: int, timeout: float = 30.0) -> dict:
         if self.fut is not None:
             self.fut.result(timeout=timeout)
-        set_version(self.tensors, v)          # the optimizer step
+        set_version(self.tensors, v)  # the optimizer step
         self.fut = self.pub.publish_async(timeout=timeout)
         return {"t_ret": time.time(), "done_at_return": self.fut.done()}
 
@@ -52,8 +53,12 @@ class AsyncPubActor(PubActor):
                 self.pub.publish(timeout=timeout)
             return {"error": None}
         except Exception as e:  # noqa: BLE001
-            return {"error": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-                    "message": str(e), "elapsed": time.monotonic() - t0}
+            return {
+                "error": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e),
+                "elapsed": time.monotonic() - t0,
+            }
 
     def close_in_flight(self, timeout: float) -> dict:
         """Starts a publish that cannot finish (a live subscriber never acks), then closes."""
@@ -69,14 +74,21 @@ class AsyncPubActor(PubActor):
             error = None
         except Exception as e:  # noqa: BLE001
             error = type(e).__name__
-        return {"in_flight": in_flight, "close_s": close_s, "error": error, "repr": repr(self.pub),
-                "threads": [t.name for t in threading.enumerate() if t.name.startswith("wbridge-publish")]}
+        return {
+            "in_flight": in_flight,
+            "close_s": close_s,
+            "error": error,
+            "repr": repr(self.pub),
+            "threads": [t.name for t in threading.enumerate() if t.name.startswith("wbridge-publish")],
+        }
 
 
 def _channel(mode: str, world: int, tp: int, **pub_kwargs) -> tuple[str, list[Worker]]:
     url = f"tcp://127.0.0.1:{free_port()}"
-    pubs = [Worker(f"pub{r}", AsyncPubActor, url, r, world, tp, host_store=(r == 0), mode=mode, **pub_kwargs)
-            for r in range(world)]
+    pubs = [
+        Worker(f"pub{r}", AsyncPubActor, url, r, world, tp, host_store=(r == 0), mode=mode, **pub_kwargs)
+        for r in range(world)
+    ]
     return url, pubs
 
 
@@ -91,8 +103,10 @@ def test_publish_async_returns_at_once_and_subscribers_get_every_version_bit_exa
     and the future resolves only after it. Two publisher ranks (TP=2), two subscribers (fused
     TP=2 rank 0, unfused TP=1), garbage in their tensors before every pull."""
     url, pubs = _channel("sync", 2, 2)
-    subs = [Worker("sub-fused", SubActor, url, 2, 0, fused=True, lease_ttl=5.0),
-            Worker("sub-full", SubActor, url, 1, 0, fused=False, lease_ttl=5.0)]
+    subs = [
+        Worker("sub-fused", SubActor, url, 2, 0, fused=True, lease_ttl=5.0),
+        Worker("sub-full", SubActor, url, 1, 0, fused=False, lease_ttl=5.0),
+    ]
     try:
         for v in (1, 2, 3):
             for s in subs:

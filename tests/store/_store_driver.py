@@ -7,6 +7,7 @@ Prints {"ready": url} first, then answers each request {"op": ..., "key": ..., .
 {"ok": true, "value": <hex or null>, "took": seconds} or {"ok": false, "error": class name,
 "msg": text, "took": seconds}. EOF on stdin closes the store and exits.
 """
+
 from __future__ import annotations
 
 import json

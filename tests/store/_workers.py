@@ -1,4 +1,5 @@
 """Child-process bodies for the store tests (module level, so ``spawn`` can import them)."""
+
 from __future__ import annotations
 
 import os

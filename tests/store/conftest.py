@@ -1,4 +1,5 @@
 """Fixtures for the store conformance suite: every test runs against ``tcp://`` and ``etcd://``."""
+
 from __future__ import annotations
 
 import uuid

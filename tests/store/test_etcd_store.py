@@ -1,4 +1,5 @@
 """etcd-only behaviour: restart mid-use, endpoint failover, lease re-grant, prefixes, URL checks."""
+
 from __future__ import annotations
 
 import threading
@@ -10,11 +11,13 @@ from tests.etcd_fixture import EtcdServer, etcd_binary, free_port
 from tests.store import _workers as W
 from tests.store.test_store_conformance import CTX, SLACK, eventually, join_all, spawn
 from wbridge.errors import StoreError, WaitTimeout
-from wbridge.store.etcd import EtcdStore
 from wbridge.store import open_store
+from wbridge.store.etcd import EtcdStore
 
-pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)")]
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)"),
+]
 
 
 @pytest.fixture
@@ -104,8 +107,10 @@ def test_failover_to_a_live_endpoint(etcd_server):
 
 
 def test_lease_regranted_after_etcd_dropped_it(etcd_server):
-    with open_store(f"{etcd_server.url}/regrant/", connect_timeout=10) as s, \
-            open_store(f"{etcd_server.url}/regrant/", connect_timeout=10) as other:
+    with (
+        open_store(f"{etcd_server.url}/regrant/", connect_timeout=10) as s,
+        open_store(f"{etcd_server.url}/regrant/", connect_timeout=10) as other,
+    ):
         lease = s.lease("live/x", 2.0)
         first = lease.lease_id
         # Revoke it behind the holder's back (as etcd does when a lease expires): the key goes...
@@ -131,16 +136,19 @@ def test_close_revokes_leases(etcd_server):
 
 
 def test_prefixes_keep_stores_apart(etcd_server):
-    with open_store(f"{etcd_server.url}/job-a", connect_timeout=10) as a, \
-            open_store(f"{etcd_server.url}/job-b/", connect_timeout=10) as b:
+    with (
+        open_store(f"{etcd_server.url}/job-a", connect_timeout=10) as a,
+        open_store(f"{etcd_server.url}/job-b/", connect_timeout=10) as b,
+    ):
         a.set("k", b"a")
         assert b.get("k") is None
         b.set("k", b"b")
         assert a.get("k") == b"a"
 
 
-@pytest.mark.parametrize("url", ["etcd://", "etcd://127.0.0.1", "etcd://127.0.0.1:2379,nohost",
-                                 "etcd://127.0.0.1:port"])
+@pytest.mark.parametrize(
+    "url", ["etcd://", "etcd://127.0.0.1", "etcd://127.0.0.1:2379,nohost", "etcd://127.0.0.1:port"]
+)
 def test_bad_urls(url):
     with pytest.raises(StoreError, match="host:port"):
         open_store(url, connect_timeout=0.5)

@@ -1,4 +1,5 @@
 """Stores across test hosts (network namespaces): reachable over the link, bounded when it is cut."""
+
 from __future__ import annotations
 
 import sys

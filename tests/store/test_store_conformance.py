@@ -1,4 +1,5 @@
 """One conformance suite for every metadata store (tcp:// and etcd://), with real processes."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -70,8 +71,13 @@ def test_a_set_is_visible_to_other_clients_once_it_returns(store_env):
 
 def test_get_set_delete_roundtrip(store_env):
     s = store_env.open()
-    values = {"plain": b"v1", "empty": b"", "binary": bytes(range(256)) * 4, "big": os.urandom(1 << 20),
-              "nested/key:with.odd chars": b"\x00\xff\x00"}
+    values = {
+        "plain": b"v1",
+        "empty": b"",
+        "binary": bytes(range(256)) * 4,
+        "big": os.urandom(1 << 20),
+        "nested/key:with.odd chars": b"\x00\xff\x00",
+    }
     assert s.get("plain") is None
     for k, v in values.items():
         s.set(k, v)

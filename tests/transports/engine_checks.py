@@ -1,4 +1,5 @@
 """Checks shared by the per-transport tests of the optional engines (mooncake, nixl, nccl)."""
+
 from __future__ import annotations
 
 import os
@@ -96,11 +97,15 @@ def open_read_close_cycles(name: str, cycles: int, options: dict | None = None) 
 
         while grown() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not grown(), f"fds, OS threads, Python threads: {base} -> {(fds(), os_threads(), threading.active_count())}"
+        assert not grown(), (
+            f"fds, OS threads, Python threads: {base} -> {(fds(), os_threads(), threading.active_count())}"
+        )
         while True:
             now = server.command(op="stats")
-            if all(now[k] == base_server[k] for k in ("fds", "threads", "regions", "connections")) \
-                    or time.monotonic() > deadline:
+            if (
+                all(now[k] == base_server[k] for k in ("fds", "threads", "regions", "connections"))
+                or time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.05)
         assert {k: now[k] for k in base_server if k != "ok"} == {k: base_server[k] for k in base_server if k != "ok"}

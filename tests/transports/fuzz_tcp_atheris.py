@@ -6,6 +6,7 @@ stream sent to ``serve_connection`` over a socket pair, before or after a valid 
 byte). The run fails if the handler hangs, hits an internal error, sends anything before the
 handshake but CHALLENGE/ERROR, or answers differently from the reference model after it.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,11 +21,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import transports.base  # noqa: E402,F401 - imported (with numpy) before instrumenting: only the wire code is
 
 with atheris.instrument_imports():
-    from transports import _wire
-    from transports import tcp
+    from transports import _wire, tcp
 
-from tests.transports.wire_model import (CHALLENGE, DATA, ERROR, client_handshake, exchange,  # noqa: E402
-                                         expected_replies, parse_replies)
+from tests.transports.wire_model import (
+    CHALLENGE,
+    DATA,
+    ERROR,
+    client_handshake,
+    exchange,  # noqa: E402
+    expected_replies,
+    parse_replies,
+)
 
 KEY, INSTANCE = b"atheris-token", b"\1" * 16
 ARRAYS = {1: np.arange(300, dtype=np.uint8), 2: np.arange(7, dtype=np.uint8) * 3}
@@ -66,8 +73,13 @@ def seed_corpus(directory: str) -> None:
     """Well-formed starting points: valid reads, an out-of-region read, a truncated frame."""
     from tests.transports.wire_model import read_frame
 
-    seeds = [read_frame([(1, 0, 10)]), read_frame([(2, 3, 4), (1, 299, 1)]), read_frame([(2, 0, 8)]),
-             read_frame([(3, 0, 1)]), read_frame([(1, 5, 5)])[:20]]
+    seeds = [
+        read_frame([(1, 0, 10)]),
+        read_frame([(2, 3, 4), (1, 299, 1)]),
+        read_frame([(2, 0, 8)]),
+        read_frame([(3, 0, 1)]),
+        read_frame([(1, 5, 5)])[:20],
+    ]
     os.makedirs(directory, exist_ok=True)
     for i, seed in enumerate(seeds):
         with open(os.path.join(directory, f"seed{i}"), "wb") as f:
@@ -75,7 +87,7 @@ def seed_corpus(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    _wire.MAX_ENTRIES  # keep the instrumented import visible to linters
+    assert _wire.MAX_ENTRIES  # keep the instrumented import visible to linters
     for arg in sys.argv[1:]:
         if not arg.startswith("-") and not (os.path.isdir(arg) and os.listdir(arg)):
             seed_corpus(arg)

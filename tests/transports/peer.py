@@ -9,6 +9,7 @@ separate OS process (``python -m transports._serve``) that registers regions hol
 client '<json>'``): connect, read every region whole, check every byte, close; it exits with status 0
 only if all of that worked.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,18 +27,39 @@ from transports._serve import check_region, region_bytes  # noqa: E402
 __all__ = ["Peer", "check_region", "region_bytes", "run_client"]
 
 
-def run_client(transport: str, endpoint: bytes, descriptors: list[bytes], regions: list[dict], *,
-               token: str | None = "secret", options: dict | None = None, timeout: float = 60.0,
-               wrap: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_client(
+    transport: str,
+    endpoint: bytes,
+    descriptors: list[bytes],
+    regions: list[dict],
+    *,
+    token: str | None = "secret",
+    options: dict | None = None,
+    timeout: float = 60.0,
+    wrap: list[str] | None = None,
+) -> subprocess.CompletedProcess:
     """Reads every region of a peer from a fresh process; returns the finished process (check returncode).
 
     ``wrap`` prefixes the command (``["setpriv", "--bounding-set=-sys_ptrace", ...]``, say).
     """
-    spec = {"transport": transport, "endpoint": endpoint.hex(), "descriptors": [d.hex() for d in descriptors],
-            "regions": regions, "token": token, "options": options or {}, "timeout": timeout}
+    spec = {
+        "transport": transport,
+        "endpoint": endpoint.hex(),
+        "descriptors": [d.hex() for d in descriptors],
+        "regions": regions,
+        "token": token,
+        "options": options or {},
+        "timeout": timeout,
+    }
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([*(wrap or []), sys.executable, os.path.abspath(__file__), "client", json.dumps(spec)],
-                          capture_output=True, text=True, timeout=timeout + 30, env=env, cwd=ROOT)
+    return subprocess.run(
+        [*(wrap or []), sys.executable, os.path.abspath(__file__), "client", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout + 30,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _client(spec: dict) -> int:
@@ -58,7 +80,7 @@ def _client(spec: dict) -> int:
         prep = t.prepare(peer, [bytes.fromhex(d) for d in spec["descriptors"]], [local], batch)
         t.read(prep, timeout=spec["timeout"])
         for r, start in zip(spec["regions"], starts):
-            if not check_region(dst[start:start + r["size"]], r["seed"]):
+            if not check_region(dst[start : start + r["size"]], r["seed"]):
                 print(f"region with seed {r['seed']} differs", file=sys.stderr)
                 return 1
         t.release(prep)

@@ -13,6 +13,7 @@ process (``peer.Peer``). A transport joins automatically once its module imports
   it to call ``serve(timeout=...)`` once before every read it posts.
 - ``num_regions`` (property), where present, must drop back to 0 once everything is deregistered.
 """
+
 from __future__ import annotations
 
 import gc
@@ -89,7 +90,7 @@ class Reader:
         self.local = self.t.register(self.dst.ctypes.data, dst_size)
         self.peer = None
 
-    def connect(self) -> "Reader":
+    def connect(self) -> Reader:
         self.peer = self.t.connect(self.server.endpoint, timeout=TIMEOUT)
         return self
 
@@ -122,9 +123,10 @@ def reader_factory(variant, server):
 def apply_reference(dst: np.ndarray, batch: ReadBatch, expected) -> np.ndarray:
     """What ``dst`` must hold after ``batch``: the same reads done by numpy."""
     want = dst.copy()
-    for s, so, _, do, n in zip(*(c.tolist() for c in (batch.src_region, batch.src_offset, batch.dst_region,
-                                                       batch.dst_offset, batch.nbytes))):
-        want[do:do + n] = expected[s][so:so + n]
+    for s, so, _, do, n in zip(
+        *(c.tolist() for c in (batch.src_region, batch.src_offset, batch.dst_region, batch.dst_offset, batch.nbytes))
+    ):
+        want[do : do + n] = expected[s][so : so + n]
     return want
 
 
@@ -175,8 +177,14 @@ def test_mixed_batch_bit_exact(variant, server, reader_factory, expected):
 def test_region_edges(variant, server, reader_factory, expected):
     applies(variant, "edges")
     s0, s1 = REGIONS[0]["size"], REGIONS[1]["size"]
-    rows = [(0, 0, 0, 0, 1), (0, s0 - 1, 0, 1, 1), (1, s1 - 1, 0, 2, 1), (1, 0, 0, 3, s1),
-            (0, s0 - 4097, 0, 3 + s1, 4097), (0, 0, 0, 3 + s1 + 4097, s0)]
+    rows = [
+        (0, 0, 0, 0, 1),
+        (0, s0 - 1, 0, 1, 1),
+        (1, s1 - 1, 0, 2, 1),
+        (1, 0, 0, 3, s1),
+        (0, s0 - 4097, 0, 3 + s1, 4097),
+        (0, 0, 0, 3 + s1 + 4097, s0),
+    ]
     batch = ReadBatch.of(rows)
     r = reader_factory(3 + s1 + 4097 + s0).connect()  # the last read ends on the destination's last byte
     want = apply_reference(r.dst, batch, expected)
@@ -184,14 +192,17 @@ def test_region_edges(variant, server, reader_factory, expected):
     assert np.array_equal(r.dst, want)
 
 
-@pytest.mark.parametrize("row", [
-    (0, REGIONS[0]["size"] - 10, 0, 0, 11),   # one byte past the end of a remote region
-    (1, -1, 0, 0, 4),                         # negative offset
-    (2, 0, 0, 0, 4),                          # no such remote region
-    (0, 0, 0, 1000, 100),                     # past the end of the destination
-    (0, 0, 1, 0, 4),                          # no such destination region
-    (0, 0, 0, 0, 0),                          # empty read
-])
+@pytest.mark.parametrize(
+    "row",
+    [
+        (0, REGIONS[0]["size"] - 10, 0, 0, 11),  # one byte past the end of a remote region
+        (1, -1, 0, 0, 4),  # negative offset
+        (2, 0, 0, 0, 4),  # no such remote region
+        (0, 0, 0, 1000, 100),  # past the end of the destination
+        (0, 0, 1, 0, 4),  # no such destination region
+        (0, 0, 0, 0, 0),  # empty read
+    ],
+)
 def test_prepare_refuses_out_of_bounds(variant, server, reader_factory, row):
     applies(variant, "bounds")
     r = reader_factory(1024).connect()
@@ -258,17 +269,22 @@ def test_dead_peer_raises_within_timeout(variant, reader_factory, how):
     applies(variant, how)
     name, opts = variant
     size = 64 << 20
-    with Peer(name, [{"size": size, "seed": 3}], token=TOKEN, options=opts, fill="pattern",
-              timeout=STARTUP) as peer:
+    with Peer(name, [{"size": size, "seed": 3}], token=TOKEN, options=opts, fill="pattern", timeout=STARTUP) as peer:
         r = Reader(variant, peer, size)
         try:
             r.connect()
-            prep = r.prepare(ReadBatch(np.zeros(16), np.arange(16) * (4 << 20), np.zeros(16),
-                                       np.arange(16) * (4 << 20), np.full(16, 4 << 20)))
+            prep = r.prepare(
+                ReadBatch(
+                    np.zeros(16),
+                    np.arange(16) * (4 << 20),
+                    np.zeros(16),
+                    np.arange(16) * (4 << 20),
+                    np.full(16, 4 << 20),
+                )
+            )
             first, result = threading.Event(), {}
             timeout = 5.0
-            worker = threading.Thread(target=lambda: _reads_until_error(r, prep, first, result, timeout),
-                                      daemon=True)
+            worker = threading.Thread(target=lambda: _reads_until_error(r, prep, first, result, timeout), daemon=True)
             worker.start()
             assert first.wait(TIMEOUT), "no read completed"
             os.kill(peer.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
@@ -384,6 +400,5 @@ def test_client_process_exits_zero(variant, server):
     """A reading process and the serving process are separate OS processes; both exit with status 0."""
     applies(variant, "process")
     name, opts = variant
-    done = run_client(name, server.endpoint, server.descriptors, REGIONS, token=TOKEN, options=opts,
-                      timeout=TIMEOUT)
+    done = run_client(name, server.endpoint, server.descriptors, REGIONS, token=TOKEN, options=opts, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-2000:]

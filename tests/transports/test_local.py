@@ -1,4 +1,5 @@
 """``local`` beyond the conformance suite: iovec batching, partial transfers, identity checks, kernel refusals."""
+
 from __future__ import annotations
 
 import ctypes
@@ -32,7 +33,7 @@ def test_vm_read_batches_past_iov_max():
     dst_off = np.concatenate([[0], np.cumsum(lens)[:-1]])
     dst = np.full(int(lens.sum()), 0xEE, dtype=np.uint8)
     vm_read(os.getpid(), _iov(dst.ctypes.data + dst_off, lens), _iov(src.ctypes.data + src_off, lens))
-    want = np.concatenate([src[o:o + k] for o, k in zip(src_off, lens)])
+    want = np.concatenate([src[o : o + k] for o, k in zip(src_off, lens)])
     assert np.array_equal(dst, want)
 
 
@@ -47,8 +48,8 @@ def test_vm_read_partial_transfer_then_fault():
     dst = np.full(page, 0xEE, dtype=np.uint8)
     with pytest.raises(TransportError, match="Bad address"):
         vm_read(os.getpid(), _iov([dst.ctypes.data], [page]), _iov([base + page // 2], [page]))
-    assert np.array_equal(dst[:page // 2], np.frombuffer(mm, np.uint8, page // 2, page // 2))
-    assert (dst[page // 2:] == 0xEE).all()
+    assert np.array_equal(dst[: page // 2], np.frombuffer(mm, np.uint8, page // 2, page // 2))
+    assert (dst[page // 2 :] == 0xEE).all()
     libc.mprotect(ctypes.c_void_p(base + page), page, 3)
 
 
@@ -68,12 +69,15 @@ def _endpoint_with(server: LocalTransport, **changes) -> bytes:
     return _signed(TOKEN, **d)
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"boot": "another-boot-id"}, "another host"),
-    ({"pidns": 1}, "another pid namespace"),
-    ({"start": 1}, "is gone"),
-    ({"nonce": "00" * 16}, "nonce"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"boot": "another-boot-id"}, "another host"),
+        ({"pidns": 1}, "another pid namespace"),
+        ({"start": 1}, "is gone"),
+        ({"nonce": "00" * 16}, "nonce"),
+    ],
+)
 def test_endpoint_identity_checked(pair, changes, match):
     server, client = pair
     ep = _endpoint_with(server, **changes)
@@ -110,8 +114,9 @@ def test_host_buffer_is_sealed_and_read_by_mapping(pair):
     assert b'"memfd":[' in region.descriptor
     dst = np.zeros(1000, np.uint8)
     peer = client.connect(server.endpoint(), timeout=5)
-    prep = client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, 1000)],
-                          ReadBatch.of([(0, 0, 0, 0, 1000)]))
+    prep = client.prepare(
+        peer, [region.descriptor], [client.register(dst.ctypes.data, 1000)], ReadBatch.of([(0, 0, 0, 0, 1000)])
+    )
     assert len(prep.copies) == 1 and len(prep.local_iov) == 0  # by mapping, not process_vm_readv
     client.read(prep, timeout=5)
     assert np.array_equal(dst, arr[100:1100])
@@ -125,8 +130,7 @@ def test_adjacent_reads_are_coalesced(pair):
     dst = np.zeros(1 << 16, np.uint8)
     peer = client.connect(server.endpoint(), timeout=5)
     rows = [(0, i * 4096, 0, i * 4096, 4096) for i in range(16)] + [(0, 0, 0, 100, 10)]
-    prep = client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, dst.nbytes)],
-                          ReadBatch.of(rows))
+    prep = client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, dst.nbytes)], ReadBatch.of(rows))
     assert len(prep.local_iov) == 2
     client.read(prep, timeout=5)
     want = src.copy()
@@ -140,8 +144,16 @@ def test_kernel_refusal_is_a_clear_error(method, match):
     """A reader without ptrace rights over the publisher gets a TransportError that says to use tcp."""
     regions = [{"size": 4096, "seed": 1}]
     with Peer("local", regions, token="t", dumpable=False, timeout=20) as p:
-        denied = run_client("local", p.endpoint, p.descriptors, regions, token="t", options={"method": method},
-                            timeout=20, wrap=["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"])
+        denied = run_client(
+            "local",
+            p.endpoint,
+            p.descriptors,
+            regions,
+            token="t",
+            options={"method": method},
+            timeout=20,
+            wrap=["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"],
+        )
         if "setpriv" in denied.stderr and "TransportError" not in denied.stderr:
             pytest.skip(f"cannot drop capabilities here: {denied.stderr.strip()[-200:]}")
         assert denied.returncode != 0

@@ -1,4 +1,5 @@
 """Mooncake-specific tests beyond the conformance suite (which also runs on mooncake)."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine is not installed (pip install 'wbridge[mooncake]')")
+pytest.importorskip(
+    "mooncake.engine", reason="mooncake-transfer-engine is not installed (pip install 'wbridge[mooncake]')"
+)
 
 import transports  # noqa: E402
 from transports import TransportError  # noqa: E402
@@ -31,8 +34,10 @@ def test_endpoint_is_the_engine_session():
 def test_many_ops_span_engine_calls():
     """More reads than one engine call takes (the tcp lanes' queue): chunked, every byte right."""
     size = 1 << 20
-    with Peer("mooncake", [{"size": size, "seed": 8}], token=TOKEN, timeout=TIMEOUT) as server, \
-            Mooncake(token=TOKEN.encode(), max_batch=300) as t:
+    with (
+        Peer("mooncake", [{"size": size, "seed": 8}], token=TOKEN, timeout=TIMEOUT) as server,
+        Mooncake(token=TOKEN.encode(), max_batch=300) as t,
+    ):
         dst = np.full(size, GARBAGE, dtype=np.uint8)
         local = t.register(dst.ctypes.data, size)
         peer = t.connect(server.endpoint, timeout=TIMEOUT)
@@ -46,7 +51,7 @@ def test_many_ops_span_engine_calls():
         t.read(prep, timeout=TIMEOUT)
         src = region_bytes(size, 8)
         for s, ln in zip(starts.tolist(), lens.tolist()):
-            assert np.array_equal(dst[size - s - ln:size - s], src[s:s + ln])
+            assert np.array_equal(dst[size - s - ln : size - s], src[s : s + ln])
         assert server.stop() == 0
 
 

@@ -1,4 +1,5 @@
 """nccl-transport tests beyond the conformance suite (which also runs on nccl, over gloo here)."""
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,13 @@ LOOP_READER = """
 import sys, numpy as np, transports
 from transports.base import ReadBatch
 ep, desc, size = bytes.fromhex(sys.argv[1]), bytes.fromhex(sys.argv[2]), int(sys.argv[3])
-t = transports.get("nccl")(token=b"%s")
+t = transports.get("nccl")(token=sys.argv[4].encode())
 dst = np.zeros(size, np.uint8); local = t.register(dst.ctypes.data, size)
 prep = t.prepare(t.connect(ep, timeout=20), [desc], [local], ReadBatch.of([(0, 0, 0, 0, size)]))
 print("reading", flush=True)
 while True:
     t.read(prep, timeout=20)
-""" % TOKEN.encode().decode()
+"""
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,13 @@ def _reader(server, size=SIZE, region=0):
 def test_a_reader_killed_mid_pull_does_not_wedge_the_server(server):
     want = region_bytes(SIZE, 4)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    victim = subprocess.Popen([sys.executable, "-c", LOOP_READER, server.endpoint.hex(),
-                               server.descriptors[0].hex(), str(SIZE)], stdout=subprocess.PIPE, text=True,
-                              env=env, cwd=ROOT)
+    victim = subprocess.Popen(
+        [sys.executable, "-c", LOOP_READER, server.endpoint.hex(), server.descriptors[0].hex(), str(SIZE), TOKEN],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         assert victim.stdout.readline().strip() == "reading"
         os.kill(victim.pid, signal.SIGKILL)  # most likely in the middle of a pull epoch
@@ -106,14 +111,15 @@ def test_reconnects_after_a_failed_pull(server):
     """A failed pull closes the control connection; the next reads reconnect and re-prepare every batch."""
     t, dst, prep = _reader(server, 4096, region=1)
     with t:
-        other = t.prepare(prep.peer, server.descriptors, [t._regions[min(t._regions)]],
-                          ReadBatch.of([(1, 96, 0, 0, 4000)]))
+        other = t.prepare(
+            prep.peer, server.descriptors, [t._regions[min(t._regions)]], ReadBatch.of([(1, 96, 0, 0, 4000)])
+        )
         t.read(prep, timeout=TIMEOUT)
         t._drop(prep.peer)  # what a failed pull does: the server forgets the batches with the connection
         for p, want in ((prep, region_bytes(4096, 2)), (other, region_bytes(4096, 2)[96:])):
             dst.fill(GARBAGE)
             t.read(p, timeout=TIMEOUT)
-            assert np.array_equal(dst[:len(want)], want)
+            assert np.array_equal(dst[: len(want)], want)
 
 
 def test_control_listener_on_host_only_and_no_tcpstore(server):
@@ -130,6 +136,7 @@ def test_refuses_mixed_or_unknown_devices():
         with pytest.raises(TransportError, match="device"):
             t.register(1 << 20, 4096, device="tpu:0")
     from transports.nccl import _backend
+
     assert _backend(["cpu", "cpu"], "x") == "gloo" and _backend(["cuda:0", "cuda:1"], "x") == "nccl"
     with pytest.raises(TransportError, match="mixes"):
         _backend(["cpu", "cuda:0"], "the destination")

@@ -1,4 +1,5 @@
 """NIXL-specific tests beyond the conformance suite (which also runs on nixl)."""
+
 from __future__ import annotations
 
 import json
@@ -27,14 +28,20 @@ Nixl = transports.get("nixl")
 
 def test_region_registered_after_the_endpoint_is_readable():
     """Region descriptors carry their own partial metadata: the endpoint need not be re-published."""
-    with Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server, \
-            Nixl(token=TOKEN.encode()) as t:
+    with (
+        Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server,
+        Nixl(token=TOKEN.encode()) as t,
+    ):
         peer = t.connect(server.endpoint, timeout=TIMEOUT)
         late = bytes.fromhex(server.command(op="register", size=300_001, seed=42)["descriptor"])
         dst = np.full(300_001 + 64, GARBAGE, dtype=np.uint8)
         local = t.register(dst.ctypes.data, dst.nbytes)
-        prep = t.prepare(peer, [server.descriptors[0], late], [local],
-                         ReadBatch.of([(1, 0, 0, 0, 300_001), (0, 100, 0, 300_001, 64)]))
+        prep = t.prepare(
+            peer,
+            [server.descriptors[0], late],
+            [local],
+            ReadBatch.of([(1, 0, 0, 0, 300_001), (0, 100, 0, 300_001, 64)]),
+        )
         for _ in range(3):  # one prepared request, posted again and again
             dst.fill(GARBAGE)
             t.read(prep, timeout=TIMEOUT)
@@ -47,12 +54,21 @@ def test_region_registered_after_the_endpoint_is_readable():
 
 
 def test_ucx_listens_on_loopback_only():
-    with Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server, \
-            Nixl(token=TOKEN.encode()) as t:
+    with (
+        Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server,
+        Nixl(token=TOKEN.encode()) as t,
+    ):
         dst = np.zeros(4096, np.uint8)
         local = t.register(dst.ctypes.data, 4096)
-        t.read(t.prepare(t.connect(server.endpoint, timeout=TIMEOUT), server.descriptors, [local],
-                         ReadBatch.of([(0, 0, 0, 0, 4096)])), timeout=TIMEOUT)
+        t.read(
+            t.prepare(
+                t.connect(server.endpoint, timeout=TIMEOUT),
+                server.descriptors,
+                [local],
+                ReadBatch.of([(0, 0, 0, 0, 4096)]),
+            ),
+            timeout=TIMEOUT,
+        )
         addrs = listening_addresses(server.pid) + listening_addresses(os.getpid())
         assert all(a in ("127.0.0.1", "::1") for a, _ in addrs), addrs
         assert "net_devices=lo" in repr(t)
@@ -61,8 +77,10 @@ def test_ucx_listens_on_loopback_only():
 
 def test_refuses_reads_outside_the_peers_registrations():
     """NIXL itself checks the remote list against the peer's registrations, not only our bounds check."""
-    with Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server, \
-            Nixl(token=TOKEN.encode()) as t:
+    with (
+        Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server,
+        Nixl(token=TOKEN.encode()) as t,
+    ):
         d = json.loads(server.descriptors[0])
         d["addr"] += 8192  # a forged address: in no registration of the peer
         dst = np.zeros(64, np.uint8)
@@ -71,8 +89,9 @@ def test_refuses_reads_outside_the_peers_registrations():
         with pytest.raises(TransportError, match="refused"):
             t.prepare(peer, [json.dumps(d).encode()], [local], ReadBatch.of([(0, 0, 0, 0, 64)]))
         with pytest.raises(TransportError, match="belongs to agent"):
-            t.prepare(peer, [json.dumps({**d, "agent": "someone-else"}).encode()], [local],
-                      ReadBatch.of([(0, 0, 0, 0, 64)]))
+            t.prepare(
+                peer, [json.dumps({**d, "agent": "someone-else"}).encode()], [local], ReadBatch.of([(0, 0, 0, 0, 64)])
+            )
         with pytest.raises(TransportError, match="device"):
             t.register(dst.ctypes.data, 64, device="tpu:0")
         assert server.stop() == 0
@@ -80,10 +99,12 @@ def test_refuses_reads_outside_the_peers_registrations():
 
 def test_process_exits_zero_after_use():
     """Regression: with the system libefa present, UCX's efa module used to crash every process at exit."""
-    code = ("import numpy as np, transports\n"
-            "t = transports.get('nixl')()\n"
-            "b = np.zeros(4096, np.uint8); r = t.register(b.ctypes.data, 4096)\n"
-            "t.close()\n")
+    code = (
+        "import numpy as np, transports\n"
+        "t = transports.get('nixl')()\n"
+        "b = np.zeros(4096, np.uint8); r = t.register(b.ctypes.data, 4096)\n"
+        "t.close()\n"
+    )
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("UCX_MODULES", None)
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -1,4 +1,5 @@
 """Table-driven tests of the ``auto`` transport policy (``transports.select``)."""
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,23 @@ CASES = [
     # (id, local, remote, preference, expected name, words in the reason)
     ("rdma-both-nixl", caps(rdma=IB), caps(rdma=IB, host="h2"), "auto", "nixl", "RDMA"),
     ("rdma-both-same-host-still-rdma-first", caps(rdma=IB), caps(rdma=IB), "auto", "nixl", "RDMA"),
-    ("rdma-mooncake-only-remote", caps(rdma=IB), caps(["tcp", "mooncake"], rdma=IB, host="h2"), "auto",
-     "mooncake", "mooncake on both"),
+    (
+        "rdma-mooncake-only-remote",
+        caps(rdma=IB),
+        caps(["tcp", "mooncake"], rdma=IB, host="h2"),
+        "auto",
+        "mooncake",
+        "mooncake on both",
+    ),
     ("rdma-one-side-only", caps(rdma=IB), caps(host="h2"), "auto", "tcp", "no RDMA on both"),
-    ("rdma-no-common-engine", caps(["tcp", "nixl"], rdma=IB), caps(["tcp", "mooncake"], rdma=IB, host="h2"),
-     "auto", "tcp", "no common RDMA"),
+    (
+        "rdma-no-common-engine",
+        caps(["tcp", "nixl"], rdma=IB),
+        caps(["tcp", "mooncake"], rdma=IB, host="h2"),
+        "auto",
+        "tcp",
+        "no common RDMA",
+    ),
     ("same-host-local", caps(), caps(), "auto", "local", "same host"),
     ("same-host-no-local", caps(["tcp"]), caps(["tcp", "local"]), "auto", "tcp", "local unavailable"),
     ("nccl-both-opted-in", caps(nccl=True), caps(host="h2", nccl=True), "auto", "nccl", "opted in"),
@@ -64,11 +77,15 @@ def test_policy_errors(case):
         choose_transport(local, remote, pref)
 
 
-@pytest.mark.parametrize("local, remote, want", [
-    (caps(rdma=IB, nccl=True), caps(rdma=IB, nccl=True), ["nixl", "mooncake", "local", "nccl", "tcp"]),
-    (caps(nccl=True), caps(host="h2", nccl=True), ["nccl", "tcp"]),
-    (caps(["tcp", "local"]), caps(["tcp", "local"], host="h2"), ["tcp"]),
-], ids=["everything", "nccl-then-tcp", "tcp-only"])
+@pytest.mark.parametrize(
+    "local, remote, want",
+    [
+        (caps(rdma=IB, nccl=True), caps(rdma=IB, nccl=True), ["nixl", "mooncake", "local", "nccl", "tcp"]),
+        (caps(nccl=True), caps(host="h2", nccl=True), ["nccl", "tcp"]),
+        (caps(["tcp", "local"]), caps(["tcp", "local"], host="h2"), ["tcp"]),
+    ],
+    ids=["everything", "nccl-then-tcp", "tcp-only"],
+)
 def test_candidates_in_fallback_order(local, remote, want):
     got = candidates(local, remote)
     assert [n for n, _ in got] == want and all(reason for _, reason in got)

@@ -1,4 +1,5 @@
 """``tcp`` beyond the conformance suite: stream balancing, scatter I/O, hung peers, reconnection."""
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,12 @@ def test_streams_share_the_bytes(served):
     with TcpTransport(token=TOKEN, streams=4, split_bytes=64 << 10) as client:
         dst = np.zeros_like(src)
         peer = client.connect(server.endpoint(), timeout=5)
-        prep = client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, dst.nbytes)],
-                              ReadBatch.of([(0, 0, 0, 0, src.nbytes)]))
+        prep = client.prepare(
+            peer,
+            [region.descriptor],
+            [client.register(dst.ctypes.data, dst.nbytes)],
+            ReadBatch.of([(0, 0, 0, 0, src.nbytes)]),
+        )
         per_stream = [sum(f.nbytes for f in frames) for frames in prep.frames]
         assert per_stream == [src.nbytes // 4] * 4
         assert server.num_connections == 4
@@ -141,8 +146,10 @@ def test_bad_arguments_are_errors():
         with pytest.raises(TransportError):
             t.register(0, 10)
         with pytest.raises(TransportError, match="port"):
-            t.connect(json.dumps({"transport": "tcp", "host": "127.0.0.1", "port": 0, "instance": "00" * 16}).encode(),
-                      timeout=1)
+            t.connect(
+                json.dumps({"transport": "tcp", "host": "127.0.0.1", "port": 0, "instance": "00" * 16}).encode(),
+                timeout=1,
+            )
         with pytest.raises(TransportError, match="descriptor is for transport"):
             t.connect(b'{"transport": "local"}', timeout=1)
 
@@ -171,6 +178,10 @@ def test_listener_survives_running_out_of_descriptors(served):
     with TcpTransport(token=TOKEN, streams=2) as client:
         dst = np.zeros(64, np.uint8)
         peer = client.connect(server.endpoint(), timeout=5)
-        client.read(client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, 64)],
-                                   ReadBatch.of([(0, 0, 0, 0, 64)])), timeout=5)
+        client.read(
+            client.prepare(
+                peer, [region.descriptor], [client.register(dst.ctypes.data, 64)], ReadBatch.of([(0, 0, 0, 0, 64)])
+            ),
+            timeout=5,
+        )
         assert np.array_equal(dst, src[:64])

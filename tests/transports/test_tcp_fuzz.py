@@ -4,6 +4,7 @@ A real ``TcpTransport`` server (its own listener and threads) is fed hypothesis-
 over real sockets, before and after a valid handshake; every reply is checked against the reference
 model in ``wire_model``. ``test_atheris_run`` adds a short coverage-guided run where atheris imports.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,19 @@ from transports import TransportError
 from transports.base import ReadBatch
 from transports.tcp import TcpTransport
 
-from .wire_model import (CHALLENGE, DATA, ERROR, HDR, LIMITS, READ, client_handshake, exchange, expected_replies,
-                         parse_replies, read_frame)
+from .wire_model import (
+    CHALLENGE,
+    DATA,
+    ERROR,
+    HDR,
+    LIMITS,
+    READ,
+    client_handshake,
+    exchange,
+    expected_replies,
+    parse_replies,
+    read_frame,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,8 +67,12 @@ def _honest_read(server: TcpTransport, arrays) -> None:
     with TcpTransport(token=TOKEN, streams=2) as c:
         dst = np.zeros(SIZES[1], np.uint8)
         peer = c.connect(server.endpoint(), timeout=10)
-        prep = c.prepare(peer, [server._regions[1].descriptor], [c.register(dst.ctypes.data, dst.nbytes)],
-                         ReadBatch.of([(0, 0, 0, 0, SIZES[1])]))
+        prep = c.prepare(
+            peer,
+            [server._regions[1].descriptor],
+            [c.register(dst.ctypes.data, dst.nbytes)],
+            ReadBatch.of([(0, 0, 0, 0, SIZES[1])]),
+        )
         c.read(prep, timeout=10)
         assert np.array_equal(dst, arrays[1])
 
@@ -70,14 +86,19 @@ region_ids = st.sampled_from([1, 2, 3, 0, 4, 2**63, 2**64 - 1]) | u64
 offsets = st.integers(0, 4200) | st.sampled_from([99, 100, 4102, 4103, 2**63, 2**64 - 1]) | u64
 lengths = st.integers(0, 4200) | st.sampled_from([1, 2**63, 2**64 - 1]) | u64
 entries = st.lists(st.tuples(st.sampled_from([1, 2]) | region_ids, offsets, lengths), min_size=1, max_size=6)
-headers = st.builds(HDR.pack, st.sampled_from([b"WBTP", b"WBTQ", b"\0\0\0\0"]), st.just(1) | st.integers(0, 255),
-                    st.sampled_from(list(LIMITS)) | st.integers(0, 255), st.just(0) | st.integers(0, 65535),
-                    st.integers(0, 256) | st.sampled_from([4096 * 24, 4096 * 24 + 1, 2**40, 2**64 - 1]) | u64)
+headers = st.builds(
+    HDR.pack,
+    st.sampled_from([b"WBTP", b"WBTQ", b"\0\0\0\0"]),
+    st.just(1) | st.integers(0, 255),
+    st.sampled_from(list(LIMITS)) | st.integers(0, 255),
+    st.just(0) | st.integers(0, 65535),
+    st.integers(0, 256) | st.sampled_from([4096 * 24, 4096 * 24 + 1, 2**40, 2**64 - 1]) | u64,
+)
 pieces = st.one_of(
-    entries.map(read_frame),                                                   # reads, in bounds or not
-    st.tuples(entries.map(read_frame), st.integers(1, 200)).map(lambda p: p[0][:p[1]]),  # truncated
-    st.tuples(headers, st.binary(max_size=96)).map(lambda p: p[0] + p[1]),     # arbitrary headers
-    st.binary(max_size=64),                                                    # noise
+    entries.map(read_frame),  # reads, in bounds or not
+    st.tuples(entries.map(read_frame), st.integers(1, 200)).map(lambda p: p[0][: p[1]]),  # truncated
+    st.tuples(headers, st.binary(max_size=96)).map(lambda p: p[0] + p[1]),  # arbitrary headers
+    st.binary(max_size=64),  # noise
     st.builds(lambda n: HDR.pack(b"WBTP", 1, READ, 0, n) + bytes(n), st.integers(0, 100)),  # odd payloads
 )
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,8 +119,13 @@ def test_after_handshake_replies_match_model(served, stream):
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=200), st.lists(pieces, max_size=4).map(b"".join),
-                 st.binary(max_size=32).map(lambda b: HDR.pack(b"WBTP", 1, 1, 0, len(b)) + b)))
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.lists(pieces, max_size=4).map(b"".join),
+        st.binary(max_size=32).map(lambda b: HDR.pack(b"WBTP", 1, 1, 0, len(b)) + b),
+    )
+)
 def test_before_handshake_nothing_is_served(served, stream):
     t, addr, instance, regions = served
     with _connect(addr) as s:
@@ -130,13 +156,16 @@ def test_stalled_frame_is_dropped(served):
         assert _closed_within(s, 5.0) < 4.0  # frame_timeout is 0.5 s
 
 
-@pytest.mark.parametrize("header, why", [
-    (HDR.pack(b"WBTP", 1, READ, 0, 2**64 - 1), "exceeds the limit"),
-    (HDR.pack(b"WBTP", 2, READ, 0, 24), "unsupported protocol version 2"),
-    (HDR.pack(b"WBTP", 1, 99, 0, 0), "unknown frame type"),
-    (HDR.pack(b"WBTP", 1, READ, 1, 24), "reserved flags"),
-    (HDR.pack(b"HTTP", 1, READ, 0, 24), "bad magic"),
-])
+@pytest.mark.parametrize(
+    "header, why",
+    [
+        (HDR.pack(b"WBTP", 1, READ, 0, 2**64 - 1), "exceeds the limit"),
+        (HDR.pack(b"WBTP", 2, READ, 0, 24), "unsupported protocol version 2"),
+        (HDR.pack(b"WBTP", 1, 99, 0, 0), "unknown frame type"),
+        (HDR.pack(b"WBTP", 1, READ, 1, 24), "reserved flags"),
+        (HDR.pack(b"HTTP", 1, READ, 0, 24), "bad magic"),
+    ],
+)
 def test_malformed_header_gets_a_reason(served, header, why):
     _, addr, instance, _ = served
     with _connect(addr) as s:
@@ -204,8 +233,12 @@ def test_token_never_crosses_the_wire():
         ep["port"] = relay.port
         dst = np.zeros(64, np.uint8)
         peer = client.connect(json.dumps(ep).encode(), timeout=10)
-        client.read(client.prepare(peer, [region.descriptor], [client.register(dst.ctypes.data, 64)],
-                                   ReadBatch.of([(0, 1, 0, 0, 64)])), timeout=10)
+        client.read(
+            client.prepare(
+                peer, [region.descriptor], [client.register(dst.ctypes.data, 64)], ReadBatch.of([(0, 1, 0, 0, 64)])
+            ),
+            timeout=10,
+        )
         client.disconnect(peer)
         relay.close()
         assert np.array_equal(dst, src[1:65])
@@ -244,7 +277,7 @@ class _Relay:
         try:
             while chunk := x.recv(65536):
                 if len(head) < 200:
-                    head += chunk[:200 - len(head)]
+                    head += chunk[: 200 - len(head)]
                 y.sendall(chunk)
         except OSError:
             pass
@@ -276,10 +309,23 @@ def test_atheris_run(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "fuzz_tcp_atheris.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     corpus = tmp_path / "corpus"  # the script seeds an empty corpus with well-formed streams
-    done = subprocess.run([sys.executable, script, "-runs=3000", "-max_total_time=40", "-max_len=512", "-rss_limit_mb=12288",
-                           f"-artifact_prefix={tmp_path}/", str(corpus)],
-                          capture_output=True, text=True, timeout=150, cwd=root,
-                          env=dict(os.environ, PYTHONPATH=root))
+    done = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "-runs=3000",
+            "-max_total_time=40",
+            "-max_len=512",
+            "-rss_limit_mb=12288",
+            f"-artifact_prefix={tmp_path}/",
+            str(corpus),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Done" in done.stderr or "DONE" in done.stderr, done.stderr[-1000:]
     shutil.rmtree(tmp_path, ignore_errors=True)

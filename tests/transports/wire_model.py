@@ -3,6 +3,7 @@
 The model is written apart from ``transports._wire`` on purpose: it re-derives, from the protocol
 description, what a correct server answers to any byte stream sent after a valid handshake.
 """
+
 from __future__ import annotations
 
 import socket
@@ -37,7 +38,7 @@ def expected_replies(stream: bytes, regions: dict[int, bytes]) -> list[tuple[int
             return out + [(ERROR, None)]
         if len(stream) - pos - HDR.size < length:
             return out
-        payload = stream[pos + HDR.size:pos + HDR.size + length]
+        payload = stream[pos + HDR.size : pos + HDR.size + length]
         pos += HDR.size + length
         if length == 0 or length % ENTRY.size:
             return out + [(ERROR, None)]
@@ -45,7 +46,7 @@ def expected_replies(stream: bytes, regions: dict[int, bytes]) -> list[tuple[int
         if any(rid not in regions or n == 0 or off + n > len(regions[rid]) for rid, off, n in entries):
             out.append((ERROR, None))
         else:
-            out.append((DATA, b"".join(regions[rid][off:off + n] for rid, off, n in entries)))
+            out.append((DATA, b"".join(regions[rid][off : off + n] for rid, off, n in entries)))
     return out
 
 
@@ -55,8 +56,8 @@ def parse_replies(data: bytes) -> list[tuple[int, bytes]]:
     while pos < len(data):
         magic, version, ftype, flags, length = HDR.unpack_from(data, pos)
         if magic != b"WBTP" or version != 1 or flags:
-            raise AssertionError(f"server sent a malformed header at byte {pos}: {data[pos:pos + 16]!r}")
-        payload = data[pos + HDR.size:pos + HDR.size + length]
+            raise AssertionError(f"server sent a malformed header at byte {pos}: {data[pos : pos + 16]!r}")
+        payload = data[pos + HDR.size : pos + HDR.size + length]
         if len(payload) != length:
             raise AssertionError(f"server sent a truncated {ftype} frame")
         out.append((ftype, payload))
@@ -69,7 +70,7 @@ def client_handshake(sock: socket.socket, key: bytes, instance: bytes, wait_ok: 
     nonce = w.new_nonce()
     sock.sendall(w.frame(w.FrameType.HELLO, nonce))
     kind, payload = w.recv_frame(sock, (w.FrameType.CHALLENGE,))
-    server_nonce = payload[:w.NONCE_BYTES]
+    server_nonce = payload[: w.NONCE_BYTES]
     sock.sendall(w.frame(w.FrameType.AUTH, w.mac(key, b"client", instance, server_nonce, nonce)))
     if wait_ok:
         w.recv_frame(sock, (w.FrameType.AUTH_OK,))
@@ -96,7 +97,7 @@ def exchange(sock: socket.socket, stream: bytes, timeout: float = 5.0) -> bytes:
             chunk = sock.recv(1 << 20)
         except ConnectionResetError:
             break
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError(f"server kept the connection open {timeout}s after EOF") from None
         if not chunk:
             break

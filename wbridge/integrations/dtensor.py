@@ -13,9 +13,11 @@ Each adapter returns ``{local_name: (local_tensor, declaration)}``, the argument
 - ``from_module``: a plain, unsharded module whose parameter names are the canonical names
   (Hugging Face transformers models as trainers or rollout workers).
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from planner.layout import Declaration, Flat, Fused, Shard, Stack
 
@@ -44,7 +46,8 @@ def _dtensor_indices(name: str, dt: Any) -> list[list[int] | None]:
     Applies the placements left to right as DTensor does, including ``_StridedShard`` (FSDP2 over a
     TP-sharded dim), whose local rows are not one contiguous range.
     """
-    from torch.distributed.tensor import Partial, Replicate, Shard as DShard
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor import Shard as DShard
     from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
     mesh = dt.device_mesh
@@ -57,8 +60,10 @@ def _dtensor_indices(name: str, dt: Any) -> list[list[int] | None]:
         if isinstance(pl, Replicate):
             continue
         if isinstance(pl, Partial):
-            raise LayoutError(f"{name}: placement Partial on mesh dim {mesh_dim} holds an unreduced "
-                              f"partial sum, not a slice; reduce it (redistribute to Replicate/Shard) first")
+            raise LayoutError(
+                f"{name}: placement Partial on mesh dim {mesh_dim} holds an unreduced "
+                f"partial sum, not a slice; reduce it (redistribute to Replicate/Shard) first"
+            )
         if not isinstance(pl, (DShard, _StridedShard)):
             raise LayoutError(f"{name}: unsupported placement {pl!r} on mesh dim {mesh_dim}")
         d = pl.dim
@@ -80,15 +85,19 @@ def _dtensor_decl(name: str, dt: Any, local_shape: tuple[int, ...]) -> Declarati
     runs = {d: index_runs(ix) for d, ix in enumerate(index) if ix is not None}
     for d, ix in enumerate(index):
         if ix is not None and len(ix) != local_shape[d]:
-            raise LayoutError(f"{name}: local shape {local_shape} does not match the {len(ix)} "
-                              f"indices DTensor placements {dt.placements} give dim {d}")
+            raise LayoutError(
+                f"{name}: local shape {local_shape} does not match the {len(ix)} "
+                f"indices DTensor placements {dt.placements} give dim {d}"
+            )
     multi = [d for d, r in runs.items() if len(r) > 1]
     offsets = tuple(runs[d][0][0] if d in runs and runs[d] else 0 for d in range(len(shape)))
     if not multi:
         return Shard(name, shape, offsets)
     if len(multi) > 1:
-        raise LayoutError(f"{name}: placements {dt.placements} give non-contiguous indices along dims "
-                          f"{multi}; only one such dim is supported")
+        raise LayoutError(
+            f"{name}: placements {dt.placements} give non-contiguous indices along dims "
+            f"{multi}; only one such dim is supported"
+        )
     d = multi[0]
     parts = []
     for start, length in runs[d]:
@@ -98,9 +107,12 @@ def _dtensor_decl(name: str, dt: Any, local_shape: tuple[int, ...]) -> Declarati
     return Fused(d, tuple(parts))
 
 
-def from_dtensor(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *,
-                 rename: Mapping[str, str] | None = None,
-                 skip_empty: bool = True) -> dict[str, Entry]:
+def from_dtensor(
+    named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    *,
+    rename: Mapping[str, str] | None = None,
+    skip_empty: bool = True,
+) -> dict[str, Entry]:
     """The calling rank's layout of a state dict of DTensors (plain tensors are taken as whole).
 
     Returns ``{name: (local_tensor, decl)}`` where ``local_tensor`` is ``dt.to_local()`` (the live
@@ -138,8 +150,9 @@ def from_dtensor(named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *
     return out
 
 
-def from_module(module: Any, *, prefix: str = "", rename: Mapping[str, str] | None = None,
-                include_buffers: bool = False) -> dict[str, Entry]:
+def from_module(
+    module: Any, *, prefix: str = "", rename: Mapping[str, str] | None = None, include_buffers: bool = False
+) -> dict[str, Entry]:
     """A module whose parameter names are canonical names, unsharded (TP=1, no fusion).
 
     This is how a Hugging Face transformers model is registered as a trainer or as a rollout

@@ -15,10 +15,12 @@ Building blocks (each returns a planner declaration for the calling rank's local
 of the rank's Megatron parameters and gives its local shape and declaration, so
 ``MegatronGPT(...).entries(model.state_dict())`` is ready for ``Publisher.register``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from planner.layout import Declaration, Fused, Shard
 
@@ -54,8 +56,9 @@ def padded_vocab(vocab: int, tp_size: int, divisible_by: int = 128) -> int:
     return -(-vocab // m) * m
 
 
-def vocab_parallel(name: str, vocab: int, hidden: int, tp_rank: int, tp_size: int,
-                   divisible_by: int = 128) -> tuple[tuple[int, int], Shard]:
+def vocab_parallel(
+    name: str, vocab: int, hidden: int, tp_rank: int, tp_size: int, divisible_by: int = 128
+) -> tuple[tuple[int, int], Shard]:
     """Local shape and declaration of a vocab-parallel embedding / output layer shard.
 
     Rows past ``vocab`` (padding) are unmapped: never read, never written."""
@@ -70,8 +73,17 @@ def _names(pattern: str | Sequence[str]) -> tuple[str, str, str]:
     return q, k, v
 
 
-def qkv_interleaved(names: str | Sequence[str], *, hidden: int, num_heads: int, num_kv_heads: int,
-                    head_dim: int, tp_rank: int, tp_size: int, bias: bool = False) -> Fused:
+def qkv_interleaved(
+    names: str | Sequence[str],
+    *,
+    hidden: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tp_rank: int,
+    tp_size: int,
+    bias: bool = False,
+) -> Fused:
     """Megatron ``linear_qkv``: per query group ``[q_g (heads/groups rows of heads); k_g; v_g]``.
 
     ``names`` is a pattern with ``{}`` for q/k/v or a (q, k, v) triple. TP splits the groups, so
@@ -86,14 +98,25 @@ def qkv_interleaved(names: str | Sequence[str], *, hidden: int, num_heads: int, 
     qs, ks = (num_heads * head_dim,) + tail, (num_kv_heads * head_dim,) + tail
     parts = []
     for g in range(g0, g0 + ng):
-        parts += [Shard(q, qs, (g * hpg * head_dim,) + zero, (hpg * head_dim,) + tail),
-                  Shard(k, ks, (g * head_dim,) + zero, (head_dim,) + tail),
-                  Shard(v, ks, (g * head_dim,) + zero, (head_dim,) + tail)]
+        parts += [
+            Shard(q, qs, (g * hpg * head_dim,) + zero, (hpg * head_dim,) + tail),
+            Shard(k, ks, (g * head_dim,) + zero, (head_dim,) + tail),
+            Shard(v, ks, (g * head_dim,) + zero, (head_dim,) + tail),
+        ]
     return Fused(0, tuple(parts))
 
 
-def qkv_fused(names: str | Sequence[str], *, hidden: int, num_heads: int, num_kv_heads: int,
-              head_dim: int, tp_rank: int, tp_size: int, bias: bool = False) -> Fused:
+def qkv_fused(
+    names: str | Sequence[str],
+    *,
+    hidden: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tp_rank: int,
+    tp_size: int,
+    bias: bool = False,
+) -> Fused:
     """A rollout engine's ``qkv_proj`` (vLLM ``QKVParallelLinear``): ``[q_r; k_r; v_r]``.
 
     With fewer kv heads than TP ranks each kv head is replicated on ``tp_size / num_kv_heads``
@@ -109,13 +132,17 @@ def qkv_fused(names: str | Sequence[str], *, hidden: int, num_heads: int, num_kv
     tail = () if bias else (hidden,)
     zero = () if bias else (0,)
     qs, ks = (num_heads * head_dim,) + tail, (num_kv_heads * head_dim,) + tail
-    return Fused(0, (Shard(q, qs, (q0 * head_dim,) + zero, (nq * head_dim,) + tail),
-                     Shard(k, ks, (k0 * head_dim,) + zero, (nk * head_dim,) + tail),
-                     Shard(v, ks, (k0 * head_dim,) + zero, (nk * head_dim,) + tail)))
+    return Fused(
+        0,
+        (
+            Shard(q, qs, (q0 * head_dim,) + zero, (nq * head_dim,) + tail),
+            Shard(k, ks, (k0 * head_dim,) + zero, (nk * head_dim,) + tail),
+            Shard(v, ks, (k0 * head_dim,) + zero, (nk * head_dim,) + tail),
+        ),
+    )
 
 
-def gate_up_fused(names: str | Sequence[str], *, hidden: int, intermediate: int, tp_rank: int,
-                  tp_size: int) -> Fused:
+def gate_up_fused(names: str | Sequence[str], *, hidden: int, intermediate: int, tp_rank: int, tp_size: int) -> Fused:
     """Megatron ``linear_fc1`` / engine ``gate_up_proj``: ``[gate_r; up_r]`` (each a TP row shard)."""
     if isinstance(names, str):
         gate, up = names.format("gate"), names.format("up")
@@ -123,12 +150,10 @@ def gate_up_fused(names: str | Sequence[str], *, hidden: int, intermediate: int,
         gate, up = names
     start, size = _split(intermediate, tp_size, tp_rank, gate)
     shape = (intermediate, hidden)
-    return Fused(0, (Shard(gate, shape, (start, 0), (size, hidden)),
-                     Shard(up, shape, (start, 0), (size, hidden))))
+    return Fused(0, (Shard(gate, shape, (start, 0), (size, hidden)), Shard(up, shape, (start, 0), (size, hidden))))
 
 
-def pp_layers(num_layers: int, pp_rank: int, pp_size: int,
-              first_stage_layers: int | None = None) -> range:
+def pp_layers(num_layers: int, pp_rank: int, pp_size: int, first_stage_layers: int | None = None) -> range:
     """Global layer indices held by pipeline stage ``pp_rank`` (even split; optionally an uneven
     first stage as Megatron's ``decoder_first_pipeline_num_layers``)."""
     if not 0 <= pp_rank < pp_size:
@@ -192,53 +217,70 @@ class MegatronGPT:
         first, last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         if first:
             out["embedding.word_embeddings.weight"] = vocab_parallel(
-                "model.embed_tokens.weight", self.vocab, H, r, tp, self.vocab_divisible_by)
+                "model.embed_tokens.weight", self.vocab, H, r, tp, self.vocab_divisible_by
+            )
         if last:
             out["decoder.final_layernorm.weight"] = ((H,), Shard("model.norm.weight", (H,)))
             if not self.tie_embeddings:
                 out["output_layer.weight"] = vocab_parallel(
-                    "lm_head.weight", self.vocab, H, r, tp, self.vocab_divisible_by)
+                    "lm_head.weight", self.vocab, H, r, tp, self.vocab_divisible_by
+                )
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for local, g in enumerate(layers):
             m, h = f"decoder.layers.{local}.", f"model.layers.{g}."
             att = h + "self_attn.{}_proj"
             rows = (qd + 2 * kd) // tp
-            kw = dict(hidden=H, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                      head_dim=self.head_dim, tp_rank=r, tp_size=tp)
-            out[m + "self_attention.linear_qkv.weight"] = (
-                (rows, H), qkv_interleaved(att + ".weight", **kw))
+            kw = dict(
+                hidden=H,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                tp_rank=r,
+                tp_size=tp,
+            )
+            out[m + "self_attention.linear_qkv.weight"] = ((rows, H), qkv_interleaved(att + ".weight", **kw))
             if self.qkv_bias:
-                out[m + "self_attention.linear_qkv.bias"] = (
-                    (rows,), qkv_interleaved(att + ".bias", bias=True, **kw))
-            out[m + "self_attention.linear_qkv.layer_norm_weight"] = (
-                (H,), Shard(h + "input_layernorm.weight", (H,)))
+                out[m + "self_attention.linear_qkv.bias"] = ((rows,), qkv_interleaved(att + ".bias", bias=True, **kw))
+            out[m + "self_attention.linear_qkv.layer_norm_weight"] = ((H,), Shard(h + "input_layernorm.weight", (H,)))
             out[m + "self_attention.linear_proj.weight"] = (
-                (H, qd // tp), row_parallel(h + "self_attn.o_proj.weight", (H, qd), r, tp))
+                (H, qd // tp),
+                row_parallel(h + "self_attn.o_proj.weight", (H, qd), r, tp),
+            )
             if self.qk_norm:
                 for a, b in (("q", "q_layernorm"), ("k", "k_layernorm")):
                     out[m + f"self_attention.{b}.weight"] = (
-                        (self.head_dim,), Shard(h + f"self_attn.{a}_norm.weight", (self.head_dim,)))
+                        (self.head_dim,),
+                        Shard(h + f"self_attn.{a}_norm.weight", (self.head_dim,)),
+                    )
             if self.is_moe(g):
                 out[m + "pre_mlp_layernorm.weight"] = ((H,), Shard(h + "post_attention_layernorm.weight", (H,)))
-                out[m + "mlp.router.weight"] = ((self.num_experts, H),
-                                                Shard(h + "mlp.gate.weight", (self.num_experts, H)))
+                out[m + "mlp.router.weight"] = (
+                    (self.num_experts, H),
+                    Shard(h + "mlp.gate.weight", (self.num_experts, H)),
+                )
                 F = self.moe_ffn
                 for j, e in enumerate(ep_experts(self.num_experts, self.ep_rank, self.ep_size)):
                     x, ex = m + f"mlp.experts.local_experts.{j}.", h + f"mlp.experts.{e}."
-                    out[x + "linear_fc1.weight"] = ((2 * F, H), gate_up_fused(
-                        ex + "{}_proj.weight", hidden=H, intermediate=F, tp_rank=0, tp_size=1))
+                    out[x + "linear_fc1.weight"] = (
+                        (2 * F, H),
+                        gate_up_fused(ex + "{}_proj.weight", hidden=H, intermediate=F, tp_rank=0, tp_size=1),
+                    )
                     out[x + "linear_fc2.weight"] = ((H, F), Shard(ex + "down_proj.weight", (H, F)))
             else:
-                out[m + "mlp.linear_fc1.layer_norm_weight"] = (
-                    (H,), Shard(h + "post_attention_layernorm.weight", (H,)))
-                out[m + "mlp.linear_fc1.weight"] = ((2 * self.ffn // tp, H), gate_up_fused(
-                    h + "mlp.{}_proj.weight", hidden=H, intermediate=self.ffn, tp_rank=r, tp_size=tp))
+                out[m + "mlp.linear_fc1.layer_norm_weight"] = ((H,), Shard(h + "post_attention_layernorm.weight", (H,)))
+                out[m + "mlp.linear_fc1.weight"] = (
+                    (2 * self.ffn // tp, H),
+                    gate_up_fused(h + "mlp.{}_proj.weight", hidden=H, intermediate=self.ffn, tp_rank=r, tp_size=tp),
+                )
                 out[m + "mlp.linear_fc2.weight"] = (
-                    (H, self.ffn // tp), row_parallel(h + "mlp.down_proj.weight", (H, self.ffn), r, tp))
+                    (H, self.ffn // tp),
+                    row_parallel(h + "mlp.down_proj.weight", (H, self.ffn), r, tp),
+                )
         return out
 
-    def entries(self, state_dict: Mapping[str, Any], *, prefix: str = "",
-                strict: bool = True) -> dict[str, tuple[Any, Declaration]]:
+    def entries(
+        self, state_dict: Mapping[str, Any], *, prefix: str = "", strict: bool = True
+    ) -> dict[str, tuple[Any, Declaration]]:
         """Pairs the rank's live tensors (a Megatron state dict) with their declarations.
 
         Checks every tensor's shape against the declared local shape; with ``strict`` every
@@ -247,24 +289,26 @@ class MegatronGPT:
         want = self.params()
         out: dict[str, tuple[Any, Declaration]] = {}
         for name, t in state_dict.items():
-            key = name[len(prefix):] if prefix and name.startswith(prefix) else name
+            key = name[len(prefix) :] if prefix and name.startswith(prefix) else name
             if key.endswith("_extra_state"):
                 continue
             if key not in want:
                 if strict:
-                    raise LayoutError(f"{name}: not a parameter of the declared Megatron layout "
-                                      f"(tp={self.tp_rank}/{self.tp_size}, pp={self.pp_rank}/{self.pp_size}, "
-                                      f"ep={self.ep_rank}/{self.ep_size})")
+                    raise LayoutError(
+                        f"{name}: not a parameter of the declared Megatron layout "
+                        f"(tp={self.tp_rank}/{self.tp_size}, pp={self.pp_rank}/{self.pp_size}, "
+                        f"ep={self.ep_rank}/{self.ep_size})"
+                    )
                 continue
             shape, decl = want[key]
             if tuple(t.shape) != tuple(shape):
                 raise LayoutError(f"{name}: local shape {tuple(t.shape)} differs from the declared {shape}")
             out[name] = (t, decl)
-        missing = sorted(set(want) - {n[len(prefix):] if prefix and n.startswith(prefix) else n
-                                      for n in state_dict})
+        missing = sorted(set(want) - {n[len(prefix) :] if prefix and n.startswith(prefix) else n for n in state_dict})
         if strict and missing:
-            raise LayoutError(f"parameters missing from the state dict: {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''}")
+            raise LayoutError(
+                f"parameters missing from the state dict: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
         return out
 
 
@@ -301,4 +345,3 @@ def canonical_shapes(cfg: MegatronGPT) -> dict[str, tuple[int, ...]]:
             out[h + "mlp.up_proj.weight"] = (cfg.ffn, H)
             out[h + "mlp.down_proj.weight"] = (H, cfg.ffn)
     return out
-

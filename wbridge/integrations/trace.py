@@ -24,6 +24,7 @@ of one traced decoder layer to every layer of the same kind, ``expand_experts`` 
 traced experts to a full expert map, so a 1T-parameter model is extracted from a trace of a
 two-layer, few-expert model.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,9 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +44,7 @@ from planner.layout import Declaration, Flat, Fused, Shard, Stack, TensorSpec
 from ..errors import LayoutError
 from ..protocol.declarations import decl_from_dict, decl_to_dict
 
-View = tuple[int, ...]          # integer index into leading dims; () is the whole parameter
+View = tuple[int, ...]  # integer index into leading dims; () is the whole parameter
 
 
 @dataclass(frozen=True)
@@ -85,18 +87,26 @@ class TraceResult:
         return {s.name for items in self.entries.values() for _, d in items for s in _shards(d)}
 
     def to_json(self) -> str:
-        return json.dumps({
-            "entries": {k: [[list(v), decl_to_dict(d)] for v, d in items] for k, items in self.entries.items()},
-            "unmapped": dict(self.unmapped), "unused": list(self.unused), "seconds": self.seconds,
-        }, separators=(",", ":"))
+        return json.dumps(
+            {
+                "entries": {k: [[list(v), decl_to_dict(d)] for v, d in items] for k, items in self.entries.items()},
+                "unmapped": dict(self.unmapped),
+                "unused": list(self.unused),
+                "seconds": self.seconds,
+            },
+            separators=(",", ":"),
+        )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "TraceResult":
+    def from_json(cls, text: str | bytes) -> TraceResult:
         try:
             d = json.loads(text)
-            return cls({k: tuple((tuple(v), decl_from_dict(dd)) for v, dd in items)
-                        for k, items in d["entries"].items()},
-                       {k: int(v) for k, v in d["unmapped"].items()}, tuple(d["unused"]), float(d["seconds"]))
+            return cls(
+                {k: tuple((tuple(v), decl_from_dict(dd)) for v, dd in items) for k, items in d["entries"].items()},
+                {k: int(v) for k, v in d["unmapped"].items()},
+                tuple(d["unused"]),
+                float(d["seconds"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutError(f"malformed trace record: {e}") from e
 
@@ -115,11 +125,15 @@ def _shards(decl: Declaration) -> list[Shard]:
 # Canonical tensors and tags
 # ---------------------------------------------------------------------------------------------
 
+
 def canonical_shapes(canonical: Any) -> dict[str, tuple[int, ...]]:
     """Accepts ``{name: shape}``, ``{name: tensor}`` or an iterable of ``TensorSpec``."""
     out: dict[str, tuple[int, ...]] = {}
-    items = canonical.items() if isinstance(canonical, Mapping) else (
-        (s.name, s.shape) for s in canonical if isinstance(s, TensorSpec))
+    items = (
+        canonical.items()
+        if isinstance(canonical, Mapping)
+        else ((s.name, s.shape) for s in canonical if isinstance(s, TensorSpec))
+    )
     for name, v in items:
         shape = getattr(v, "shape", v)
         out[str(name)] = tuple(int(x) for x in shape)
@@ -152,7 +166,7 @@ class _Tags:
         if pass_no == 0 or pass_no - 1 >= len(shape):
             return torch.tensor(float(self.tensor[i]), dtype=torch.float64).expand(shape)
         d = pass_no - 1
-        v = torch.from_numpy(self.dims[i][d].copy())   # a loader may adopt (and later overwrite) it
+        v = torch.from_numpy(self.dims[i][d].copy())  # a loader may adopt (and later overwrite) it
         view = [1] * len(shape)
         view[d] = shape[d]
         return v.view(view).expand(shape)
@@ -163,7 +177,7 @@ def _ids(tid: np.ndarray) -> list[int]:
     if tid.size == 0:
         return []
     lo, hi = int(tid.min()), int(tid.max())
-    if lo == hi:                      # the common case: one tensor (or none) fills the parameter
+    if lo == hi:  # the common case: one tensor (or none) fills the parameter
         return [lo]
     counts = np.bincount((tid + 1).astype(np.intp, copy=False))
     return [int(i) - 1 for i in np.flatnonzero(counts)]
@@ -173,7 +187,7 @@ def _select(tid: np.ndarray, t: int, ids: list[int]) -> np.ndarray | slice:
     return slice(None) if ids == [t] else np.nonzero(tid == t)[0]
 
 
-CHUNK = 1 << 22     # elements per step of the large array passes (bounds temporaries)
+CHUNK = 1 << 22  # elements per step of the large array passes (bounds temporaries)
 
 
 def _lookup(values: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -183,17 +197,18 @@ def _lookup(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     n = len(table)
     with np.errstate(invalid="ignore"):
         for a in range(0, values.size, CHUNK):
-            v = values[a:a + CHUNK]
-            ok = (v >= 0) & (v < n)               # False for NaN
-            idx = np.where(ok, v, 0).astype(np.int32)   # truncation: floor for v >= 0
+            v = values[a : a + CHUNK]
+            ok = (v >= 0) & (v < n)  # False for NaN
+            idx = np.where(ok, v, 0).astype(np.int32)  # truncation: floor for v >= 0
             ok &= table[idx] == v
-            out[a:a + CHUNK] = np.where(ok, idx, -1)
+            out[a : a + CHUNK] = np.where(ok, idx, -1)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Running the loader on shadows
 # ---------------------------------------------------------------------------------------------
+
 
 def _owner(module: Any, name: str) -> tuple[Any, str]:
     mod = module
@@ -231,7 +246,7 @@ class _Shadowed:
         self.names = list(names)
         self.saved: dict[str, Any] = {}
 
-    def __enter__(self) -> "_Shadowed":
+    def __enter__(self) -> _Shadowed:
         import torch
 
         chosen = set(self.names)
@@ -285,7 +300,7 @@ def _groups(names: Sequence[str], params: Mapping[str, Any], max_bytes: int | No
 
 def _run(load_weights: Callable, tags: _Tags, pass_no: int, order: Sequence[int]) -> None:
     try:
-        load_weights(((tags.names[i], tags.placeholder(i, pass_no)) for i in order))
+        load_weights((tags.names[i], tags.placeholder(i, pass_no)) for i in order)
     except LayoutError:
         raise
     except Exception as e:  # noqa: BLE001 - the loader is foreign code; name what it was doing
@@ -296,16 +311,17 @@ def _run(load_weights: Callable, tags: _Tags, pass_no: int, order: Sequence[int]
 # Compression of element maps into declarations
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Map:
     """Per-element origin of one (view of a) parameter: tensor index (-1 unmapped) and canonical
     multi-index (rows of ``coords``; zero past the tensor's rank)."""
 
     shape: tuple[int, ...]
-    tid: np.ndarray          # (N,)
-    coords: np.ndarray       # (max_ndim, N)
+    tid: np.ndarray  # (N,)
+    coords: np.ndarray  # (max_ndim, N)
 
-    def sub(self, i: int) -> "_Map":
+    def sub(self, i: int) -> _Map:
         inner = math.prod(self.shape[1:])
         sl = slice(i * inner, (i + 1) * inner)
         return _Map(self.shape[1:], self.tid[sl], self.coords[:, sl])
@@ -324,7 +340,7 @@ def _box_of(m: _Map, t: int, gshape: tuple[int, ...], sel: np.ndarray | None = N
     if np.any(sizes <= 0) or int(np.prod(sizes)) != c.shape[1]:
         return None
     dims = tuple(int(s) for s in sizes)
-    for d in range(nd):       # row-major box: coordinate d is lo[d] + its index along d
+    for d in range(nd):  # row-major box: coordinate d is lo[d] + its index along d
         ramp = (lo[d] + np.arange(dims[d], dtype=c.dtype)).reshape([-1 if k == d else 1 for k in range(nd)])
         if not (c[d].reshape(dims) == ramp).all():
             return None
@@ -361,10 +377,10 @@ def _as_padded(m: _Map, names: Sequence[str], shapes: Sequence[tuple]) -> Declar
         return None
     local = _local_index(m.shape)
     first = int(np.argmax(mapped))
-    o = m.coords[:len(g), first] - local[:, first]
+    o = m.coords[: len(g), first] - local[:, first]
     c = local + o[:, None]
     inside = np.all((c >= 0) & (c < np.array(g)[:, None]), axis=0)
-    if not np.array_equal(inside, mapped) or not np.array_equal(c[:, mapped], m.coords[:len(g), mapped]):
+    if not np.array_equal(inside, mapped) or not np.array_equal(c[:, mapped], m.coords[: len(g), mapped]):
         return None
     if np.any(o < 0):
         return None
@@ -380,10 +396,10 @@ def _as_fused(m: _Map, d: int, names: Sequence[str], shapes: Sequence[tuple]) ->
         return None
     slab = tuple(1 if i == d else s for i, s in enumerate(m.shape))
     idx = np.moveaxis(np.arange(m.tid.size).reshape(m.shape), d, 0).reshape(n, -1)
-    tid = m.tid[idx]                                      # (n, slab numel)
+    tid = m.tid[idx]  # (n, slab numel)
     if not (tid == tid[:, :1]).all():
         return None
-    rel = _local_index(slab)                              # (nd, slab numel); dim d is 0
+    rel = _local_index(slab)  # (nd, slab numel); dim d is 0
     parts: list[Shard] = []
     run_t, run_o, run_len = -1, None, 0
     for i in range(n):
@@ -436,7 +452,7 @@ def _as_flat(m: _Map, names: Sequence[str], shapes: Sequence[tuple]) -> Declarat
     flat = np.empty(k, dtype=np.int64)
     for t in [t for t in _ids(m.tid[:k]) if t >= 0]:
         sel = m.tid[:k] == t
-        flat[sel] = np.ravel_multi_index(tuple(m.coords[:len(shapes[t]), :k][:, sel]), shapes[int(t)])
+        flat[sel] = np.ravel_multi_index(tuple(m.coords[: len(shapes[t]), :k][:, sel]), shapes[int(t)])
     start = 0
     for i in range(1, k + 1):
         if i == k or m.tid[i] != m.tid[i - 1] or flat[i] != flat[i - 1] + 1:
@@ -466,8 +482,10 @@ def _declare(param: str, m: _Map, names, shapes, depth: int = 0, view: View = ()
             out += _declare(param, sub, names, shapes, depth + 1, view + (i,))
         return out
     where = f"{param}[{', '.join(map(str, view))}]" if view else param
-    raise LayoutError(f"{where}: the loader's placement of {sorted(names[t] for t in _ids(m.tid) if t >= 0)} "
-                      f"is not expressible as shards/fused/stacked slices (shape {m.shape})")
+    raise LayoutError(
+        f"{where}: the loader's placement of {sorted(names[t] for t in _ids(m.tid) if t >= 0)} "
+        f"is not expressible as shards/fused/stacked slices (shape {m.shape})"
+    )
 
 
 def _pieces_ordered(param: str, shape: tuple[int, ...], items: Sequence[tuple[View, Declaration]]) -> bool:
@@ -480,7 +498,7 @@ def _pieces_ordered(param: str, shape: tuple[int, ...], items: Sequence[tuple[Vi
     spans: dict[str, list[tuple[int, int, int]]] = {}
     for view, decl in items:
         base = sum(i * st for i, st in zip(view, strides))
-        for p in pieces_for(param, decl, shape[len(view):]):
+        for p in pieces_for(param, decl, shape[len(view) :]):
             if not p.box.numel:
                 continue
             g = row_major_strides(_shards_shape(decl, p.tensor))
@@ -508,11 +526,11 @@ def _check_order(param: str, m: _Map, names, shapes) -> None:
         if t < 0:
             continue
         sel = _select(m.tid, t, ids)
-        c = m.coords[:len(shapes[t])]
+        c = m.coords[: len(shapes[t])]
         c = c if isinstance(sel, slice) else c[:, sel]
         last, bad = -1, False
         for a in range(0, c.shape[1], CHUNK):
-            flat = np.ravel_multi_index(tuple(c[:, a:a + CHUNK]), shapes[t])
+            flat = np.ravel_multi_index(tuple(c[:, a : a + CHUNK]), shapes[t])
             if flat[0] <= last or np.any(np.diff(flat) <= 0):
                 bad = True
                 break
@@ -521,19 +539,29 @@ def _check_order(param: str, m: _Map, names, shapes) -> None:
             flat = np.ravel_multi_index(tuple(c), shapes[t])
             dup = len(np.unique(flat)) != len(flat)
             raise LayoutError(
-                f"{param}: the loader {'copies elements of ' + names[t] + ' more than once' if dup else 'reorders ' + names[t]}"
-                f" inside the parameter (not a slicing: a transpose, a permutation or a wrong fusion order "
-                f"within one tensor)")
+                f"{param}: the loader "
+                + (f"copies elements of {names[t]} more than once" if dup else f"reorders {names[t]}")
+                + " inside the parameter (not a slicing: a transpose, a permutation or a wrong fusion order "
+                "within one tensor)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 # ---------------------------------------------------------------------------------------------
 
-def trace_load_weights(module: Any, load_weights: Callable[[Iterable[tuple[str, Any]]], Any], canonical: Any, *,
-                       params: Sequence[str] | None = None, allow_unmapped: Sequence[str] = (r"embed", r"lm_head"),
-                       require_all: bool = True, seed: int = 0,
-                       max_group_bytes: int | None = None) -> TraceResult:
+
+def trace_load_weights(
+    module: Any,
+    load_weights: Callable[[Iterable[tuple[str, Any]]], Any],
+    canonical: Any,
+    *,
+    params: Sequence[str] | None = None,
+    allow_unmapped: Sequence[str] = (r"embed", r"lm_head"),
+    require_all: bool = True,
+    seed: int = 0,
+    max_group_bytes: int | None = None,
+) -> TraceResult:
     """Runs ``load_weights`` on index-encoded placeholders and returns where everything landed.
 
     ``canonical``: the canonical tensors with shapes (``{name: shape}``, ``{name: tensor}`` or
@@ -552,7 +580,7 @@ def trace_load_weights(module: Any, load_weights: Callable[[Iterable[tuple[str, 
     shapes = canonical_shapes(canonical)
     tags = _Tags(shapes, seed)
     names = tags.names
-    all_params = dict(module.named_parameters())      # tied parameters once, by their first name
+    all_params = dict(module.named_parameters())  # tied parameters once, by their first name
     chosen = list(params) if params is not None else list(all_params)
     for n in chosen:
         if n not in all_params:
@@ -571,32 +599,37 @@ def trace_load_weights(module: Any, load_weights: Callable[[Iterable[tuple[str, 
                 # A rank whose whole vocabulary shard is padding is fine; any other empty parameter
                 # means the loader never received (or never recognized) its tensor.
                 if require_all and not any(re.search(p, n) for p in allow_unmapped):
-                    raise LayoutError(f"{n}: load_weights wrote nothing into this parameter (a canonical tensor "
-                                      f"is missing or its name is not what the loader expects)")
+                    raise LayoutError(
+                        f"{n}: load_weights wrote nothing into this parameter (a canonical tensor "
+                        f"is missing or its name is not what the loader expects)"
+                    )
                 unmapped[n] = k
                 continue
             try:
                 items = _declare(n, m, names, tags.shapes)
             except LayoutError:
-                _check_order(n, m, names, tags.shapes)     # the clearer message, if it applies
+                _check_order(n, m, names, tags.shapes)  # the clearer message, if it applies
                 raise
             if not _pieces_ordered(n, tuple(all_params[n].shape), items):
-                _check_order(n, m, names, tags.shapes)     # exact element check on the rare doubt
+                _check_order(n, m, names, tags.shapes)  # exact element check on the rare doubt
             if k:
                 unmapped[n] = k
                 padded = all(isinstance(d, Shard) and d.padded for _, d in items)
                 if not (padded and any(re.search(p, n) for p in allow_unmapped)):
-                    raise LayoutError(f"{n}: load_weights left {k} of {m.tid.size} elements unwritten "
-                                      f"(a missing tensor or a partial copy); allow_unmapped patterns "
-                                      f"{list(allow_unmapped)}")
+                    raise LayoutError(
+                        f"{n}: load_weights left {k} of {m.tid.size} elements unwritten "
+                        f"(a missing tensor or a partial copy); allow_unmapped patterns "
+                        f"{list(allow_unmapped)}"
+                    )
             result[n] = tuple(items)
             del m
     unused = tuple(names[i] for i in range(len(names)) if i not in used)
     return TraceResult(result, unmapped, unused, time.perf_counter() - t0)
 
 
-def _trace_group(module: Any, load_weights: Callable, tags: _Tags, group: Sequence[str],
-                 order: Sequence[int]) -> dict[str, _Map]:
+def _trace_group(
+    module: Any, load_weights: Callable, tags: _Tags, group: Sequence[str], order: Sequence[int]
+) -> dict[str, _Map]:
     """Runs the passes for one group of parameters and decodes each pass as it comes (the float
     shadows of one pass are dropped before the next), returning each parameter's element map."""
     shapes = {}
@@ -610,8 +643,10 @@ def _trace_group(module: Any, load_weights: Callable, tags: _Tags, group: Sequen
             _run(load_weights, tags, pass_no, order)
             for n, p in sh.current().items():
                 if str(p.dtype) != "torch.float64" or tuple(p.shape) != shapes[n]:
-                    raise LayoutError(f"{n}: load_weights replaced the parameter with a {p.dtype} tensor of "
-                                      f"shape {tuple(p.shape)}; it must copy into the existing parameter")
+                    raise LayoutError(
+                        f"{n}: load_weights replaced the parameter with a {p.dtype} tensor of "
+                        f"shape {tuple(p.shape)}; it must copy into the existing parameter"
+                    )
                 v = p.detach().reshape(-1).numpy()
                 if pass_no == 0:
                     tids[n] = _decode_tensor(n, shapes[n], v, tags)
@@ -622,18 +657,21 @@ def _trace_group(module: Any, load_weights: Callable, tags: _Tags, group: Sequen
 
 
 def _decode_tensor(name: str, shape: tuple[int, ...], v0: np.ndarray, tags: _Tags) -> np.ndarray:
-    tid = _lookup(v0, tags.tensor)          # NaN (never written) matches no tag: -1
+    tid = _lookup(v0, tags.tensor)  # NaN (never written) matches no tag: -1
     bad = (tid < 0) & ~np.isnan(v0)
     if bad.any():
         i = int(np.argmax(bad))
-        raise LayoutError(f"{name}: element {tuple(int(x) for x in np.unravel_index(i, shape))} holds {v0[i]!r}, "
-                          f"which is no canonical element: load_weights transforms values (a scale, a sum, a cast) "
-                          f"instead of copying")
+        raise LayoutError(
+            f"{name}: element {tuple(int(x) for x in np.unravel_index(i, shape))} holds {v0[i]!r}, "
+            f"which is no canonical element: load_weights transforms values (a scale, a sum, a cast) "
+            f"instead of copying"
+        )
     return tid
 
 
-def _decode_dim(name: str, shape: tuple[int, ...], v: np.ndarray, tags: _Tags, tid: np.ndarray,
-                coords: np.ndarray, d: int) -> None:
+def _decode_dim(
+    name: str, shape: tuple[int, ...], v: np.ndarray, tags: _Tags, tid: np.ndarray, coords: np.ndarray, d: int
+) -> None:
     ids = _ids(tid)
     for t in ids:
         if t < 0 or d >= len(tags.dims[t]):
@@ -642,15 +680,18 @@ def _decode_dim(name: str, shape: tuple[int, ...], v: np.ndarray, tags: _Tags, t
         ix = _lookup(v[sel], tags.dims[t][d])
         if (ix < 0).any():
             i = int(np.arange(tid.size)[sel][int(np.argmax(ix < 0))])
-            raise LayoutError(f"{name}: element {tuple(int(x) for x in np.unravel_index(i, shape))} from "
-                              f"{tags.names[t]} holds a value that is no index tag: load_weights transforms values "
-                              f"instead of copying (or writes {tags.names[t]} inconsistently)")
+            raise LayoutError(
+                f"{name}: element {tuple(int(x) for x in np.unravel_index(i, shape))} from "
+                f"{tags.names[t]} holds a value that is no index tag: load_weights transforms values "
+                f"instead of copying (or writes {tags.names[t]} inconsistently)"
+            )
         coords[d, sel] = ix
 
 
 # ---------------------------------------------------------------------------------------------
 # Replication by name pattern
 # ---------------------------------------------------------------------------------------------
+
 
 def _subst(text: str, pattern: str, old: int, new: int) -> str:
     return text.replace(pattern.format(old), pattern.format(new))
@@ -693,8 +734,14 @@ def expand_layers(result: TraceResult, layers: Mapping[int, int], *, pattern: st
     return TraceResult(out, unmapped, (), result.seconds)
 
 
-def expand_experts(result: TraceResult, traced_map: Sequence[int], full_map: Sequence[int], *,
-                   pattern: str = "experts.{}.", resize: Mapping[str, int] | None = None) -> TraceResult:
+def expand_experts(
+    result: TraceResult,
+    traced_map: Sequence[int],
+    full_map: Sequence[int],
+    *,
+    pattern: str = "experts.{}.",
+    resize: Mapping[str, int] | None = None,
+) -> TraceResult:
     """Replicates traced experts: local slot ``j`` held expert ``traced_map[j]`` in the trace and
     holds ``full_map[j]`` in the full model.
 
@@ -721,8 +768,10 @@ def expand_experts(result: TraceResult, traced_map: Sequence[int], full_map: Seq
                 raise LayoutError(f"{name}[{v[0]}]: a slot mixes experts {sorted(es)}")
             e = es.pop()
             if slot_of.get(e) != v[0]:
-                raise LayoutError(f"{name}: slot {v[0]} holds expert {e}, but the traced expert map says "
-                                  f"{traced_map[v[0]] if v[0] < len(traced_map) else None}")
+                raise LayoutError(
+                    f"{name}: slot {v[0]} holds expert {e}, but the traced expert map says "
+                    f"{traced_map[v[0]] if v[0] < len(traced_map) else None}"
+                )
             template.setdefault(v[0], []).append((v[1:], d))
         j0 = min(template)
         e0 = traced_map[j0]
@@ -747,8 +796,10 @@ def with_shapes(result: TraceResult, shapes: Mapping[str, Sequence[int]]) -> Tra
             return s
         whole = (s.offsets is None or not any(s.offsets)) and (s.sizes is None or s.sizes == s.global_shape)
         if not whole or s.padded:
-            raise LayoutError(f"{s.name}: shape {s.global_shape} in the trace, {g} in the full model, and "
-                              f"the trace holds only part of it; trace a config where it keeps its shape")
+            raise LayoutError(
+                f"{s.name}: shape {s.global_shape} in the trace, {g} in the full model, and "
+                f"the trace holds only part of it; trace a config where it keeps its shape"
+            )
         return Shard(s.name, g, s.offsets, None if s.sizes is None else g)
 
     def walk(d: Declaration) -> Declaration:
@@ -763,19 +814,27 @@ def with_shapes(result: TraceResult, shapes: Mapping[str, Sequence[int]]) -> Tra
                 raise LayoutError(f"{n}: flat segments cannot be replicated to shape {shapes.get(n)}")
         return d
 
-    return TraceResult({k: tuple((v, walk(d)) for v, d in items) for k, items in result.entries.items()},
-                       dict(result.unmapped), (), result.seconds)
+    return TraceResult(
+        {k: tuple((v, walk(d)) for v, d in items) for k, items in result.entries.items()},
+        dict(result.unmapped),
+        (),
+        result.seconds,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Cache
 # ---------------------------------------------------------------------------------------------
 
+
 def cache_key(model_config: Mapping[str, Any], engine: str, engine_version: str, rank: int, **extra: Any) -> str:
     """A stable key for a trace: model config, engine name and version, rank, and anything else
     that changes the layout (tp size, ep size, quantization)."""
-    blob = json.dumps({"config": model_config, "engine": engine, "version": engine_version,
-                       "rank": rank, **extra}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"config": model_config, "engine": engine, "version": engine_version, "rank": rank, **extra},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -794,8 +853,9 @@ def cached_trace(directory: str, key: str, trace: Callable[[], TraceResult]) -> 
     return result
 
 
-def check_declarations(declared: Mapping[str, Declaration], traced: TraceResult,
-                       shapes: Mapping[str, Sequence[int]]) -> None:
+def check_declarations(
+    declared: Mapping[str, Declaration], traced: TraceResult, shapes: Mapping[str, Sequence[int]]
+) -> None:
     """Raises ``LayoutError`` naming the first parameter whose hand-written declaration places
     canonical elements differently from what the engine's loader does (a wrong fusion order,
     a stale name after an engine upgrade, a wrong TP offset)."""
@@ -806,13 +866,15 @@ def check_declarations(declared: Mapping[str, Declaration], traced: TraceResult,
         if items is None:
             raise LayoutError(f"{name}: declared, but the traced loader fills no such parameter")
         if len(items) != 1 or items[0][0] != ():
-            raise LayoutError(f"{name}: the loader fills it per view {[v for v, _ in items][:4]}..., "
-                              f"not as one declaration")
+            raise LayoutError(
+                f"{name}: the loader fills it per view {[v for v, _ in items][:4]}..., not as one declaration"
+            )
         shape = tuple(shapes[name])
         want = sorted(pieces_for(name, items[0][1], shape), key=lambda p: p.offset)
         got = sorted(pieces_for(name, decl, shape), key=lambda p: p.offset)
         if want != got:
             w = [(p.tensor, p.box.offsets, p.box.sizes, p.offset) for p in want]
             g = [(p.tensor, p.box.offsets, p.box.sizes, p.offset) for p in got]
-            raise LayoutError(f"{name}: declared layout differs from what load_weights does; "
-                              f"loader places {w}, declaration says {g}")
+            raise LayoutError(
+                f"{name}: declared layout differs from what load_weights does; loader places {w}, declaration says {g}"
+            )

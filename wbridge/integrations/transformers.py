@@ -9,9 +9,11 @@ own checkpoint conversion, so either kind registers the same way::
     pub.register(entries(model))       # trainer
     sub.register(entries(model))       # rollout worker: pulls straight into model's parameters
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..errors import LayoutError
 from .trace import TraceResult, trace_load_weights

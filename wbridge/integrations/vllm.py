@@ -26,11 +26,13 @@ The destination layout is traced from the engine's own ``load_weights`` (``wbrid
 the checkpoint-format parameters that the reload machinery restores, and cached as JSON keyed by
 the model config, the vLLM version and the rank.
 """
+
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import LayoutError, UsageError, WBridgeError
 from .trace import TraceResult, cache_key, cached_trace, trace_load_weights
@@ -83,7 +85,7 @@ class _Reload:
     def __init__(self, model: Any, model_config: Any) -> None:
         self.model, self.model_config = model, model_config
 
-    def __enter__(self) -> "_Reload":
+    def __enter__(self) -> _Reload:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -101,7 +103,9 @@ class _Reload:
         """Makes every parameter load a checkpoint-format tensor by plain copy, still deferred
         through vLLM's layerwise wrappers (so processing runs once a layer is complete)."""
         from vllm.model_executor.model_loader.reload.layerwise import (
-            _get_original_loader, _wrap_parameters_weight_loader)
+            _get_original_loader,
+            _wrap_parameters_weight_loader,
+        )
         from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
@@ -110,7 +114,7 @@ class _Reload:
             for name, t in tensors.items():
                 if name in SKIP_LOAD_TENSORS:
                     continue
-                _get_original_loader(t)          # raises early on an odd loader chain
+                _get_original_loader(t)  # raises early on an odd loader chain
                 t.weight_loader = _copy_loader
             _wrap_parameters_weight_loader(layer)
 
@@ -159,8 +163,9 @@ class WBridgeWorkerExtension:
     def _wbridge_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
-    def wbridge_trace(self, canonical: Mapping[str, Any] | None = None,
-                      cache_dir: str | None = DEFAULT_CACHE) -> TraceResult:
+    def wbridge_trace(
+        self, canonical: Mapping[str, Any] | None = None, cache_dir: str | None = DEFAULT_CACHE
+    ) -> TraceResult:
         """The rank's checkpoint-format layout, traced from the engine's own ``load_weights``."""
         import vllm
 
@@ -175,14 +180,29 @@ class WBridgeWorkerExtension:
 
         if cache_dir is None:
             return run()
-        key = cache_key(mc.hf_config.to_dict(), "vllm", vllm.__version__, self._wbridge_rank(),
-                        tp=parallel.tensor_parallel_size, pp=parallel.pipeline_parallel_size,
-                        ep=getattr(parallel, "enable_expert_parallel", False), dtype=str(mc.dtype),
-                        quantization=mc.quantization, canonical=sorted(shapes.items()))
+        key = cache_key(
+            mc.hf_config.to_dict(),
+            "vllm",
+            vllm.__version__,
+            self._wbridge_rank(),
+            tp=parallel.tensor_parallel_size,
+            pp=parallel.pipeline_parallel_size,
+            ep=getattr(parallel, "enable_expert_parallel", False),
+            dtype=str(mc.dtype),
+            quantization=mc.quantization,
+            canonical=sorted(shapes.items()),
+        )
         return cached_trace(cache_dir, key, run)
 
-    def wbridge_subscribe(self, channel: str, store: str, token: str | None = None, transport: str = "auto",
-                          cache_dir: str | None = DEFAULT_CACHE, **subscriber_kwargs: Any) -> int:
+    def wbridge_subscribe(
+        self,
+        channel: str,
+        store: str,
+        token: str | None = None,
+        transport: str = "auto",
+        cache_dir: str | None = DEFAULT_CACHE,
+        **subscriber_kwargs: Any,
+    ) -> int:
         """Traces the layout, allocates destination tensors and joins ``channel``; returns the
         number of destination tensors."""
         import torch
@@ -196,8 +216,14 @@ class WBridgeWorkerExtension:
         shapes = self._wbridge_checkpoint_shapes(trace)
         staging = {n: torch.zeros(shapes[n], dtype=dtype) for n in trace.entries}
         entries = trace.bind(staging)
-        sub = Subscriber(channel, store, token=token, transport=transport,
-                         name=f"vllm-rank{self._wbridge_rank()}-{os.getpid()}", **subscriber_kwargs)
+        sub = Subscriber(
+            channel,
+            store,
+            token=token,
+            transport=transport,
+            name=f"vllm-rank{self._wbridge_rank()}-{os.getpid()}",
+            **subscriber_kwargs,
+        )
         try:
             sub.register(entries)
         except BaseException:
@@ -285,7 +311,7 @@ class WBridgeWorkerExtension:
         if sub is not None:
             try:
                 sub.close()
-            except WBridgeError as e:   # the publisher (and its store) may be gone already
+            except WBridgeError as e:  # the publisher (and its store) may be gone already
                 import logging
 
                 logging.getLogger(__name__).warning("wbridge: closing the subscriber: %s", e)

@@ -25,6 +25,7 @@ allocates checkpoint-format staging, joins the channel); per update ``start_weig
 weight processing); ``shutdown`` leaves the channel (idempotent). A failed pull leaves the kernels
 on the previous weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,7 @@ class WBridgeInitInfo(WeightTransferInitInfo):
     store: str
     token: str | None = None
     transport: str = "auto"
-    cache_dir: str | None = DEFAULT_CACHE      # trace cache; None traces every time
+    cache_dir: str | None = DEFAULT_CACHE  # trace cache; None traces every time
 
     def __post_init__(self) -> None:
         for name in ("channel", "store", "transport"):
@@ -80,8 +81,7 @@ class WBridgeUpdateInfo(WeightTransferUpdateInfo):
             raise UsageError(f"wbridge update_info: timeout must be a positive number, got {self.timeout!r}")
 
 
-class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeUpdateInfo],
-                                  WBridgeWorkerExtension):
+class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeUpdateInfo], WBridgeWorkerExtension):
     """vLLM's worker-side engine for ``backend="wbridge"``: the worker extension's subscribe /
     fetch / reload, driven by vLLM's weight-transfer calls. Created by vLLM in each worker after
     the model is loaded."""
@@ -118,8 +118,13 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
 
     def init_transfer_engine(self, init_info: WBridgeInitInfo) -> None:
         with self._named():
-            self.wbridge_subscribe(init_info.channel, init_info.store, token=init_info.token,
-                                   transport=init_info.transport, cache_dir=init_info.cache_dir)
+            self.wbridge_subscribe(
+                init_info.channel,
+                init_info.store,
+                token=init_info.token,
+                transport=init_info.transport,
+                cache_dir=init_info.cache_dir,
+            )
 
     def start_weight_update(self) -> None:
         if self._wbridge_sub is None:
@@ -165,11 +170,13 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    registry = WeightTransferEngineFactory._registry   # the factory has no lookup by name
+    registry = WeightTransferEngineFactory._registry  # the factory has no lookup by name
     if BACKEND in registry:
         existing = registry[BACKEND]()
         if existing is not WBridgeWeightTransferEngine:
-            raise UsageError(f"vLLM weight-transfer backend {BACKEND!r} is already registered to "
-                             f"{existing.__module__}.{existing.__qualname__}")
+            raise UsageError(
+                f"vLLM weight-transfer backend {BACKEND!r} is already registered to "
+                f"{existing.__module__}.{existing.__qualname__}"
+            )
         return
     WeightTransferEngineFactory.register_engine(BACKEND, __name__, WBridgeWeightTransferEngine.__name__)

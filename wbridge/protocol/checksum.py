@@ -1,8 +1,10 @@
 """Chunk checksums of staging regions, so a subscriber can verify what it read (``verify=True``)."""
+
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +42,7 @@ def chunk_sums(buffers: Sequence[Any], chunk: int = CHUNK) -> dict:
     regions, sizes = [], []
     for buf in buffers:
         arr = host_array(buf)
-        regions.append([hash_bytes(arr[i:i + chunk]) for i in range(0, len(arr), chunk)])
+        regions.append([hash_bytes(arr[i : i + chunk]) for i in range(0, len(arr), chunk)])
         sizes.append(len(arr))
     return {"algo": ALGO, "chunk": chunk, "regions": regions, "sizes": sizes}
 
@@ -77,8 +79,9 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
     regions, sizes = sums["regions"], sums["sizes"]
     host = [host_array(d) for d in dest]
     order = np.lexsort((batch.src_offset, batch.src_region))
-    rows = zip(*(getattr(batch, c)[order].tolist() for c in
-                 ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes")))
+    rows = zip(
+        *(getattr(batch, c)[order].tolist() for c in ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes"))
+    )
     pieces: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for sreg, soff, dreg, doff, n in rows:  # split reads at chunk boundaries
         while n > 0:
@@ -96,15 +99,18 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
         if sum(p[3] for p in parts) == length:  # sorted and non-overlapping: the whole chunk
             h = _Stream()
             for _, dreg, doff, n in parts:
-                h.update(host[dreg][doff:doff + n])
+                h.update(host[dreg][doff : doff + n])
             if h.digest() != expected:
-                raise IntegrityError(f"{where}: checksum mismatch in region {sreg} bytes "
-                                     f"[{lo}, {lo + length}) (corrupted in flight?)")
+                raise IntegrityError(
+                    f"{where}: checksum mismatch in region {sreg} bytes [{lo}, {lo + length}) (corrupted in flight?)"
+                )
             continue
         ref = fetch(sreg, lo, length)
         if hash_bytes(ref) != expected:
             raise IntegrityError(f"{where}: checksum mismatch re-reading region {sreg} chunk {c}")
         for soff, dreg, doff, n in parts:
-            if not np.array_equal(host[dreg][doff:doff + n], ref[soff - lo:soff - lo + n]):
-                raise IntegrityError(f"{where}: bytes read from region {sreg} offset {soff} "
-                                     f"(+{n}) differ from the publisher's (corrupted in flight?)")
+            if not np.array_equal(host[dreg][doff : doff + n], ref[soff - lo : soff - lo + n]):
+                raise IntegrityError(
+                    f"{where}: bytes read from region {sreg} offset {soff} "
+                    f"(+{n}) differ from the publisher's (corrupted in flight?)"
+                )

@@ -1,7 +1,8 @@
 """The JSON form of layout declarations (trace caches, subscriber layout records)."""
+
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from planner.layout import Declaration, Flat, Fused, Shard, Stack
 
@@ -11,8 +12,13 @@ __all__ = ["decl_to_dict", "decl_from_dict"]
 
 
 def _shard_to_list(s: Shard) -> list:
-    return [s.name, list(s.global_shape), None if s.offsets is None else list(s.offsets),
-            None if s.sizes is None else list(s.sizes), bool(s.padded)]
+    return [
+        s.name,
+        list(s.global_shape),
+        None if s.offsets is None else list(s.offsets),
+        None if s.sizes is None else list(s.sizes),
+        bool(s.padded),
+    ]
 
 
 def _shard_from_list(x: Sequence) -> Shard:

@@ -11,6 +11,7 @@ Layout of a channel ``c`` (all records sealed with the token, see ``records``)::
     wb/c/subs                   subscriber counter; subscriber ids are 1, 2, ...
     wb/c/sub/<i>                subscriber record;  .../live lease, .../acked, .../reading
 """
+
 from __future__ import annotations
 
 from ..errors import UsageError

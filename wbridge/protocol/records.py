@@ -1,5 +1,6 @@
 """Signed records. The store is untrusted: everything wbridge writes there is a JSON payload bound
 to its key and signed with HMAC-SHA256 under the channel token; readers reject anything else."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,8 +20,9 @@ def _mac(token: bytes | None, key: str, body: bytes) -> str:
 def seal(token: bytes | None, key: str, payload: Any) -> bytes:
     """The bytes to store at ``key``: payload and a MAC over key and payload."""
     body = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
-    return json.dumps({"w": _VERSION, "body": body.decode(), "mac": _mac(token, key, body)},
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        {"w": _VERSION, "body": body.decode(), "mac": _mac(token, key, body)}, separators=(",", ":")
+    ).encode()
 
 
 def open_sealed(token: bytes | None, key: str, raw: bytes) -> Any:

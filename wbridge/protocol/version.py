@@ -1,4 +1,5 @@
 """The version record: what ``wb/<channel>/version`` holds for the newest committed version."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ class VersionRecord:
     committed_at: float
 
     @classmethod
-    def read(cls, store: Store, keys: Keys, token: bytes | None) -> "VersionRecord | None":
+    def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:
         raw = store.get(keys.version)
         if raw is None:
             return None

@@ -4,6 +4,7 @@
 is torch's TCPStore (``tcp``, the embedded default, hosted by one publisher);
 ``etcd://host:port[,host:port]`` is etcd v3 for clusters (``etcd``).
 """
+
 from __future__ import annotations
 
 from urllib.parse import urlparse
@@ -15,8 +16,7 @@ from .tcp import TcpStore
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "Lease", "Store", "TcpStore", "open_store"]
 
 
-def open_store(url: str, *, host_store: bool = False,
-               connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Store:
+def open_store(url: str, *, host_store: bool = False, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Store:
     """Opens (or, with ``host_store=True``, hosts) the store at ``url``."""
     if isinstance(url, Store):
         return url

@@ -8,13 +8,14 @@ Call protocol: open, then any of get/set/compare_set/add/delete/wait/wait_change
 and raises ``WaitTimeout`` (a ``WBridgeError``) when it expires; a lost connection is ``StoreError``.
 Values are bytes. The store is not trusted: wbridge signs what it writes (see ``records``).
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import StoreError, WaitTimeout
 
@@ -117,14 +118,15 @@ class Store(ABC):
 
         def changed():
             v = self.get(key)
-            return sentinel if v == old else (v, )
+            return sentinel if v == old else (v,)
 
         out = self.wait_until(lambda: None if (r := changed()) is sentinel else r, timeout, f"change of {key!r}")
         return out[0]
 
     @staticmethod
-    def wait_until(probe: Callable[[], object], timeout: float, what: str,
-                   poll: float = 0.0005, max_poll: float = 0.02) -> object:
+    def wait_until(
+        probe: Callable[[], object], timeout: float, what: str, poll: float = 0.0005, max_poll: float = 0.02
+    ) -> object:
         """Polls ``probe`` with backoff until it returns something other than None."""
         deadline = time.monotonic() + timeout
         while True:
@@ -137,7 +139,7 @@ class Store(ABC):
             time.sleep(min(poll, deadline - now))
             poll = min(poll * 2, max_poll)
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:

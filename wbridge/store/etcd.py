@@ -21,13 +21,15 @@ A request that may have reached etcd before its connection broke is retried only
 (get, set, delete); ``add`` and ``compare_set`` raise ``StoreError`` then ("outcome unknown"), because a
 blind retry could apply them twice. A request that provably never left (connection refused) is retried.
 """
+
 from __future__ import annotations
 
 import base64
 import json
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from ..errors import StoreError, WaitTimeout
@@ -76,6 +78,7 @@ def _as_bytes(value: Any, what: str) -> bytes:
 
 
 if requests is not None:
+
     class _Client(Etcd3Client):
         """``Etcd3Client`` with a per-thread deadline and errors that say whether a retry is safe."""
 
@@ -108,7 +111,7 @@ if requests is not None:
             raise StoreError(f"etcd {self.base_url} answered {resp.status_code}: {resp.text[:300]}")
 
 
-def _refused(e: "requests.exceptions.ConnectionError") -> bool:
+def _refused(e: requests.exceptions.ConnectionError) -> bool:
     """Whether a requests ConnectionError happened while connecting (so nothing was sent)."""
     from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError
 
@@ -121,7 +124,7 @@ def _refused(e: "requests.exceptions.ConnectionError") -> bool:
 class EtcdLease(Lease):
     """A key attached to an etcd lease; a background thread sends keep-alives every ``ttl/4``."""
 
-    def __init__(self, store: "EtcdStore", key: str, ttl: float) -> None:
+    def __init__(self, store: EtcdStore, key: str, ttl: float) -> None:
         self._store = store
         self.key = key  # the base class sets it too, but _grant needs it first
         self._etcd_ttl = max(MIN_LEASE_TTL, int(-(-ttl // 1)))
@@ -133,10 +136,15 @@ class EtcdLease(Lease):
         # Grant and attach; a failure before the key is written leaves only an orphan lease, which
         # etcd drops after its TTL.
         full = self._store._key(self.key)
-        lease = self._store._retry(lambda c: c.lease(self._etcd_ttl), timeout, f"grant a lease for {self.key!r}",
-                                   idempotent=True)
-        self._store._retry(lambda c: c.put(full, str(lease.id).encode(), lease=lease), timeout,
-                           f"attach lease to {self.key!r}", idempotent=True)
+        lease = self._store._retry(
+            lambda c: c.lease(self._etcd_ttl), timeout, f"grant a lease for {self.key!r}", idempotent=True
+        )
+        self._store._retry(
+            lambda c: c.put(full, str(lease.id).encode(), lease=lease),
+            timeout,
+            f"attach lease to {self.key!r}",
+            idempotent=True,
+        )
         self._etcd_lease = lease
 
     @property
@@ -145,18 +153,20 @@ class EtcdLease(Lease):
 
     def _keepalive(self, timeout: float) -> None:
         # Through the current endpoint's client: after a failover the lease object's own may be dead.
-        ttl = self._store._retry(lambda c: self._with_client(c).refresh(), timeout,
-                                 f"keep lease {self.key!r} alive", idempotent=True)
+        ttl = self._store._retry(
+            lambda c: self._with_client(c).refresh(), timeout, f"keep lease {self.key!r} alive", idempotent=True
+        )
         if ttl <= 0:
             # etcd expired it (it was unreachable for longer than the TTL): take a fresh one.
             self._grant(timeout)
 
     def _drop(self, timeout: float) -> None:
         self._store._forget(self)
-        self._store._retry(lambda c: self._with_client(c).revoke(), min(timeout, 5.0),
-                           f"revoke lease {self.key!r}", idempotent=True)
+        self._store._retry(
+            lambda c: self._with_client(c).revoke(), min(timeout, 5.0), f"revoke lease {self.key!r}", idempotent=True
+        )
 
-    def _with_client(self, client: "_Client"):
+    def _with_client(self, client: _Client):
         self._etcd_lease.client = client
         return self._etcd_lease
 
@@ -167,8 +177,13 @@ class EtcdLease(Lease):
 class EtcdStore(Store):
     """See the module docstring. ``url`` is ``etcd://host:port[,host:port...][/prefix]``."""
 
-    def __init__(self, url: str, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, prefix: str | None = None,
-                 op_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        prefix: str | None = None,
+        op_timeout: float | None = None,
+    ) -> None:
         if requests is None:
             raise StoreError("etcd:// stores need the etcd3gw client: pip install 'wbridge[etcd]'")
         self.endpoints, url_prefix = _parse_url(url)
@@ -195,11 +210,14 @@ class EtcdStore(Store):
                 if left <= 0:
                     break
                 try:
-                    r = requests.get(f"http://{_hostport(host, port)}/version",
-                                     timeout=(min(left, CONNECT_ATTEMPT_TIMEOUT), left))
+                    r = requests.get(
+                        f"http://{_hostport(host, port)}/version", timeout=(min(left, CONNECT_ATTEMPT_TIMEOUT), left)
+                    )
                     version = r.json()["etcdserver"]
                     major, minor = (int(x) for x in version.split(".")[:2])
-                    return "/v3/" if (major, minor) >= (3, 4) else "/v3beta/" if (major, minor) >= (3, 3) else "/v3alpha/"
+                    return (
+                        "/v3/" if (major, minor) >= (3, 4) else "/v3beta/" if (major, minor) >= (3, 3) else "/v3alpha/"
+                    )
                 except (requests.exceptions.RequestException, ValueError, KeyError, TypeError) as e:
                     errors[f"{host}:{port}"] = f"{type(e).__name__}: {e}"[:200]
             left = deadline - time.monotonic()
@@ -208,7 +226,7 @@ class EtcdStore(Store):
             time.sleep(min(pause, left))
             pause = min(pause * 2, RETRY_PAUSE_MAX)
 
-    def _retry(self, fn: Callable[["_Client"], T], timeout: float, what: str, idempotent: bool) -> T:
+    def _retry(self, fn: Callable[[_Client], T], timeout: float, what: str, idempotent: bool) -> T:
         """Runs ``fn(client)`` until it succeeds or ``timeout`` passes, failing over between endpoints."""
         if self._closed:
             raise StoreError(f"store {self.url} is closed")
@@ -248,8 +266,9 @@ class EtcdStore(Store):
         """(value or None, key's mod_revision or 0, store revision)."""
         # A raw range request: etcd3gw's get() drops the header, whose revision the watch starts after.
         full = _b64(self._key(key))
-        out = self._retry(lambda c: c.post(c.get_url("/kv/range"), json={"key": full}),
-                          timeout, f"get {key!r}", idempotent=True)
+        out = self._retry(
+            lambda c: c.post(c.get_url("/kv/range"), json={"key": full}), timeout, f"get {key!r}", idempotent=True
+        )
         rev = int(out["header"]["revision"])
         kvs = out.get("kvs") or []
         if not kvs:
@@ -259,9 +278,11 @@ class EtcdStore(Store):
     def _txn(self, key: str, compare: dict, put: bytes, what: str) -> tuple[bool, bytes | None, int]:
         """One transaction: if ``compare`` holds, put; else read. -> (succeeded, current value, mod_rev)."""
         full = _b64(self._key(key))
-        txn = {"compare": [dict(compare, key=full)],
-               "success": [{"request_put": {"key": full, "value": _b64(put)}}],
-               "failure": [{"request_range": {"key": full}}]}
+        txn = {
+            "compare": [dict(compare, key=full)],
+            "success": [{"request_put": {"key": full, "value": _b64(put)}}],
+            "failure": [{"request_range": {"key": full}}],
+        }
         out = self._retry(lambda c: c.transaction(txn), self.op_timeout, what, idempotent=False)
         if out.get("succeeded"):
             return True, put, 0
@@ -361,8 +382,9 @@ class EtcdStore(Store):
         client.local.deadline = deadline
         body = {"create_request": {"key": _b64(self._key(key)), "start_revision": start_rev}}
         try:
-            with client.session.post(client.get_url("/watch"), json=body, stream=True,
-                                     timeout=client.timeouts()) as resp:
+            with client.session.post(
+                client.get_url("/watch"), json=body, stream=True, timeout=client.timeouts()
+            ) as resp:
                 if resp.status_code != 200:
                     return False, None
                 buf = b""
@@ -403,8 +425,10 @@ class EtcdStore(Store):
 
     def __repr__(self) -> str:
         host, port = self.endpoints[self._current]
-        return (f"EtcdStore({self.url!r}, prefix={self.prefix.decode(errors='replace')!r}, "
-                f"endpoint={host}:{port}, leases={len(self._leases)}, closed={self._closed})")
+        return (
+            f"EtcdStore({self.url!r}, prefix={self.prefix.decode(errors='replace')!r}, "
+            f"endpoint={host}:{port}, leases={len(self._leases)}, closed={self._closed})"
+        )
 
 
 def _hostport(host: str, port: int) -> str:

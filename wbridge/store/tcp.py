@@ -1,4 +1,5 @@
 """``tcp://host:port``: torch's TCPStore, the embedded default, hosted by one publisher."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import StoreError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
@@ -51,8 +52,11 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
         except OSError:
             continue
         try:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
-                    and s.getpeername()[1] == port:
+            if (
+                s.family in (socket.AF_INET, socket.AF_INET6)
+                and s.type == socket.SOCK_STREAM
+                and s.getpeername()[1] == port
+            ):
                 _set_timeouts(s, timeout)
                 socks.append(s)
                 continue
@@ -75,7 +79,9 @@ def _set_timeouts(s: socket.socket, seconds: float) -> None:
 class TcpStore(Store):
     """``torch.distributed.TCPStore``. The host binds only ``host`` (never all interfaces)."""
 
-    def __init__(self, host: str, port: int, *, is_host: bool, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+    def __init__(
+        self, host: str, port: int, *, is_host: bool, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    ) -> None:
         import torch.distributed as dist
 
         self.host, self.port, self.is_host = host, int(port), is_host
@@ -98,9 +104,19 @@ class TcpStore(Store):
                 sock.listen(1024)
                 self.port = sock.getsockname()[1]
                 self._store, self._socks = _bounded_tcpstore(
-                    lambda: dist.TCPStore(host, self.port, None, True, timeout=td, wait_for_workers=False,
-                                          master_listen_fd=sock.fileno(), use_libuv=True),
-                    self.port, connect_timeout)
+                    lambda: dist.TCPStore(
+                        host,
+                        self.port,
+                        None,
+                        True,
+                        timeout=td,
+                        wait_for_workers=False,
+                        master_listen_fd=sock.fileno(),
+                        use_libuv=True,
+                    ),
+                    self.port,
+                    connect_timeout,
+                )
                 # torch now owns the fd and closes it with the store; closing it again here could
                 # close an unrelated file that reused the number.
                 sock.detach()
@@ -129,8 +145,10 @@ class TcpStore(Store):
                     pass
                 left = max(1.0, deadline - time.monotonic())
                 return _bounded_tcpstore(
-                    lambda: dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=left)),
-                    port, timeout)
+                    lambda left=left: dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=left)),
+                    port,
+                    timeout,
+                )
             except (OSError, RuntimeError) as e:
                 last = e
                 time.sleep(0.1)
@@ -193,6 +211,7 @@ class TcpStore(Store):
         def op(st):
             value = st.compare_set(key, _ABSENT, _ABSENT)
             return None if value == _ABSENT else value
+
         return self._call(op)
 
     def set(self, key: str, value: bytes) -> None:
@@ -202,6 +221,7 @@ class TcpStore(Store):
         def op(st):
             st.set(key, value)
             st.check([key])
+
         self._call(op)
 
     def compare_set(self, key: str, expected: bytes | None, value: bytes) -> bool:
@@ -212,6 +232,7 @@ class TcpStore(Store):
                     return False
                 return st.compare_set(key, b"", value) == value
             return st.compare_set(key, expected, value) == value
+
         return bool(self._call(op))
 
     def add(self, key: str, delta: int) -> int:
@@ -230,6 +251,7 @@ class TcpStore(Store):
                 own.set(key, b"-1")
             finally:
                 own.close()
+
         return Lease(key, ttl, refresh=lambda: own.add(key, 1), revoke=revoke)
 
     def is_alive(self, key: str, ttl: float) -> bool:

@@ -1,11 +1,13 @@
 """Fault injection for tests and drills: transport wrappers that misbehave on purpose."""
+
 from __future__ import annotations
 
 import ctypes
 import os
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +37,9 @@ class Delegating(Transport):
     def connect(self, endpoint: bytes, *, timeout: float) -> Any:
         return self.inner.connect(endpoint, timeout=timeout)
 
-    def prepare(self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> Any:
+    def prepare(
+        self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> Any:
         return (self.inner.prepare(peer, remote_regions, local_regions, batch), list(local_regions), batch)
 
     def read(self, prepared: Any, *, timeout: float) -> None:
@@ -105,10 +108,20 @@ def split_batch(batch: ReadBatch, at: int) -> tuple[ReadBatch, ReadBatch]:
     head = start < at
     tail = end > at
     skip = np.clip(at - start, 0, None)[tail]
-    first = ReadBatch(batch.src_region[head], batch.src_offset[head], batch.dst_region[head],
-                      batch.dst_offset[head], np.minimum(end[head], at) - start[head])
-    second = ReadBatch(batch.src_region[tail], batch.src_offset[tail] + skip, batch.dst_region[tail],
-                       batch.dst_offset[tail] + skip, n[tail] - skip)
+    first = ReadBatch(
+        batch.src_region[head],
+        batch.src_offset[head],
+        batch.dst_region[head],
+        batch.dst_offset[head],
+        np.minimum(end[head], at) - start[head],
+    )
+    second = ReadBatch(
+        batch.src_region[tail],
+        batch.src_offset[tail] + skip,
+        batch.dst_region[tail],
+        batch.dst_offset[tail] + skip,
+        n[tail] - skip,
+    )
     return first, second
 
 
@@ -121,9 +134,17 @@ class Pause(Delegating):
     batches of ``min_ops`` to ``max_ops`` reads and at least ``min_bytes`` bytes count
     (``max_ops=1``: verification re-reads; ``min_bytes`` skips the few bytes of slot stamps)."""
 
-    def __init__(self, inner: Transport, signal_path: str | None = None, release_path: str | None = None,
-                 hold: float = 60.0, on_reads: Sequence[int] = (1,), min_ops: int = 1,
-                 max_ops: int | None = None, min_bytes: int = 1024) -> None:
+    def __init__(
+        self,
+        inner: Transport,
+        signal_path: str | None = None,
+        release_path: str | None = None,
+        hold: float = 60.0,
+        on_reads: Sequence[int] = (1,),
+        min_ops: int = 1,
+        max_ops: int | None = None,
+        min_bytes: int = 1024,
+    ) -> None:
         super().__init__(inner)
         self.signal_path, self.release_path = signal_path, release_path
         self.hold = hold
@@ -132,18 +153,20 @@ class Pause(Delegating):
         self.reads = 0
         self._count = threading.Lock()  # sources are read from parallel threads
 
-    def prepare(self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region],
-                batch: ReadBatch) -> Any:
+    def prepare(
+        self, peer: Any, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
+    ) -> Any:
         halves = []
         if batch.total_bytes >= 2:  # both halves then hold at least one byte
-            halves = [self.inner.prepare(peer, remote_regions, local_regions, b)
-                      for b in split_batch(batch, batch.total_bytes // 2)]
+            halves = [
+                self.inner.prepare(peer, remote_regions, local_regions, b)
+                for b in split_batch(batch, batch.total_bytes // 2)
+            ]
         return (self.inner.prepare(peer, remote_regions, local_regions, batch), halves, batch)
 
     def read(self, prepared: Any, *, timeout: float) -> None:
         whole, halves, batch = prepared
-        counted = (self.min_ops <= len(batch) <= (self.max_ops or len(batch))
-                   and batch.total_bytes >= self.min_bytes)
+        counted = self.min_ops <= len(batch) <= (self.max_ops or len(batch)) and batch.total_bytes >= self.min_bytes
         with self._count:
             if counted:
                 self.reads += 1

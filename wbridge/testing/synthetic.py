@@ -4,6 +4,7 @@ Values are a pure function of (canonical tensor, global element index, version),
 compute what any of its local tensors must hold after a pull without the other side's help, and a
 version's bytes differ from every other version's.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -27,12 +28,12 @@ class ModelConfig:
     dtype: str = "bfloat16"
 
     @classmethod
-    def demo(cls) -> "ModelConfig":
+    def demo(cls) -> ModelConfig:
         """About 512 MiB in bf16."""
         return cls(hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632, layers=4, vocab=16384)
 
     @classmethod
-    def tiny(cls) -> "ModelConfig":
+    def tiny(cls) -> ModelConfig:
         """About 1.5 MiB; GQA with 2 kv heads, vocabulary not divisible by 4."""
         return cls(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=320, layers=2, vocab=1001)
 
@@ -52,8 +53,10 @@ class ModelConfig:
                 TensorSpec(p + "mlp.up_proj.weight", (i, h), self.dtype),
                 TensorSpec(p + "mlp.down_proj.weight", (h, i), self.dtype),
             ]
-        out += [TensorSpec("model.norm.weight", (h,), self.dtype),
-                TensorSpec("lm_head.weight", (self.vocab, h), self.dtype)]
+        out += [
+            TensorSpec("model.norm.weight", (h,), self.dtype),
+            TensorSpec("lm_head.weight", (self.vocab, h), self.dtype),
+        ]
         return out
 
     @property
@@ -87,7 +90,9 @@ def _kv_rows(cfg: ModelConfig, spec: TensorSpec, tp: int, rank: int) -> tuple[in
     return head * cfg.head_dim, cfg.head_dim
 
 
-def layout_decls(cfg: ModelConfig, tp: int, rank: int, *, fused: bool) -> dict[str, tuple[tuple[int, ...], Declaration]]:
+def layout_decls(
+    cfg: ModelConfig, tp: int, rank: int, *, fused: bool
+) -> dict[str, tuple[tuple[int, ...], Declaration]]:
     """``{local name: (local shape, declaration)}`` of TP rank ``rank`` of ``tp``.
 
     ``fused=False`` is a Megatron-like trainer (separate q/k/v and gate/up, column- and row-parallel
@@ -141,8 +146,12 @@ def layout_decls(cfg: ModelConfig, tp: int, rank: int, *, fused: bool) -> dict[s
 _TORCH_TO_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64, 1: np.uint8}
 
 
-_BITS = {1: (np.uint8, 0x80, 0x3F), 2: (np.uint16, 0x807F, 0x3F00),
-         4: (np.uint32, 0x807FFFFF, 0x3F000000), 8: (np.uint64, 0x800FFFFFFFFFFFFF, 0x3FE0000000000000)}
+_BITS = {
+    1: (np.uint8, 0x80, 0x3F),
+    2: (np.uint16, 0x807F, 0x3F00),
+    4: (np.uint32, 0x807FFFFF, 0x3F000000),
+    8: (np.uint64, 0x800FFFFFFFFFFFFF, 0x3FE0000000000000),
+}
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -154,8 +163,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def canonical_bits(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
-                   itemsize: int, version: int) -> np.ndarray:
+def canonical_bits(
+    name: str, shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int, version: int
+) -> np.ndarray:
     """Bit patterns of the box ``offsets/sizes`` of canonical ``name`` at ``version``.
 
     Each element is the XOR of a hash of each of its indices (seeded by name, dimension and
@@ -175,16 +185,20 @@ def canonical_bits(name: str, shape: tuple[int, ...], offsets: tuple[int, ...], 
     return np.broadcast_to(out | utype(one), sizes)
 
 
-def fill_expected(flat_bits: np.ndarray, name: str, shape: tuple[int, ...], decl: Declaration,
-                  itemsize: int, version: int) -> None:
+def fill_expected(
+    flat_bits: np.ndarray, name: str, shape: tuple[int, ...], decl: Declaration, itemsize: int, version: int
+) -> None:
     """Writes what local tensor ``name`` (declared ``decl``) holds at ``version`` into ``flat_bits``,
     a flat unsigned-int view of it. Unmapped elements are left alone."""
     for piece in pieces_for(name, decl, shape):
         spec_shape = _global_shape(decl, piece.tensor)
         vals = canonical_bits(piece.tensor, spec_shape, piece.box.offsets, piece.box.sizes, itemsize, version)
         dst = np.lib.stride_tricks.as_strided(
-            flat_bits[piece.offset:], shape=piece.box.sizes,
-            strides=tuple(s * itemsize for s in piece.strides), writeable=True)
+            flat_bits[piece.offset :],
+            shape=piece.box.sizes,
+            strides=tuple(s * itemsize for s in piece.strides),
+            writeable=True,
+        )
         dst[...] = vals
 
 
@@ -213,8 +227,9 @@ def bits_view(t: Any) -> np.ndarray:
     return arr.view(_TORCH_TO_BITS[arr.itemsize])
 
 
-def make_tensors(cfg: ModelConfig, tp: int, rank: int, *, fused: bool, version: int | None = 0,
-                 fill_value: int | None = None) -> dict[str, tuple[Any, Declaration]]:
+def make_tensors(
+    cfg: ModelConfig, tp: int, rank: int, *, fused: bool, version: int | None = 0, fill_value: int | None = None
+) -> dict[str, tuple[Any, Declaration]]:
     """Allocates the local tensors of a TP rank (torch, CPU) filled for ``version`` (or with the
     byte ``fill_value``) and returns them ready for ``register``."""
     import torch
@@ -253,5 +268,13 @@ def total_bytes(tensors: dict[str, tuple[Any, Declaration]]) -> int:
     return sum(int(t.numel()) * t.element_size() for t, _ in tensors.values())
 
 
-__all__ = ["ModelConfig", "layout_decls", "make_tensors", "set_version", "mismatches", "canonical_bits",
-           "fill_expected", "total_bytes"]
+__all__ = [
+    "ModelConfig",
+    "layout_decls",
+    "make_tensors",
+    "set_version",
+    "mismatches",
+    "canonical_bits",
+    "fill_expected",
+    "total_bytes",
+]
