@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import platform
 import resource
-import socket
 import statistics
 import threading
 import time
@@ -34,6 +33,8 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from transports._util import free_port  # noqa: F401 (re-exported for callers)
 
 BUCKET_BYTES = 512 * 1024**2
 TOKEN = "wbridge-bench-token"
@@ -73,12 +74,6 @@ MODEL_SIZES = ("1g", "512m", "256m", "tiny")
 # ----------------------------------------------------------------------------------------------
 # Driving objects in spawned processes
 # ----------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ActorError(RuntimeError):

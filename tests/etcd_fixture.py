@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,17 +21,13 @@ from collections.abc import Sequence
 
 import pytest
 
+from transports._util import free_port  # noqa: F401 (re-exported for callers)
+
 INSTALL_HINT = "apt-get install -y etcd-server"
 
 
 def etcd_binary() -> str | None:
     return shutil.which("etcd") or (os.path.exists("/usr/bin/etcd") and "/usr/bin/etcd") or None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

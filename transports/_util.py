@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import socket
 from typing import Any
 
 import numpy as np
@@ -91,3 +92,10 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.n
     brk = (src[1:] != src[:-1] + nbytes[:-1]) | (dst[1:] != dst[:-1] + nbytes[:-1])
     starts = np.concatenate([[0], np.flatnonzero(brk) + 1])
     return dst[starts], src[starts], np.add.reduceat(nbytes, starts)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for tests, demos and benchmarks that start servers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -13,7 +13,6 @@ import inspect
 import json
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import numpy as np
 
 from . import get
 from ._serve import ServingProcess, check_region
+from ._util import free_port
 from .base import ReadBatch
 
 _UNITS = {
@@ -146,9 +146,7 @@ def iperf3_ceiling(size: int, streams: int = 1, timeout: float = 120.0) -> float
     exe = shutil.which("iperf3")
     if exe is None:
         return None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

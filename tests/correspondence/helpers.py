@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from planner.layout import Piece, pieces_for
+from transports._util import free_port  # noqa: F401 (re-exported for callers)
 
 GARBAGE = 0x5A
 
@@ -103,14 +104,6 @@ def mapped_mask(name: str, local: Any, decl) -> np.ndarray:
     for p in pieces_of(name, local, decl):
         piece_view(mask, p)[...] = True
     return mask
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(

@@ -6,22 +6,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from transports._util import free_port  # noqa: F401 (re-exported for callers)
+
 # forkserver: one process imports torch and wbridge once, every worker is a cheap fork of it
 # (spawn re-imports torch in every worker: seconds each on a loaded 2-core machine).
 CTX = mp.get_context("forkserver")
 CTX.set_forkserver_preload(["torch", "numpy", "wbridge", "wbridge.testing.synthetic", "tests.runtime.actors"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerError(RuntimeError):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+
+from transports._util import free_port  # noqa: F401 (re-exported for callers)
 
 from .synthetic import ModelConfig, make_tensors, mismatches, set_version, total_bytes
 
@@ -28,12 +29,6 @@ class DemoConfig:
     mode: str = "one_step_off"
     fault: str | None = None  # "flip-bit": corrupt one read on rollout 0 (proves the check)
     timeout: float = 120.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _trainer(cfg: DemoConfig, rank: int, url: str, results: mp.Queue, done: mp.Event) -> None:
