@@ -29,12 +29,12 @@ import resource
 import statistics
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from transports._util import free_port  # noqa: F401 (re-exported for callers)
+from wbridge.testing.workers import Worker, call_all, gather  # noqa: F401 (used by the benchmarks)
 
 BUCKET_BYTES = 512 * 1024**2
 TOKEN = "wbridge-bench-token"
@@ -76,91 +76,12 @@ MODEL_SIZES = ("1g", "512m", "256m", "tiny")
 # ----------------------------------------------------------------------------------------------
 
 
-class ActorError(RuntimeError):
-    """A call failed inside an actor process; the message carries its traceback."""
-
-
-def _serve(conn, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    try:
-        obj = factory(*args, **kwargs)
-    except BaseException:  # noqa: BLE001 - reported to the driver
-        conn.send(("err", traceback.format_exc()))
-        return
-    conn.send(("ok", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        method, a, kw = msg
-        try:
-            reply = ("ok", getattr(obj, method)(*a, **kw))
-        except BaseException:  # noqa: BLE001
-            reply = ("err", traceback.format_exc())
-        conn.send(reply)
-    close = getattr(obj, "close", None)
-    if close is not None:
-        close()
-
-
-class Actor:
-    """An object built by ``factory`` in a spawned process; ``send``/``result`` call its methods."""
-
-    def __init__(self, name: str, factory: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        self.name = name
-        self._conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_serve, args=(child, factory, args, kwargs), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-
-    def send(self, method: str, *args: Any, **kwargs: Any) -> None:
-        self._conn.send((method, args, kwargs))
-
-    def result(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"{self.name}: no answer within {timeout:.0f}s (alive={self.proc.is_alive()})")
-        try:
-            status, value = self._conn.recv()
-        except EOFError:
-            raise ActorError(f"{self.name}: process exited with {self.proc.exitcode}") from None
-        if status == "err":
-            raise ActorError(f"{self.name}:\n{value}")
-        return value
-
-    def call(self, method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> Any:
-        self.send(method, *args, **kwargs)
-        return self.result(timeout)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.is_alive():
-            try:
-                self._conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
-def gather(actors: Sequence[Actor], timeout: float) -> list[Any]:
-    """Collects one pending answer from each actor within a shared deadline."""
-    deadline = time.monotonic() + timeout
-    return [a.result(max(0.1, deadline - time.monotonic())) for a in actors]
-
-
-def call_all(actors: Sequence[Actor], method: str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-    """Starts ``method`` on every actor at once (collectives need that), then collects the answers."""
-    for a in actors:
-        a.send(method, *args, **kwargs)
-    return gather(actors, timeout)
+Actor = Worker
 
 
 def start_actors(specs: Iterable[tuple[str, Callable[..., Any], tuple, dict]], timeout: float = 180.0) -> list[Actor]:
     """Spawns every actor, then waits for all constructors (they run in parallel)."""
-    actors = [Actor(name, factory, *args, **kwargs) for name, factory, args, kwargs in specs]
+    actors = [Actor(name, factory, *args, timeout=None, context=CTX, **kwargs) for name, factory, args, kwargs in specs]
     try:
         gather(actors, timeout)
     except BaseException:
@@ -532,8 +453,8 @@ def concurrent_bulk_gbps(
         timeout=max(timeout, 300.0),
     )
     try:
-        solo = acts[0].call("measure", time.perf_counter(), repeat, timeout=timeout)
-        together = call_all(acts, "measure", time.perf_counter() + 0.2, repeat, timeout=timeout)
+        solo = acts[0].call("measure", time.perf_counter(), repeat, call_timeout=timeout)
+        together = call_all(acts, "measure", time.perf_counter() + 0.2, repeat, call_timeout=timeout)
     finally:
         stop_all(acts)
     if not solo["verified"] or not all(r["verified"] for r in together):

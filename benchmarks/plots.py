@@ -16,10 +16,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import RESULTS_DIR, machine, write_json  # noqa: E402
+from _common import RESULTS_DIR, machine, write_json
 
 OP_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 WBRIDGE, BASELINE, OTHER = "#1f77b4", "#d62728", "#7f7f7f"

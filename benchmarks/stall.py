@@ -50,15 +50,12 @@ import threading
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from _common import (
     BUCKET_BYTES,
     MODEL_SIZES,
     TOKEN,
     Compute,
-    baseline_rollout_update,  # noqa: E402
+    baseline_rollout_update,
     baseline_trainer_update,
     bucket_plan,
     call_all,
@@ -366,13 +363,13 @@ def run_sync_loop(trainers, rollouts, a, update) -> dict:
     r_stalls = [[] for _ in rollouts]
     t0 = time.perf_counter()
     for k in range(1, a.steps + 1):
-        call_all(rollouts, "generate", a.gen_s, timeout=a.timeout)
-        call_all(trainers, "train", a.train_s, a.base + k + 1, timeout=a.timeout)
+        call_all(rollouts, "generate", a.gen_s, call_timeout=a.timeout)
+        call_all(trainers, "train", a.train_s, a.base + k + 1, call_timeout=a.timeout)
         ts, rs = update(k + 1)
         for lst, s in zip(t_stalls + r_stalls, ts + rs):
             lst.append(s)
     wall = time.perf_counter() - t0
-    call_all(rollouts, "generate", 0.0, timeout=a.timeout)  # checks the last version
+    call_all(rollouts, "generate", 0.0, call_timeout=a.timeout)  # checks the last version
     return {"trainer_stalls": t_stalls, "rollout_stalls": r_stalls, "wall_s": wall}
 
 
@@ -385,22 +382,22 @@ def mode_baseline(trainers, rollouts, a) -> dict:
         res = gather(trainers + rollouts, a.timeout)
         return res[: len(trainers)], res[len(trainers) :]
 
-    call_all(trainers, "train", 0.0, a.base + 1, timeout=a.timeout)
+    call_all(trainers, "train", 0.0, a.base + 1, call_timeout=a.timeout)
     update(1)  # the initial weights, not counted
     return run_sync_loop(trainers, rollouts, a, update)
 
 
 def open_channel(trainers, rollouts, a, mode: str, background: bool) -> None:
     channel = f"stall-{mode}-{a.base}"
-    call_all(trainers, "open", channel, mode, a.transport, timeout=a.timeout)
+    call_all(trainers, "open", channel, mode, a.transport, call_timeout=a.timeout)
     for r in rollouts:
         r.send("open", channel, a.transport, background)
     gather(rollouts, a.timeout)
     # the initial weights (version 1), not counted
-    call_all(trainers, "train", 0.0, a.base + 1, timeout=a.timeout)
+    call_all(trainers, "train", 0.0, a.base + 1, call_timeout=a.timeout)
     for r in rollouts:
         r.send("pull", 1, a.base, a.timeout)
-    call_all(trainers, "publish", a.timeout, timeout=a.timeout)
+    call_all(trainers, "publish", a.timeout, call_timeout=a.timeout)
     gather(rollouts, a.timeout)
 
 
@@ -410,14 +407,14 @@ def mode_sync(trainers, rollouts, a) -> dict:
     def update(v: int):
         for r in rollouts:
             r.send("pull", v, a.base, a.timeout)
-        ts = call_all(trainers, "publish", a.timeout, timeout=a.timeout)
+        ts = call_all(trainers, "publish", a.timeout, call_timeout=a.timeout)
         return ts, gather(rollouts, a.timeout)
 
     try:
         return run_sync_loop(trainers, rollouts, a, update)
     finally:
-        call_all(rollouts, "close_channel", timeout=a.timeout)
-        call_all(trainers, "close_channel", timeout=a.timeout)
+        call_all(rollouts, "close_channel", call_timeout=a.timeout)
+        call_all(trainers, "close_channel", call_timeout=a.timeout)
 
 
 def mode_free(trainers, rollouts, a, mode: str, background: bool) -> dict:
@@ -430,8 +427,8 @@ def mode_free(trainers, rollouts, a, mode: str, background: bool) -> dict:
         tres = gather(trainers, a.timeout * (a.steps + 2))
         rres = gather(rollouts, a.timeout)
     finally:
-        call_all(rollouts, "close_channel", timeout=a.timeout)
-        call_all(trainers, "close_channel", timeout=a.timeout)
+        call_all(rollouts, "close_channel", call_timeout=a.timeout)
+        call_all(trainers, "close_channel", call_timeout=a.timeout)
     return {
         "trainer_stalls": [r["stalls"] for r in tres],
         "rollout_stalls": [r["stalls"] for r in rres],
@@ -515,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         acts = start_actors(specs, timeout=max(a.timeout, 300.0))
         trainers, rollouts = acts[: TP * DP], acts[TP * DP :]
         try:
-            call_all(acts, "dist_init", free_port(), timeout=a.timeout)
+            call_all(acts, "dist_init", free_port(), call_timeout=a.timeout)
             a.base = 0
             for mode in modes:
                 a.base += 1000  # content versions of each mode differ from every other mode's

@@ -46,16 +46,13 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from _common import (
     BUCKET_BYTES,
     MODEL_SIZES,
     TOKEN,
     bucket_plan,
     call_all,
-    concurrent_bulk_gbps,  # noqa: E402
+    concurrent_bulk_gbps,
     fill_garbage,
     fmt_ratio,
     free_port,
@@ -272,13 +269,13 @@ class Run:
         a = self.args
         method = f"wbridge-{transport}" + ("" if zero_copy else "-staged")
         channel = f"e2e-{method}"
-        call_all(trainers, "wb_open", channel, zero_copy, transport, timeout=a.timeout)
-        call_all(rollouts, "wb_open", channel, transport, timeout=a.timeout)
+        call_all(trainers, "wb_open", channel, zero_copy, transport, call_timeout=a.timeout)
+        call_all(rollouts, "wb_open", channel, transport, call_timeout=a.timeout)
 
         def update(v: int) -> dict:
             for r in rollouts:
                 r.send("wb_pull", v, a.timeout)
-            pubs = call_all(trainers, "wb_publish", a.timeout, timeout=a.timeout)
+            pubs = call_all(trainers, "wb_publish", a.timeout, call_timeout=a.timeout)
             pulls = gather(rollouts, a.timeout)
             if any(p["v"] != v for p in pubs + pulls):
                 raise RuntimeError(f"{method}: version mismatch {[p['v'] for p in pubs + pulls]} != {v}")
@@ -299,14 +296,14 @@ class Run:
         try:
             self.versions(method, trainers, rollouts, trainers, update)
         finally:
-            call_all(rollouts, "wb_close", timeout=a.timeout)
-            call_all(trainers, "wb_close", timeout=a.timeout)
+            call_all(rollouts, "wb_close", call_timeout=a.timeout)
+            call_all(trainers, "wb_close", call_timeout=a.timeout)
 
     def baseline(self, trainers, rollouts, method: str, bucket_bytes: int) -> None:
         a = self.args
 
         def update(v: int) -> dict:
-            res = call_all(trainers + rollouts, "baseline", bucket_bytes, timeout=a.timeout)
+            res = call_all(trainers + rollouts, "baseline", bucket_bytes, call_timeout=a.timeout)
             end = max(r["t1"] for r in res[len(trainers) :])
             return {"update_s": end - min(r["t0"] for r in res[: len(trainers)]), "bucket_bytes": bucket_bytes}
 
@@ -429,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         run.log("baselines (torch.distributed gloo):")
         trainers, rollouts = actors()
         try:
-            call_all(trainers + rollouts, "dist_init", free_port(), timeout=a.timeout)
+            call_all(trainers + rollouts, "dist_init", free_port(), call_timeout=a.timeout)
             run.baseline(trainers, rollouts, "gather-bcast", a.bucket_mb << 20)
             record_rss("gather-bcast", trainers, rollouts)
             if not a.no_baseline_b:

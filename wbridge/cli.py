@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
+import subprocess
 import sys
 import time
 
@@ -44,14 +44,14 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         return int(bench_main(rest) or 0)
     path = os.path.join(_repo_benchmarks(), BENCHMARKS[args.what])
     if not os.path.exists(path):
-        print(f"wbridge bench {args.what}: {path} not found (benchmarks ship with the source tree)", file=sys.stderr)
+        print(
+            f"wbridge bench {args.what} needs a source checkout (benchmarks/ is not part of the installed package);"
+            f" in a clone run: python benchmarks/{BENCHMARKS[args.what]}",
+            file=sys.stderr,
+        )
         return 2
-    sys.argv = [path] + rest
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
+    # a script of its own: its folder goes first on sys.path, so it finds its _common helpers
+    return subprocess.call([sys.executable, path, *rest])
 
 
 def cmd_store(args: argparse.Namespace) -> int:
@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--timeout", type=float, default=120.0)
     demo.add_argument("--json", action="store_true")
 
-    bench = sub.add_parser("bench", help="benchmarks (extra arguments go to the benchmark)")
+    bench = sub.add_parser(
+        "bench", help="benchmarks (extra arguments, --help included, go to the benchmark)", add_help=False
+    )
     bench.add_argument("what", choices=["transport", *BENCHMARKS])
 
     store = sub.add_parser("store", help="host a standalone TCP metadata store")

@@ -101,6 +101,24 @@ class _Registration:
 
 
 class Publisher(Closeable):
+    """A trainer rank's side of a channel; see the module docstring for the call protocol.
+
+    - ``channel``: the channel name (non-empty, no ``/``); publishers and subscribers meet by it.
+    - ``store``: the metadata store URL (``tcp://host:port`` or ``etcd://host:port[,...]``) or a ``Store``.
+    - ``rank``, ``world_size``: this rank among the channel's publisher ranks (``0 <= rank < world_size``).
+    - ``host_store``: this rank hosts the ``tcp://`` store (exactly one rank, usually 0).
+    - ``token``: shared secret; signs store records and authenticates transport peers (None: neither).
+    - ``transport``: what to serve: ``"auto"`` (tcp, local, and RDMA engines where devices exist) or names.
+    - ``mode``: ``"sync"`` (publish waits for every subscriber's ack), ``"one_step_off"`` or ``"async"``.
+    - ``max_staleness``: in ``async`` mode, how many versions a live subscriber may fall behind.
+    - ``slots``: staging slots that versions rotate through (a reader of slot s blocks its reuse).
+    - ``zero_copy``: serve the live tensors themselves (no staging copy; one slot; readers fenced).
+    - ``host``: the address transports bind and advertise (loopback by default).
+    - ``connect_timeout``: seconds to wait for the store when opening it.
+    - ``checksums``: publish per-chunk checksums of each version (subscribers with ``verify`` check them).
+    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    """
+
     def __init__(
         self,
         channel: str,

@@ -112,6 +112,21 @@ class _Session:
 
 
 class Subscriber(Closeable):
+    """A rollout worker's side of a channel; see the module docstring for the call protocol.
+
+    - ``channel``: the channel name (non-empty, no ``/``), as the publishers named it.
+    - ``store``: the metadata store URL (``tcp://host:port`` or ``etcd://host:port[,...]``) or a ``Store``.
+    - ``token``: the channel's shared secret (checks store records, authenticates to publishers).
+    - ``transport``: ``"auto"`` (best common transport per publisher rank, see ``transports.select``) or a name.
+    - ``staged``: read into a private buffer and copy in only after every read succeeded.
+    - ``verify``: check each pull against the publishers' chunk checksums (where they publish them).
+    - ``connect_timeout``: seconds to wait for the store when opening it.
+    - ``lease_ttl``: seconds without a lease refresh after which publishers stop waiting for it.
+    - ``name``: shown to publishers and in errors (default ``<hostname>:<pid>``).
+    - ``host``: the address transports bind and advertise (loopback by default).
+    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    """
+
     def __init__(
         self,
         channel: str,
@@ -126,8 +141,6 @@ class Subscriber(Closeable):
         name: str | None = None,
         host: str = "127.0.0.1",
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
-        transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None,
-        nccl: bool = False,
     ) -> None:
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
@@ -140,7 +153,8 @@ class Subscriber(Closeable):
         self._lock = threading.Lock()
         self._pull_lock = threading.Lock()
         self._transport_options = transport_options or {}
-        self._wrapper = transport_wrapper  # fault injection and tracing (see wbridge.testing.faults)
+        # wraps each transport this subscriber opens; set only by wbridge.testing.faults.inject
+        self._wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
         self._session: _Session | None = None
@@ -153,7 +167,9 @@ class Subscriber(Closeable):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._newest = 0  # the newest version number seen; records older than it are refused
-        self._caps = _select.capabilities(nccl=nccl)  # nccl: opt in to the two-sided fallback
+        # nccl joins process groups, so auto picks it only where the publisher opted in by serving
+        # it (Publisher(transport=[..., "nccl"])); this side accepts it wherever it is installed
+        self._caps = _select.capabilities(nccl=True)
         self._store = open_store(store, connect_timeout=connect_timeout)
 
     # ------------------------------------------------------------------------------------------

@@ -283,7 +283,7 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
     bit-exactly."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from wbridge.testing.faults import wrapper
+    from wbridge.testing.faults import inject, wrapper
 
     from .actors import FaultPub, release, wait_paused
 
@@ -310,8 +310,8 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
         transport="tcp",
         verify=verify,
         staged=True,
-        transport_wrapper=wrapper("pause", signal_path=paused, release_path=go, on_reads=(1,)),
     )
+    inject(sub, wrapper("pause", signal_path=paused, release_path=go, on_reads=(1,)))
     sub.register(tensors)
     try:
         pub.call("publish", 1)

@@ -84,11 +84,11 @@ class SubActor:
 
             for name, (shape, gshape) in extra.items():
                 self.tensors[name] = (torch.zeros(shape, dtype=torch.bfloat16), Shard(name, tuple(gshape)))
-        if fault is not None:
-            from wbridge.testing.faults import wrapper
-
-            kwargs["transport_wrapper"] = wrapper(fault[0], **fault[1])
         self.sub = Subscriber("t", url, token=token, **kwargs)
+        if fault is not None:
+            from wbridge.testing.faults import inject, wrapper
+
+            inject(self.sub, wrapper(fault[0], **fault[1]))
         self.sub.register(self.tensors)
 
     def fill(self, byte: int) -> None:

@@ -77,14 +77,13 @@ def _served(transport: str):
 
 def _rollout(cfg: DemoConfig, idx: int, url: str, results: mp.Queue) -> None:
     from ..subscriber import Subscriber
-    from .faults import FlipBit
+    from .faults import FlipBit, inject
 
     try:
         tensors = make_tensors(cfg.model, cfg.rollout_tp, idx, fused=True, version=None, fill_value=0xFF)
-        wrapper = (lambda t: FlipBit(t)) if (cfg.fault == "flip-bit" and idx == 0) else None
-        with Subscriber(
-            CHANNEL, url, token=TOKEN, transport=cfg.transport, transport_wrapper=wrapper, name=f"rollout-{idx}"
-        ) as sub:
+        with Subscriber(CHANNEL, url, token=TOKEN, transport=cfg.transport, name=f"rollout-{idx}") as sub:
+            if cfg.fault == "flip-bit" and idx == 0:
+                inject(sub, FlipBit)
             sub.register(tensors)
             v = 0
             while v < cfg.versions:

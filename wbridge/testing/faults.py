@@ -195,9 +195,17 @@ WRAPPERS = {"flip-bit": FlipBit, "slow": Slow, "pause": Pause}
 
 
 def wrapper(kind: str, **kwargs: Any):
-    """A ``transport_wrapper`` for ``Subscriber``: ``wrapper("slow", delay=2.0)``."""
+    """A transport wrapper for ``inject``: ``wrapper("slow", delay=2.0)``."""
     cls = WRAPPERS[kind]
     return lambda t: cls(t, **kwargs)
+
+
+def inject(sub: Any, wrap: Any) -> Any:
+    """Makes ``sub`` (a ``Subscriber``, before its first pull) open every transport through
+    ``wrap(transport)``: fault injection for tests and the demo, kept out of the public signature.
+    Returns ``sub``."""
+    sub._wrapper = wrap
+    return sub
 
 
 class FailConnect(Delegating):
