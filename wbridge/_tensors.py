@@ -71,9 +71,19 @@ def alloc_bytes(n: int, device: str):
     return torch.empty(max(n, 1), dtype=torch.uint8, device=device)
 
 
-def build_layout(rank: int, tensors: Any, *, pack: bool, who: str):
+#: Dtypes a publisher may cast from and to at snapshot time (``Publisher.register(dtype=...)``).
+FLOATING = ("float64", "float32", "float16", "bfloat16")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16``, ``np.float32`` or ``"bfloat16"`` as the planner's dtype name."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | None = None):
     """``(layout, live tensors by name, device)`` of ``{name: (tensor, declaration)}``; the one
-    place both sides turn registered tensors into a ``RankLayout``."""
+    place both sides turn registered tensors into a ``RankLayout``. ``cast``: the dtype that the
+    floating tensors are laid out (published) in; other tensors keep theirs."""
     from planner.layout import LayoutBuilder
 
     from .errors import UsageError
@@ -87,6 +97,8 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str):
         except (TypeError, ValueError):
             raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
         shape, dtype, device = describe(name, tensor)
+        if cast is not None and dtype in FLOATING:
+            dtype = cast
         builder.add(name, shape, dtype, decl)
         devices.add(device)
         live[name] = tensor

@@ -51,7 +51,7 @@ from planner.layout import Declaration, RankLayout
 
 from ._lifecycle import Closeable, log, quietly
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
-from ._tensors import address, alloc_bytes, build_layout, byte_view
+from ._tensors import FLOATING, address, alloc_bytes, build_layout, byte_view, describe, dtype_name
 from ._tracker import SubscriberTracker, now
 from .errors import UsageError, WaitTimeout, WBridgeError
 from .protocol import checksum as _checksum
@@ -193,8 +193,12 @@ class Publisher(Closeable):
         """The last version this rank published (0 before the first)."""
         return self._next_version - 1 if self._next_version else 0
 
-    def register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> int:
+    def register(self, tensors: Mapping[str, tuple[Any, Declaration]], dtype: Any = None) -> int:
         """Registers this rank's live tensors with their declarations; returns the epoch.
+
+        ``dtype`` (``torch.bfloat16``, ``torch.float16``...): publish the floating tensors in this
+        dtype; the snapshot casts them (one vectorised copy per tensor, on their device), so an fp32
+        trainer serves bf16 rollouts from its own memory. Needs a staging copy (not ``zero_copy``).
 
         Collective: every rank registers before any rank's ``publish()`` can commit, and all ranks
         register again together (a new epoch) when a layout changes or a rank was restarted.
@@ -202,13 +206,23 @@ class Publisher(Closeable):
         self._check_open()
         if not tensors:
             raise UsageError(f"publisher rank {self.rank}: register() needs at least one tensor")
+        cast = None
+        if dtype is not None:
+            cast = dtype_name(dtype)
+            if cast not in FLOATING:
+                raise UsageError(f"publisher rank {self.rank}: dtype must be one of {FLOATING}, got {dtype!r}")
+            if self.zero_copy:
+                raise UsageError(
+                    f"publisher rank {self.rank}: register(dtype={cast}) casts at snapshot time, but zero_copy=True "
+                    "serves the live tensors as they are; use the staged modes (zero_copy=False) to cast"
+                )
         with self._start_lock:
             self._settle(self._inflight_deadline + self._connect_timeout, "register()")
-            return self._register(tensors)
+            return self._register(tensors, cast)
 
-    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> int:
+    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None = None) -> int:
         layout, live, device = build_layout(
-            self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}"
+            self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}", cast=cast
         )
         self._release_registration()
         if self.zero_copy:
@@ -373,6 +387,7 @@ class Publisher(Closeable):
                 zero_copy=self.zero_copy,
                 checksums=self.checksums,
                 committed_at=now(),
+                mode=self.mode,
             ).write(self._store, self.keys, self.token)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:
@@ -393,6 +408,26 @@ class Publisher(Closeable):
 
     def live_subscribers(self) -> int:
         return len(self._tracker.live())
+
+    def wait_for_subscribers(self, n: int, timeout: float = 60.0) -> int:
+        """Blocks until at least ``n`` subscribers are live; returns how many are."""
+        self._check_open()
+        if type(n) is not int or n < 0:  # noqa: E721 - bool is no count
+            raise UsageError(f"publisher rank {self.rank}: wait_for_subscribers(n) needs an int >= 0, got {n!r}")
+        seen = [0]
+
+        def probe():
+            self._check_stopped()
+            seen[0] = len(self._tracker.live())
+            return seen[0] if seen[0] >= n else None
+
+        try:
+            return Store.wait_until(probe, timeout, f"{n} live subscribers", poll=0.005, max_poll=0.1)
+        except WaitTimeout:
+            raise WaitTimeout(
+                f"publisher rank {self.rank} of channel {self.channel!r}: {seen[0]} of {n} subscribers "
+                f"live after {timeout:.1f}s"
+            ) from None
 
     def subscribers(self) -> list[dict]:
         """The live subscribers: id, name, last acked version, version being read (0: none)."""
@@ -451,7 +486,10 @@ class Publisher(Closeable):
             reg.copy_stream.synchronize()
         elif not self.zero_copy:
             for dst, src in reg.copies[slot]:
-                np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here
+                if isinstance(dst, np.ndarray):
+                    np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here
+                else:
+                    dst.copy_(src)  # a cast (register(dtype=...)): one vectorised op per tensor
         if not self.checksums:
             return None
         return _checksum.chunk_sums(reg.slots[0] if self.zero_copy else reg.slots[slot])
@@ -512,11 +550,18 @@ class Publisher(Closeable):
 
 
 def _copy_pairs(buf: Any, tensors: Any, layout: RankLayout, device: str) -> list[tuple[Any, Any]]:
-    """(staging slice, live bytes) views for the snapshot copy, built once per registration."""
+    """(staging slice, live tensor) views for the snapshot copy, built once per registration: raw
+    bytes where the published dtype is the live one, typed torch views where the copy casts."""
+    import torch
+
     pairs = []
     for t, lt in zip(tensors, layout.tensors):
-        src = byte_view(t)
         dst = buf[lt.offset : lt.offset + lt.nbytes]
+        if describe(lt.name, t)[1] != lt.dtype:
+            live = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+            pairs.append((dst.view(getattr(torch, lt.dtype)).view(live.shape), live))
+            continue
+        src = byte_view(t)
         pairs.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
     return pairs
 

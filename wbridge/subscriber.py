@@ -24,7 +24,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,6 +215,41 @@ class Subscriber(Closeable):
         rec = VersionRecord.read(self._store, self.keys, self.token)
         return rec.v if rec else None
 
+    def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
+        """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.
+        ``after=None``: newer than what this subscriber holds (0: none). Needs no ``register()``:
+        a watcher that only wants to know when to act (e.g. to tell an engine to update) uses it."""
+        self._check_open()
+        floor = (self.version or 0) if after is None else after
+        if type(floor) is not int or floor < 0:  # noqa: E721 - bool is no version
+            raise UsageError(f"subscriber {self.name}: wait_version(after=) needs an int >= 0, got {after!r}")
+
+        def probe():
+            rec = VersionRecord.read(self._store, self.keys, self.token)
+            return rec.v if rec is not None and rec.v > floor else None
+
+        deadline = time.monotonic() + timeout
+        with self._store.deadline(deadline):
+            try:
+                return Store.wait_until(probe, timeout, f"a version > {floor}", poll=0.002, max_poll=0.05)
+            except WaitTimeout:
+                raise WaitTimeout(
+                    f"subscriber {self.name}: no version > {floor} on channel {self.channel!r} within {timeout:.1f}s"
+                ) from None
+
+    async def versions(self, after: int | None = None) -> AsyncIterator[int]:
+        """Yields each newly committed version: ``async for v in sub.versions(): ...``. Starts after
+        ``after`` (default: the version committed now, or what this subscriber holds if newer); a
+        version committed while the loop body runs is not lost, several may be coalesced into the
+        newest. Needs no ``register()``."""
+        last = after if after is not None else max(self.latest() or 0, self.version or 0)
+        while True:
+            try:
+                last = await asyncio.to_thread(self.wait_version, last, 1.0)
+            except WaitTimeout:
+                continue
+            yield last
+
     async def pull_async(self, min_version: int | None = None, timeout: float = 60.0) -> int:
         """``pull`` for asyncio loops: runs in a worker thread, the event loop stays free."""
         return await asyncio.to_thread(self.pull, min_version, timeout)
@@ -258,7 +293,15 @@ class Subscriber(Closeable):
 
         def probe():
             rec = VersionRecord.read(self._store, self.keys, self.token)
-            if rec is None or rec.v < want:
+            if rec is None:
+                return None
+            if rec.v < want:
+                if rec.mode == "sync" and rec.v != self.version and self._lease is not None:
+                    raise UsageError(
+                        f"subscriber {self.name}: channel {self.channel!r} is in sync mode and version {rec.v} "
+                        f"waits for this subscriber's ack, so version {want} cannot come until it pulls "
+                        f"{rec.v}: call pull() without min_version (or min_version={rec.v}) first"
+                    )
                 return None
             if rec.v == self.version:
                 return rec  # already applied

@@ -20,6 +20,7 @@ class VersionRecord:
     zero_copy: bool
     checksums: bool
     committed_at: float
+    mode: str = "one_step_off"  # the publishers' sync mode (subscribers refuse pulls that would deadlock)
 
     @classmethod
     def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:
