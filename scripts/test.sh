@@ -3,8 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# --fast: the inner-loop tier (under 2 minutes here): every module, without the tests marked slow
+# (real vLLM engines, Mooncake's open/close cycles, multi-process model training, benchmark runs).
+args=()
+for a in "$@"; do
+  if [ "$a" = "--fast" ]; then args+=(-m "not slow"); else args+=("$a"); fi
+done
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider "${args[@]}"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.

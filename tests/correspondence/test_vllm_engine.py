@@ -187,8 +187,10 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
     print(f"errors through vLLM's API: {eng['errors']}; stats {eng['stats']}")
     # vLLM passes on only the worker error's message (not its type).
     assert "wbridge: start_weight_update before init_weight_transfer_engine" in eng["errors"]["start_before_init"]
-    assert "wbridge backend, rank 0:" in eng["errors"]["wrong_token"], eng["errors"]
+    assert "wbridge backend, rank 0: AuthError:" in eng["errors"]["wrong_token"], eng["errors"]
     assert "wrong token" in eng["errors"]["wrong_token"], eng["errors"]
+    assert eng["held"] == eng["version"]
+    assert eng["during"] == eng["before"], "generation during the background pull must use the old weights"
     assert eng["after_failed"] == eng["before"]
     assert eng["weight_version"] == str(eng["version"]) and [s["version"] for s in eng["stats"]] == [eng["version"]]
     st, tr = eng["staging"], eng["trainer"]

@@ -113,16 +113,18 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
         v = pub.publish(timeout=60.0)
         # Broken paths first, through vLLM's API: each must fail with wbridge's own message.
         errors["start_before_init"] = _error(llm.start_weight_update)
-        init("wrong-token")  # joins; the store's records fail authentication at the pull
-        llm.start_weight_update()
-        errors["wrong_token"] = _error(lambda: llm.update_weights({"update_info": {"min_version": v, "timeout": 20.0}}))
-        after_failed = _generate(llm)  # a failed pull leaves the kernels alone
+        errors["wrong_token"] = _error(lambda: init("wrong-token"))  # fails at init, not at the first update
+        after_failed = _generate(llm)  # a failed init leaves the kernels alone
         init(TOKEN)
         llm.start_weight_update()
-        llm.update_weights({"update_info": {"min_version": v, "timeout": 60.0}})
+        # background: update_weights returns at once and the engine keeps generating on the old
+        # weights while the pull runs; finish_weight_update waits for it and reloads
+        llm.update_weights({"update_info": {"version": v, "timeout": 60.0, "background": True}})
+        during = _generate(llm)
         llm.finish_weight_update(weight_version=str(v))
         after = _generate(llm)
         staging = llm.collective_rpc("wbridge_staging")[0]
+        held = llm.collective_rpc("wbridge_version")[0]
         stats = llm.collective_rpc("wbridge_stats")[0]
         llm.shutdown_weight_transfer_engine()
     torch.save(
@@ -133,6 +135,8 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
             "version": v,
             "weight_version": llm.get_weight_version(),
             "stats": stats,
+            "held": held,
+            "during": during,
             "errors": errors,
             "staging": staging,
             "trainer": {k: v.detach().clone() for k, v in trainer.state_dict().items()},
@@ -186,6 +190,57 @@ def trainer(ckpt: str, out: str, port: int) -> None:
         deadline = time.monotonic() + 700
         while not os.path.exists(os.path.join(out, "engine_done")) and time.monotonic() < deadline:
             time.sleep(0.2)
+
+
+def http_trainer(ckpt: str, out: str, port: int, url: str) -> None:
+    """The trainer-driven flow: vLLM's own HTTP client (``HTTPVLLMWeightSyncClient``) drives the
+    server's start -> update -> finish through wbridge's trainer engine, which publishes first."""
+    import json
+    import urllib.request
+
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from wbridge import Publisher
+    from wbridge.integrations.dtensor import from_module
+    from wbridge.integrations.vllm_trainer import WBridgeTrainerInitInfo
+    from wbridge.integrations.vllm_transfer import register
+
+    def get(path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read() or b"null")
+
+    register()  # this process is no vLLM process: no plugin hook ran here
+    model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=5.0)
+    ids = torch.tensor([PROMPT])
+    with Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
+        pub.register(from_module(model))
+        info = WBridgeTrainerInitInfo(
+            publisher=pub, rank=0, transport="tcp", cache_dir=os.path.join(out, "cache"), timeout=120.0
+        )
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(url))
+        rounds = []
+        for _ in range(2):
+            model.zero_grad()
+            model(input_ids=ids, labels=torch.flip(ids, [1])).loss.backward()
+            opt.step()  # the trainer's update: a real optimizer step on its live (registered) weights
+            engine.send_weights()
+            rounds.append(
+                {
+                    "version": engine.version,
+                    "label": get("/weight_info")["weight_version"],
+                    "held": get("/collective_rpc", {"method": "wbridge_version"})["results"][0],
+                    "digests": get("/collective_rpc", {"method": "wbridge_digests"})["results"][0],
+                    "trainer": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                }
+            )
+        engine.shutdown()
+    torch.save({"rounds": rounds}, os.path.join(out, "http_trainer.pt"))
 
 
 def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | None = None):
@@ -294,6 +349,8 @@ if __name__ == "__main__":
         trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif role == "engine":
         engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif role == "http_trainer":
+        http_trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif role == "reference":
         reference(sys.argv[2], sys.argv[3])
     elif role == "make_moe":

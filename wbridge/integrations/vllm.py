@@ -29,12 +29,13 @@ the model config, the vLLM version and the rank.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import LayoutError, UsageError, WBridgeError
+from ..errors import LayoutError, UsageError, WaitTimeout, WBridgeError
 from .trace import TraceResult, cache_key, cached_trace, trace_load_weights
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
@@ -78,12 +79,40 @@ def portable_to_tensor(x: tuple[str, list[int], bytes]) -> Any:
     return buf.view(getattr(torch, dtype)).reshape(shape)
 
 
+class _Background:
+    """One pull on a worker thread: its result ``(version, seconds)`` or its error."""
+
+    def __init__(self) -> None:
+        self.thread: Any = None
+        self.result: tuple[int, float] | None = None
+        self.error: BaseException | None = None
+
+    def run(self, fetch: Any, timeout: float, min_version: int | None) -> None:
+        try:
+            self.result = fetch(timeout, min_version)
+        except BaseException as e:  # noqa: BLE001 - handed to wbridge_commit
+            self.error = e
+
+
+class _NothingLoaded(logging.Filter):
+    """Drops vLLM's "Failed to load weights" warning: a reload that only traces or reads shapes
+    loads nothing on purpose, and vLLM then puts every layer's kernel tensors back (as it says)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in record.getMessage()
+
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
 class _Reload:
     """vLLM's layerwise reload of ``model``; inside it every layer holds its checkpoint-format
-    parameters (restored on the meta device) and processing runs when a layer is complete."""
+    parameters (restored on the meta device) and processing runs when a layer is complete.
+    ``loads=False``: the block loads nothing (tracing, reading shapes), so vLLM's warning that a
+    layer loaded nothing is expected and silenced."""
 
-    def __init__(self, model: Any, model_config: Any) -> None:
-        self.model, self.model_config = model, model_config
+    def __init__(self, model: Any, model_config: Any, *, loads: bool = True) -> None:
+        self.model, self.model_config, self.loads = model, model_config, loads
 
     def __enter__(self) -> _Reload:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -121,7 +150,15 @@ class _Reload:
     def __exit__(self, *exc: Any) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self.loads:
+            finalize_layerwise_reload(self.model, self.model_config)
+            return
+        quiet, logger = _NothingLoaded(), logging.getLogger(_LAYERWISE_LOGGER)
+        logger.addFilter(quiet)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            logger.removeFilter(quiet)
 
 
 def _repack_cpu_moe(model: Any) -> None:
@@ -174,7 +211,7 @@ class WBridgeWorkerExtension:
         parallel = getattr(self, "parallel_config", None) or self.model_runner.vllm_config.parallel_config
 
         def run() -> TraceResult:
-            with _Reload(model, mc) as rl:
+            with _Reload(model, mc, loads=False) as rl:
                 rl.unwrapped()
                 return trace_load_weights(model, model.load_weights, shapes)
 
@@ -226,15 +263,19 @@ class WBridgeWorkerExtension:
         )
         try:
             sub.register(entries)
+            # a wrong token fails here, not at the first update: the committed version's record
+            # (once there is one) is sealed with the channel's token
+            sub.latest()
         except BaseException:
             sub.close()
             raise
         self._wbridge_sub, self._wbridge_staging, self._wbridge_stats = sub, staging, []
+        self._wbridge_version = None
         return len(entries)
 
     def _wbridge_checkpoint_shapes(self, trace: TraceResult) -> dict[str, tuple[int, ...]]:
         model, mc = self._wbridge_model(), self._wbridge_model_config()
-        with _Reload(model, mc) as rl:
+        with _Reload(model, mc, loads=False) as rl:
             rl.unwrapped()
             params = dict(model.named_parameters())
             missing = [n for n in trace.entries if n not in params]
@@ -248,6 +289,41 @@ class WBridgeWorkerExtension:
         v, pull_s = self._wbridge_fetch(timeout, min_version)
         self._wbridge_commit(v, pull_s)
         return v
+
+    def wbridge_pull_start(self, timeout: float = 60.0, min_version: int | None = None) -> None:
+        """Starts pulling the newest version (at least ``min_version``) into staging on a worker
+        thread and returns at once: the engine keeps generating on its current weights. Then
+        ``wbridge_commit()`` (the only pause) waits for the pull and reloads the kernels."""
+        import threading
+
+        holder = self._wbridge_holder()
+        if getattr(holder, "_wbridge_bg", None) is not None:
+            raise UsageError("wbridge: a background pull is already running; commit it first")
+        bg = _Background()
+        bg.thread = threading.Thread(target=bg.run, args=(holder._wbridge_fetch, timeout, min_version), daemon=True)
+        holder._wbridge_bg = bg
+        bg.thread.start()
+
+    def wbridge_pull_done(self) -> bool:
+        """Whether the background pull has finished (successfully or not)."""
+        bg = getattr(self._wbridge_holder(), "_wbridge_bg", None)
+        return bg is None or not bg.thread.is_alive()
+
+    def wbridge_commit(self, timeout: float = 60.0) -> int:
+        """Waits (at most ``timeout``) for the background pull, then reloads it into the engine;
+        returns the version. A failed pull raises its error and leaves the kernels alone."""
+        holder = self._wbridge_holder()
+        bg = getattr(holder, "_wbridge_bg", None)
+        if bg is None:
+            raise UsageError("wbridge: wbridge_commit without wbridge_pull_start")
+        bg.thread.join(timeout)
+        if bg.thread.is_alive():
+            raise WaitTimeout(f"wbridge: the background pull did not finish within {timeout:.1f}s")
+        holder._wbridge_bg = None
+        if bg.error is not None:
+            raise bg.error
+        holder._wbridge_commit(*bg.result)
+        return bg.result[0]
 
     # The two halves of a pull, apart so that the weight-transfer backend (``vllm_transfer``) can
     # fetch in ``update_weights`` and reload in ``finish_weight_update``.
@@ -264,7 +340,9 @@ class WBridgeWorkerExtension:
     def _wbridge_commit(self, version: int, pull_s: float) -> None:
         """Reloads the staging tensors into the engine through vLLM's reload lifecycle."""
         t1 = time.perf_counter()
+        self._wbridge_version = None  # a failed reload leaves the kernels on no known version
         self._wbridge_apply()
+        self._wbridge_version = version
         self._wbridge_stats.append({"version": version, "pull_s": pull_s, "reload_s": time.perf_counter() - t1})
 
     def _wbridge_apply(self) -> None:
@@ -289,6 +367,10 @@ class WBridgeWorkerExtension:
                 return engine
         return self
 
+    def wbridge_version(self) -> int | None:
+        """The wbridge version the engine's kernels hold (None before the first update)."""
+        return getattr(self._wbridge_holder(), "_wbridge_version", None)
+
     def wbridge_stats(self) -> list[dict]:
         return list(getattr(self._wbridge_holder(), "_wbridge_stats", []))
 
@@ -296,6 +378,16 @@ class WBridgeWorkerExtension:
         """The checkpoint-format tensors of the last pull, as ``(dtype, shape, raw bytes)`` (RPC-safe;
         ``portable_to_tensor`` rebuilds them)."""
         return {k: _portable(v) for k, v in getattr(self._wbridge_holder(), "_wbridge_staging", {}).items()}
+
+    def wbridge_digests(self) -> dict[str, str]:
+        """SHA-256 of each checkpoint-format tensor of the last pull (JSON-safe: for vLLM's
+        ``/collective_rpc`` route, which passes on only strings, lists and dicts)."""
+        import hashlib
+
+        return {
+            k: hashlib.sha256(_portable(v)[2]).hexdigest()
+            for k, v in getattr(self._wbridge_holder(), "_wbridge_staging", {}).items()
+        }
 
     def wbridge_parameters(self) -> dict[str, tuple[str, list[int], bytes]]:
         """The engine's live parameters and buffers as its kernels see them, as

@@ -15,8 +15,14 @@ extension's machinery (traced layout, subscriber, reload lifecycle) behind vLLM'
     llm.finish_weight_update(weight_version=str(v))                            # reloads into the kernels
     llm.reset_prefix_cache()
 
-The trainer side is ``wbridge.Publisher``; it does not go through vLLM (no trainer-side engine is
-registered with ``WeightTransferTrainerFactory``).
+The trainer side is ``wbridge.Publisher``. To let vLLM's own trainer-side clients (HTTP routes,
+Ray handles) drive start -> update -> finish, use the trainer engine registered with vLLM's
+``WeightTransferTrainerFactory`` (``vllm_trainer``): its ``send_weights()`` publishes and then drives
+the rollouts through the client, labelling the update with the version it published.
+
+``update_info`` may name the exact ``version`` to apply (the trainer engine does): a pull that finds
+another version fails instead of labelling the weights wrongly. ``collective_rpc("wbridge_version")``
+(with the worker extension) tells which version the kernels hold.
 
 Call protocol (worker side, driven by vLLM): ``init_transfer_engine`` once (traces the layout,
 allocates checkpoint-format staging, joins the channel); per update ``start_weight_update`` ->
@@ -39,10 +45,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..errors import UsageError, WBridgeError
+from ..errors import StaleVersionError, UsageError, WBridgeError
 from .vllm import DEFAULT_CACHE, WBridgeWorkerExtension
 
 BACKEND = "wbridge"
+#: Subscriber keywords that ``init_info["subscriber_options"]`` may set.
+SUBSCRIBER_OPTIONS = frozenset(
+    {"name", "staged", "verify", "lease_ttl", "connect_timeout", "host", "transport_options"}
+)
 
 
 # Not frozen: vLLM's base info classes are plain dataclasses, and a frozen dataclass cannot
@@ -56,6 +66,8 @@ class WBridgeInitInfo(WeightTransferInitInfo):
     token: str | None = None
     transport: str = "auto"
     cache_dir: str | None = DEFAULT_CACHE  # trace cache; None traces every time
+    # more Subscriber keywords, e.g. {"name": "rollout-3", "staged": True, "lease_ttl": 5.0}
+    subscriber_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("channel", "store", "transport"):
@@ -64,6 +76,9 @@ class WBridgeInitInfo(WeightTransferInitInfo):
                 raise UsageError(f"wbridge init_info: {name} must be a non-empty string, got {v!r}")
         if self.token is not None and not isinstance(self.token, str):
             raise UsageError(f"wbridge init_info: token must be a string or None, got {type(self.token).__name__}")
+        opts = self.subscriber_options or {}
+        if not isinstance(opts, dict) or set(opts) - SUBSCRIBER_OPTIONS:
+            raise UsageError(f"wbridge init_info: subscriber_options takes {sorted(SUBSCRIBER_OPTIONS)}, got {opts!r}")
 
 
 @dataclass
@@ -73,12 +88,34 @@ class WBridgeUpdateInfo(WeightTransferUpdateInfo):
 
     min_version: int | None = None
     timeout: float = 60.0
+    version: int | None = None  # exactly this version (the label the caller will give it), or fail
+    # pull on a worker thread and return at once (generation goes on on the old weights);
+    # finish_weight_update waits for it and reloads: the reload is then the only pause
+    background: bool = False
 
     def __post_init__(self) -> None:
-        if self.min_version is not None and (not isinstance(self.min_version, int) or self.min_version < 1):
-            raise UsageError(f"wbridge update_info: min_version must be a positive int, got {self.min_version!r}")
+        for name in ("min_version", "version"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise UsageError(f"wbridge update_info: {name} must be a positive int, got {v!r}")
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise UsageError(f"wbridge update_info: timeout must be a positive number, got {self.timeout!r}")
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A background pull that ``finish_weight_update`` waits for."""
+
+    version: int | None
+    timeout: float
+
+
+def _check_exact(want: int | None, got: int) -> None:
+    if want is not None and got != want:
+        raise StaleVersionError(
+            f"update_info asked for version {want} but the newest committed is {got}; "
+            "nothing was applied (the update would carry the wrong label)"
+        )
 
 
 class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeUpdateInfo], WBridgeWorkerExtension):
@@ -94,7 +131,8 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self._wbridge_sub = None
-        self._wbridge_pending: tuple[int, float] | None = None
+        self._wbridge_bg = None
+        self._wbridge_pending: tuple[int, float] | _InFlight | None = None
 
     # The extension's accessors, answered from what vLLM hands the engine.
     def _wbridge_model(self) -> Any:
@@ -114,7 +152,8 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
         except WBridgeError as e:
             if str(e).startswith("wbridge"):
                 raise
-            raise type(e)(f"wbridge backend, rank {self._wbridge_rank()}: {e}") from e
+            # the class name goes into the text too: vLLM's RPC keeps only the message
+            raise type(e)(f"wbridge backend, rank {self._wbridge_rank()}: {type(e).__name__}: {e}") from e
 
     def init_transfer_engine(self, init_info: WBridgeInitInfo) -> None:
         with self._named():
@@ -124,6 +163,7 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
                 token=init_info.token,
                 transport=init_info.transport,
                 cache_dir=init_info.cache_dir,
+                **(init_info.subscriber_options or {}),
             )
 
     def start_weight_update(self) -> None:
@@ -142,16 +182,35 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
         # so finish_weight_update then leaves the kernels on their previous weights.
         self._wbridge_pending = None
         with self._named():
-            self._wbridge_pending = self._wbridge_fetch(update_info.timeout, update_info.min_version)
+            want = update_info.version
+            if update_info.background:
+                self.wbridge_pull_start(update_info.timeout, want or update_info.min_version)
+                self._wbridge_pending = _InFlight(want, update_info.timeout)
+                return
+            pending = self._wbridge_fetch(update_info.timeout, want or update_info.min_version)
+            _check_exact(want, pending[0])
+            self._wbridge_pending = pending
 
     def finish_weight_update(self) -> None:
         pending, self._wbridge_pending = self._wbridge_pending, None
-        if pending is not None:
-            with self._named():
+        if pending is None:
+            return
+        with self._named():
+            if isinstance(pending, _InFlight):
+                bg = self._wbridge_bg
+                bg.thread.join(pending.timeout)
+                if bg.result is not None and pending.version not in (None, bg.result[0]):
+                    self._wbridge_bg = None  # dropped: staging holds a version nobody asked for
+                    _check_exact(pending.version, bg.result[0])
+                self.wbridge_commit(timeout=0.0)
+            else:
                 self._wbridge_commit(*pending)
 
     def shutdown(self) -> None:
         self._wbridge_pending = None
+        bg, self._wbridge_bg = getattr(self, "_wbridge_bg", None), None
+        if bg is not None:
+            bg.thread.join(5.0)  # a pull in flight ends within its own timeout; closing cuts it
         self.wbridge_close()
 
     def __repr__(self) -> str:
@@ -162,13 +221,16 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
 
 
 def register() -> None:
-    """Offers ``"wbridge"`` in vLLM's ``WeightTransferEngineFactory``; idempotent.
+    """Offers ``"wbridge"`` in vLLM's ``WeightTransferEngineFactory`` (workers) and
+    ``WeightTransferTrainerFactory`` (trainers); idempotent.
 
     vLLM creates the engine in its worker processes (spawned on CPU), so registering in the
     user's process is not enough: make vLLM call this in every process through the
     ``vllm.general_plugins`` entry point (``wbridge = "wbridge.integrations.vllm_transfer:register"``).
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from .vllm_trainer import register_trainer
 
     registry = WeightTransferEngineFactory._registry  # the factory has no lookup by name
     if BACKEND in registry:
@@ -178,5 +240,6 @@ def register() -> None:
                 f"vLLM weight-transfer backend {BACKEND!r} is already registered to "
                 f"{existing.__module__}.{existing.__qualname__}"
             )
-        return
-    WeightTransferEngineFactory.register_engine(BACKEND, __name__, WBridgeWeightTransferEngine.__name__)
+    else:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, WBridgeWeightTransferEngine.__name__)
+    register_trainer()
