@@ -11,11 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from wbridge.integrations.dtensor import from_dtensor  # noqa: E402
-from wbridge.protocol.declarations import decl_to_dict  # noqa: E402
+from wbridge.integrations.dtensor import from_dtensor  # run with the repo on PYTHONPATH (run_ranks)
+from wbridge.protocol.declarations import decl_to_dict
 
 
 def tiny_qwen2(hf: bool) -> torch.nn.Module:

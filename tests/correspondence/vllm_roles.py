@@ -14,8 +14,7 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+# run with the repo on PYTHONPATH (the tests' _spawn sets it): the vLLM venv has no wbridge installed
 
 TOKEN = "vllm-test-token"
 CHANNEL = "policy"
