@@ -35,15 +35,16 @@ def _machine_note(m: Mapping[str, Any]) -> str:
     return f"{m.get('cpus')} CPUs, loopback, {m.get('utc', '')} UTC"
 
 
-def _save(fig, name: str) -> str:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, name)
+def _save(fig, name: str, out_dir: str | None = None) -> str:
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=90)
     _plt().close(fig)
     return path
 
 
-def plot_update(data: Mapping[str, Any], name: str = "update_e2e.png") -> str:
+def plot_update(data: Mapping[str, Any], name: str = "update_e2e.png", out_dir: str | None = None) -> str:
     """update_e2e.png: median update time per method, and trainer-0 peak RSS."""
     plt = _plt()
     methods = data["summary"]["methods"]
@@ -75,10 +76,10 @@ def plot_update(data: Mapping[str, Any], name: str = "update_e2e.png") -> str:
     ax2.set_ylim(0, max(vals) * 1.15)
     fig.suptitle(f"update_e2e ({_machine_note(data['machine'])})", fontsize=9)
     fig.tight_layout()
-    return _save(fig, name)
+    return _save(fig, name, out_dir)
 
 
-def plot_stall(data: Mapping[str, Any]) -> str:
+def plot_stall(data: Mapping[str, Any], out_dir: str | None = None) -> str:
     """stall.png: average stall per step of trainers and rollouts per mode (log scale)."""
     plt = _plt()
     modes = data["modes"]
@@ -115,7 +116,7 @@ def plot_stall(data: Mapping[str, Any]) -> str:
         fontsize=8,
     )
     fig.tight_layout()
-    return _save(fig, "stall.png")
+    return _save(fig, "stall.png", out_dir)
 
 
 def sweep(names: list[str], size: int = 64 << 20, repeat: int = 3) -> dict:

@@ -477,8 +477,9 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU niceness of the emulated compute (0: equal priority with the transfer)",
     )
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--json", action="store_true", help="write benchmarks/results/stall.json")
-    ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/stall.png")
+    ap.add_argument("--json", action="store_true", help="write <out>/stall.json")
+    ap.add_argument("--plot", action="store_true", help="also draw <out>/stall.png")
+    ap.add_argument("--out", default=".", help="directory for stall.json (default: the working directory)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     modes = a.modes.split(",")
@@ -559,12 +560,12 @@ def main(argv: list[str] | None = None) -> int:
             "modes": results,
             "wall_s": wall,
         }
-        path = write_json("stall.json", data)
+        path = write_json("stall.json", data, a.out)
         print(f"results: {os.path.relpath(path)}")
         if a.plot:
             from plots import plot_stall
 
-            print(f"plot: {os.path.relpath(plot_stall(data))}")
+            print(f"plot: {os.path.relpath(plot_stall(data, a.out))}")
 
     def r(mode: str) -> str:
         return fmt_ratio(results[mode]["vs_baseline"]) if mode in results else "n/a"

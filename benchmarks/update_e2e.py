@@ -351,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--bench-repeat", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=180.0)
-    ap.add_argument("--json", action="store_true", help="write benchmarks/results/<name>.json")
-    ap.add_argument("--plot", action="store_true", help="also draw benchmarks/results/<name>.png")
+    ap.add_argument("--json", action="store_true", help="write <out>/<name>.json")
+    ap.add_argument("--plot", action="store_true", help="also draw <out>/<name>.png")
+    ap.add_argument("--out", default=".", help="directory for <name>.json (default: the working directory)")
     ap.add_argument("--name", default="update_e2e", help="results file name (default update_e2e)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
@@ -491,12 +492,12 @@ def main(argv: list[str] | None = None) -> int:
             "bench": bench,
             "wall_s": wall,
         }
-        path = write_json(f"{a.name}.json", data)
+        path = write_json(f"{a.name}.json", data, a.out)
         print(f"results: {os.path.relpath(path)}")
         if a.plot:
             from plots import plot_update
 
-            print(f"plot: {os.path.relpath(plot_update(data, f'{a.name}.png'))}")
+            print(f"plot: {os.path.relpath(plot_update(data, f'{a.name}.png', a.out))}")
 
     def speedup(t: str) -> str:
         m = summary["methods"].get(f"wbridge-{t}")

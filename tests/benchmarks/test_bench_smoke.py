@@ -35,7 +35,9 @@ def run_benchmark(script: str, *args: str, timeout: float) -> list[str]:
 
 
 @pytest.mark.timeout(150)
-def test_update_e2e_tiny_prints_summary_line() -> None:
+def test_update_e2e_tiny_prints_summary_line(tmp_path) -> None:
+    committed = os.path.join(ROOT, "benchmarks", "results", "update_e2e.json")
+    before = os.stat(committed).st_mtime_ns if os.path.exists(committed) else None
     lines = run_benchmark(
         "update_e2e.py",
         "--model",
@@ -51,8 +53,14 @@ def test_update_e2e_tiny_prints_summary_line() -> None:
         "1",
         "--timeout",
         "60",
+        "--json",
+        "--out",
+        str(tmp_path),
         timeout=140,
     )
+    # results go where --out says, never over the committed ones
+    assert (tmp_path / "update_e2e.json").exists()
+    assert (os.stat(committed).st_mtime_ns if os.path.exists(committed) else None) == before
     last = lines[-1]
     assert re.fullmatch(
         rf"update_e2e: local_vs_gather_bcast={RATIO} tcp_vs_gather_bcast={RATIO} "
