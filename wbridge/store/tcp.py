@@ -91,6 +91,8 @@ class TcpStore(Store):
         self._listen: socket.socket | None = None
         self._connect_timeout = connect_timeout
         self._socks: list[socket.socket] = []
+        self._server: object | None = None  # the host's TCPStore server (with a client never used)
+        self._server_socks: list[socket.socket] = []
         self._deadline = threading.local()
         td = datetime.timedelta(seconds=connect_timeout)
         try:
@@ -103,7 +105,10 @@ class TcpStore(Store):
                 sock.bind((host, self.port))
                 sock.listen(1024)
                 self.port = sock.getsockname()[1]
-                self._store, self._socks = _bounded_tcpstore(
+                # The server's own client is never used for calls: a call that fails must drop its
+                # connection (a late reply would answer the next request), and dropping the
+                # server's would stop the store. Calls go through a client like everyone's.
+                self._server, self._server_socks = _bounded_tcpstore(
                     lambda: dist.TCPStore(
                         host,
                         self.port,
@@ -121,6 +126,7 @@ class TcpStore(Store):
                 # close an unrelated file that reused the number.
                 sock.detach()
                 self._listen = None
+                self._store, self._socks = self._connect(host, self.port, connect_timeout)
             else:
                 self._store, self._socks = self._connect(host, self.port, connect_timeout)
         except (RuntimeError, OSError) as e:
@@ -157,7 +163,7 @@ class TcpStore(Store):
     def _call(self, fn: Callable):
         """``fn(torch_store)``; its socket's timeouts bound it (by the caller's ``deadline()`` when one
         is set). A client whose call failed is dropped (a late reply would be read as the answer to
-        the next request) and the next call reconnects; the host keeps its server."""
+        the next request) and the next call reconnects, the host's like any other (its server stays)."""
         limit = self._connect_timeout
         deadline = getattr(self._deadline, "at", None)
         if deadline is not None:
@@ -199,11 +205,10 @@ class TcpStore(Store):
             self._deadline.at = prev
 
     def _drop_client(self) -> None:
-        if not self.is_host:
-            self._store = None
-            for s in self._socks:
-                s.close()
-            self._socks = []
+        self._store = None
+        for s in self._socks:
+            s.close()
+        self._socks = []
 
     def get(self, key: str) -> bytes | None:
         # One atomic round trip: compare_set(k, S, S) returns S when k is absent and k's value
@@ -274,10 +279,12 @@ class TcpStore(Store):
         with self._lock:
             self._closed = True
             store, self._store = self._store, None
-            socks, self._socks = self._socks, []
+            server, self._server = self._server, None
+            socks, self._socks = self._socks + self._server_socks, []
+            self._server_socks = []
         for sk in socks:
             sk.close()
-        del store
+        del store, server
         if self._listen is not None:
             self._listen.close()
             self._listen = None
