@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from ..errors import StoreError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
@@ -93,7 +92,6 @@ class TcpStore(Store):
         self._socks: list[socket.socket] = []
         self._server: object | None = None  # the host's TCPStore server (with a client never used)
         self._server_socks: list[socket.socket] = []
-        self._deadline = threading.local()
         td = datetime.timedelta(seconds=connect_timeout)
         try:
             if is_host:
@@ -165,7 +163,7 @@ class TcpStore(Store):
         is set). A client whose call failed is dropped (a late reply would be read as the answer to
         the next request) and the next call reconnects, the host's like any other (its server stays)."""
         limit = self._connect_timeout
-        deadline = getattr(self._deadline, "at", None)
+        deadline = self.caller_deadline()
         if deadline is not None:
             limit = min(limit, deadline - time.monotonic())
             if limit <= 0:
@@ -192,17 +190,6 @@ class TcpStore(Store):
                         _set_timeouts(s, self._connect_timeout)
         finally:
             self._lock.release()
-
-    @contextlib.contextmanager
-    def deadline(self, at: float) -> Iterator[None]:
-        """Bounds every call this thread makes inside the block by ``at`` (``time.monotonic()``);
-        an inner block's deadline replaces the outer one until it ends."""
-        prev = getattr(self._deadline, "at", None)
-        self._deadline.at = at
-        try:
-            yield
-        finally:
-            self._deadline.at = prev
 
     def _drop_client(self) -> None:
         self._store = None
