@@ -49,6 +49,7 @@ import numpy as np
 import transports as _transports
 from planner.layout import Declaration, RankLayout
 
+from . import _generation
 from ._lifecycle import Closeable, log, quietly
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from ._tensors import FLOATING, address, alloc_bytes, build_layout, byte_view, describe, dtype_name
@@ -91,12 +92,14 @@ class PublishStats:
 class _Registration:
     layout: RankLayout
     tensors: dict[str, Any]
+    decls: Mapping[str, tuple[Any, Declaration]]  # what register() was given (to register again)
     slots: list[Any]  # staging buffers (torch uint8), or live tensors (zero copy)
     regions: dict[str, list[list[Any]]] = field(default_factory=dict)  # transport -> slot -> regions
     copies: list[list[tuple[Any, Any]]] = field(default_factory=list)  # slot -> (dst, src) views
     stamps: list[Any] = field(default_factory=list)  # slot -> stamp buffer
     epoch: int = 0
     device: str = "cpu"
+    zero_copy: bool = False
     copy_stream: Any = None  # CUDA: the snapshot copy's own stream
 
 
@@ -151,7 +154,9 @@ class Publisher(Closeable):
         self.slots = 1 if zero_copy else slots
         self.zero_copy, self.host, self.checksums = zero_copy, host, checksums
         self.token = token.encode() if isinstance(token, str) else token
-        self.keys = Keys(channel)
+        self._base_keys = self.keys = Keys(channel)
+        self._gen: str | None = None  # the store generation registered in (see _generation)
+        self._pending_epoch: tuple[str, int] | None = None  # counted by a register() that failed later
         self._closed = False
         self._lock = threading.Lock()
         self._reg: _Registration | None = None
@@ -221,16 +226,55 @@ class Publisher(Closeable):
             return self._register(tensors, cast)
 
     def _register(self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None = None) -> int:
+        """Builds the new registration whole (buffers, regions, store records) before it replaces
+        the old one, which stays intact if anything fails; buffers of the same size are reused."""
         layout, live, device = build_layout(
             self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}", cast=cast
         )
-        self._release_registration()
+        old = self._reg
+        reg = self._build(layout, live, dict(tensors), device, old)
+        try:
+            gen = _generation.join(self._store, self._base_keys, self.token)
+            keys = self._base_keys.at(gen)
+            if self._pending_epoch is not None and self._pending_epoch[0] == gen:
+                reg.epoch = self._pending_epoch[1]  # a retry: this rank was already counted
+            else:
+                count = self._store.add(keys.reg, 1)
+                reg.epoch = (count - 1) // self.world_size + 1
+                self._pending_epoch = (gen, reg.epoch)
+            latest = VersionRecord.read(self._store, keys, self.token)
+            key = keys.rank(reg.epoch, self.rank)
+            self._store.set(key, seal(self.token, key, self._record(reg)))
+        except BaseException:
+            self._release_regions(reg)
+            raise
+        self._pending_epoch = None
+        if gen != self._gen:
+            if self._gen is not None:
+                log.warning("publisher rank %d: the store was lost; joined its new generation", self.rank)
+            self._gen, self.keys = gen, keys
+            self._tracker = SubscriberTracker(self._store, self.keys, self.token)
+        self._next_version = (latest.v if latest else 0) + 1
+        with self._snap_lock:
+            self._reg = reg
+        if old is not None:
+            self._release_regions(old)
+        return reg.epoch
+
+    def _build(
+        self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: _Registration | None
+    ) -> _Registration:
+        """The staging slots (or live views) of a registration, registered with every transport."""
         if self.zero_copy:
             slots = [[byte_view(t) for t in live.values()]]
         else:
             size = layout.region_sizes[0] if layout.region_sizes else 0
-            slots = [[self._staging_buffer(size, device)] for _ in range(self.slots)]
-        reg = _Registration(layout, live, slots, device=device)
+            same = old is not None and old.device == device and not old.zero_copy
+            if same and all(int(s[0].numel()) == size for s in old.slots) and len(old.slots) == self.slots:
+                slots = old.slots  # re-registration: no new shared memory per call
+            else:
+                slots = [[self._staging_buffer(size, device)] for _ in range(self.slots)]
+        reg = _Registration(layout, live, decls, slots, device=device, zero_copy=self.zero_copy)
         if device != "cpu":
             import torch
 
@@ -240,30 +284,38 @@ class Publisher(Closeable):
         # Each slot's last region is its stamp: the version it holds and whether it is being
         # written. Readers check it after their reads (a seqlock in the data plane), so a store
         # that lies about fences cannot make them commit a slot that changed under them.
-        reg.stamps = [self._staging_buffer(STAMP_BYTES, "cpu") for _ in slots]
-        for stamp in reg.stamps:
-            stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
-        for name, t in self._transports.items():
-            reg.regions[name] = [
-                [t.register(address(buf), int(buf.numel()), device=device) for buf in slot]
-                + [t.register(address(stamp), STAMP_BYTES, device="cpu")]
-                for slot, stamp in zip(slots, reg.stamps)
-            ]
-        count = self._store.add(self.keys.reg, 1)
-        reg.epoch = (count - 1) // self.world_size + 1
-        latest = VersionRecord.read(self._store, self.keys, self.token)
-        self._next_version = (latest.v if latest else 0) + 1
-        record = {
+        if old is not None and len(old.stamps) == len(slots):
+            reg.stamps = old.stamps  # their content stays right: each snapshot rewrites its stamp
+        else:
+            reg.stamps = [self._staging_buffer(STAMP_BYTES, "cpu") for _ in slots]
+            for stamp in reg.stamps:
+                stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
+        try:
+            for name, t in self._transports.items():
+                reg.regions[name] = per_slot = []
+                for slot, stamp in zip(slots, reg.stamps):
+                    regions: list[Any] = []
+                    per_slot.append(regions)
+                    for buf in slot:
+                        regions.append(t.register(address(buf), int(buf.numel()), device=device))
+                    regions.append(t.register(address(stamp), STAMP_BYTES, device="cpu"))
+        except BaseException:
+            self._release_regions(reg)
+            raise
+        return reg
+
+    def _record(self, reg: _Registration) -> dict:
+        return {
             "rank": self.rank,
             "world_size": self.world_size,
             "epoch": reg.epoch,
-            "layout": layout.to_dict(),
+            "layout": reg.layout.to_dict(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "caps": publisher_capabilities(list(self._transports)),
             "slots": self.slots,
             "zero_copy": self.zero_copy,
-            "device": device,
+            "device": reg.device,
             "transports": {
                 name: {
                     "endpoint": _b64(t.endpoint()),
@@ -272,10 +324,6 @@ class Publisher(Closeable):
                 for name, t in self._transports.items()
             },
         }
-        key = self.keys.rank(reg.epoch, self.rank)
-        self._store.set(key, seal(self.token, key, record))
-        self._reg = reg
-        return reg.epoch
 
     def _staging_buffer(self, size: int, device: str):
         buf = None
@@ -358,9 +406,18 @@ class Publisher(Closeable):
         """The work of one publish, inline (``publish()``) or on the worker (``publish_async()``)."""
         if background:
             self._worker_ident = threading.get_ident()
+        with self._store.deadline(deadline):  # every store call of this publish, not just its waits
+            return self._publish_bounded(deadline, ready, background)
+
+    def _publish_bounded(self, deadline: float, ready: Any, background: bool) -> int:
         reg = self._reg
         if reg is None:
             raise UsageError(f"publisher rank {self.rank} of channel {self.channel!r} closed while publishing")
+        if _generation.current(self._store, self._base_keys, self.token) != self._gen:
+            # The store was lost (its host restarted, etcd wiped): what it counted is gone, so
+            # register again in its new generation; versions count from its newest again.
+            self._register(reg.decls)
+            reg = self._reg
         t0 = time.perf_counter()
         v = self._next_version
         slot = v % self.slots
@@ -448,7 +505,10 @@ class Publisher(Closeable):
             return pred(s)
 
         self._check_stopped()
-        self._tracker.wait(check, _left(deadline, what), what)
+        try:
+            self._tracker.wait(check, _left(deadline, what), what)
+        except WaitTimeout as e:  # also the store's, when the deadline passed inside a call
+            raise WaitTimeout(f"timed out waiting for {what}") from e
 
     def _check_stopped(self, v: int | None = None) -> None:
         if self._stop.is_set():
@@ -497,11 +557,15 @@ class Publisher(Closeable):
     # ------------------------------------------------------------------------------------------
     def _release_registration(self) -> None:
         reg, self._reg = self._reg, None
-        if reg is None:
-            return
-        for name, per_slot in reg.regions.items():
-            for regions in per_slot:
-                for r in regions:
+        if reg is not None:
+            self._release_regions(reg)
+
+    def _release_regions(self, reg: _Registration) -> None:
+        """Stops serving ``reg``'s regions (its buffers may live on in a newer registration)."""
+        regions, reg.regions = reg.regions, {}
+        for name, per_slot in regions.items():
+            for slot in per_slot:
+                for r in slot:
                     quietly(self._transports[name].deregister, r)
 
     def _check_open(self) -> None:

@@ -38,6 +38,7 @@ from planner.plan import Plan
 from transports import select as _select
 from transports.base import ReadBatch
 
+from . import _generation
 from ._lifecycle import Closeable, quietly
 from ._selection import candidates
 from ._tensors import address, alloc_bytes, build_layout, byte_view
@@ -146,7 +147,9 @@ class Subscriber(Closeable):
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.token = token.encode() if isinstance(token, str) else token
-        self.keys = Keys(channel)
+        self._base_keys = self.keys = Keys(channel)
+        self._gen: str | None = None  # the store generation joined (see _generation)
+        self._left: set[str] = set()  # generations left behind: never gone back to
         self.version: int | None = None
         self.stats = SubscriberStats()
         self._closed = False
@@ -183,8 +186,8 @@ class Subscriber(Closeable):
         self._check_open()
         if not tensors:
             raise UsageError("subscriber register() needs at least one tensor")
-        if self._id is None:
-            self._id = self._store.add(self.keys.subs, 1)
+        if self._gen is None:
+            self._join(_generation.join(self._store, self._base_keys, self.token))
         layout, live, device = build_layout(self._id, tensors, pack=self.staged, who=f"subscriber {self.name}")
         self._drop_session()
         self._deregister_local()
@@ -195,25 +198,57 @@ class Subscriber(Closeable):
             self._dest = [byte_view(t) for t in live.values()]
         self._device = device
         self.version = None
-        if self._lease is None:
-            # the lease first: publishers only look at subscribers whose record exists, and a
-            # record without a live lease would read as a dead subscriber
-            self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
-            key = self.keys.sub(self._id)
-            self._store.set(
-                key,
-                seal(
-                    self.token,
-                    key,
-                    {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()},
-                ),
-            )
+
+    def _join(self, gen: str) -> None:
+        """Joins store generation ``gen`` as a new live subscriber (a new id there)."""
+        keys = self._base_keys.at(gen)
+        sub_id = self._store.add(keys.subs, 1)
+        # the lease first: publishers only look at subscribers whose record exists, and a
+        # record without a live lease would read as a dead subscriber
+        lease = self._store.lease(keys.sub(sub_id, "live"), self.lease_ttl)
+        try:
+            key = keys.sub(sub_id)
+            record = {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()}
+            self._store.set(key, seal(self.token, key, record))
+        except BaseException:
+            quietly(lease.revoke)
+            raise
+        old, self._lease = self._lease, lease
+        if old is not None:
+            quietly(old.revoke)
+        if self._gen is not None and self._gen != gen:
+            self._left.add(self._gen)
+        self._gen, self.keys, self._id = gen, keys, sub_id
+
+    def _check_generation(self) -> bool:
+        """Whether the store is still in the generation joined; if not (the store was lost and came
+        back empty), forgets what it knew there and joins the new one. The tensors keep their bytes
+        but ``version`` is None: they hold no version of the new generation until a pull."""
+        gen = _generation.current(self._store, self._base_keys, self.token)
+        if gen == self._gen or gen in self._left:
+            return True  # a generation left behind coming back is a replay: wait for a new one
+        log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
+        self._drop_session()
+        self.version, self._newest = None, 0
+        self._join(gen if gen is not None else _generation.join(self._store, self._base_keys, self.token))
+        return False
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
         self._check_open()
-        rec = VersionRecord.read(self._store, self.keys, self.token)
+        rec = self._read_version()
         return rec.v if rec else None
+
+    def _read_version(self) -> VersionRecord | None:
+        """The version record of the generation joined, or for a watcher (never registered) of the
+        store's current generation."""
+        keys = self.keys
+        if self._gen is None:
+            gen = _generation.current(self._store, self._base_keys, self.token)
+            if gen is None:
+                return None
+            keys = self._base_keys.at(gen)
+        return VersionRecord.read(self._store, keys, self.token)
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.
@@ -225,7 +260,7 @@ class Subscriber(Closeable):
             raise UsageError(f"subscriber {self.name}: wait_version(after=) needs an int >= 0, got {after!r}")
 
         def probe():
-            rec = VersionRecord.read(self._store, self.keys, self.token)
+            rec = self._read_version()
             return rec.v if rec is not None and rec.v > floor else None
 
         deadline = time.monotonic() + timeout
@@ -267,8 +302,12 @@ class Subscriber(Closeable):
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
         want = max(1, min_version or 1)
         retries = 0
+        self._check_generation()
         while True:
-            rec = self._wait_version(want, deadline, timeout)
+            try:
+                rec = self._wait_version(want, deadline, timeout)
+            except _GenerationChanged:
+                continue
             if rec.v == self.version:
                 return rec.v
             t0 = time.perf_counter()
@@ -293,6 +332,8 @@ class Subscriber(Closeable):
 
         def probe():
             rec = VersionRecord.read(self._store, self.keys, self.token)
+            if rec is None and not self._check_generation():
+                raise _GenerationChanged
             if rec is None:
                 return None
             if rec.v < want:
@@ -597,6 +638,10 @@ class Subscriber(Closeable):
             f"Subscriber({self.channel!r}, id={self._id}, version={self.version}, "
             f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})"
         )
+
+
+class _GenerationChanged(Exception):
+    """Internal: the store was found in a new generation while waiting; wait again there."""
 
 
 def _commit_pairs(

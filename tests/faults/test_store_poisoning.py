@@ -23,6 +23,7 @@ from transports.base import ReadBatch, decode_descriptor, encode_descriptor
 from transports.errors import TransportError as WireError
 from transports.tcp import TcpTransport
 from wbridge import AuthError, StoreError, Subscriber, WBridgeError, open_store
+from wbridge import _generation as generation
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed, seal
 from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
@@ -41,6 +42,8 @@ def channel():
     store = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
     pubs = [Worker(f"pub{r}", _pub_factory, store.url, r) for r in range(2)]
     try:
+        global KEYS
+        KEYS = Keys("t", generation.current(store, Keys("t"), TOKEN_B))  # the channel's keys in this store
         history = {}
         for v in (1, 2):
             call_all(pubs, "publish", v)
@@ -313,17 +316,18 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
     )
     inject(sub, wrapper("pause", signal_path=paused, release_path=go, on_reads=(1,)))
     sub.register(tensors)
+    keys = Keys("t", generation.current(store, Keys("t"), TOKEN_B))  # this store's, not the fixture's
     try:
         pub.call("publish", 1)
         pub.call("publish", 2)  # slot 0
-        rec = body(store.get(KEYS.version))
+        rec = body(store.get(keys.version))
         assert (rec["v"], rec["slot"]) == (2, 0)
         with ThreadPoolExecutor(1) as pool:
             pulling = pool.submit(sub.pull, None, 30.0)
             wait_paused(paused, 1)  # half of version 2 read
             pub.call("publish", 3)
             pub.call("publish", 4)  # slot 0 again: version 2's bytes are gone
-            store.set(KEYS.fence(0), str(rec["fence"]).encode())  # the lie: "slot 0 unchanged"
+            store.set(keys.fence(0), str(rec["fence"]).encode())  # the lie: "slot 0 unchanged"
             release(go)
             # The stamps in the publisher's memory expose the lie: version 2 is dropped as stale.
             # (Version 4 then fails the lying fence too; version 5, in the other slot, is clean.)

@@ -94,9 +94,26 @@ class Store(ABC):
 
     @contextlib.contextmanager
     def deadline(self, at: float) -> Iterator[None]:
-        """Bounds the calls this thread makes inside the block by ``at`` (``time.monotonic()``).
-        The default bounds nothing more than each call's own timeout."""
-        yield
+        """Bounds every call this thread makes inside the block by ``at`` (``time.monotonic()``);
+        an inner block's deadline replaces the outer one until it ends. Each store reads it with
+        ``caller_deadline()``."""
+        local = self._deadlines()
+        prev = getattr(local, "at", None)
+        local.at = at
+        try:
+            yield
+        finally:
+            local.at = prev
+
+    def caller_deadline(self) -> float | None:
+        """The deadline this thread's calls run under (``deadline()``), or None."""
+        return getattr(self._deadlines(), "at", None)
+
+    def _deadlines(self) -> threading.local:
+        local = self.__dict__.get("_deadline_local")
+        if local is None:
+            local = self.__dict__.setdefault("_deadline_local", threading.local())
+        return local
 
     def get_int(self, key: str, default: int = 0) -> int:
         raw = self.get(key)

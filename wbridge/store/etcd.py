@@ -7,7 +7,8 @@ gateway requests on the same session (etcd3gw's ``get`` drops the revision a wat
 and its ``Watcher`` opens the stream with no timeout). Keys live under a prefix (default
 ``/wbridge/``; a URL path overrides it).
 
-- Every call is bounded: it retries within ``op_timeout`` (default ``connect_timeout``) across the
+- Every call is bounded: it retries within ``op_timeout`` (default ``connect_timeout``; sooner under a
+  caller's ``deadline()``) across the
   endpoints (failover) and across an etcd restart, then raises ``StoreError``. Waits raise
   ``WaitTimeout``.
 - ``add`` is a compare-and-swap transaction loop; ``compare_set`` one transaction.
@@ -230,7 +231,7 @@ class EtcdStore(Store):
         """Runs ``fn(client)`` until it succeeds or ``timeout`` passes, failing over between endpoints."""
         if self._closed:
             raise StoreError(f"store {self.url} is closed")
-        deadline = time.monotonic() + timeout
+        deadline = self._bound(time.monotonic() + timeout)
         pause, last = RETRY_PAUSE, None
         while True:
             index = self._current
@@ -256,6 +257,15 @@ class EtcdStore(Store):
             if self._current == 0 or len(self._clients) == 1:
                 time.sleep(min(pause, left))  # a full round failed: back off
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
+
+    def _bound(self, deadline: float) -> float:
+        """``deadline``, or the caller's if sooner; ``WaitTimeout`` if the caller's has passed."""
+        at = self.caller_deadline()
+        if at is None:
+            return deadline
+        if at <= time.monotonic():
+            raise WaitTimeout(f"store {self.url}: the caller's deadline passed")
+        return min(deadline, at)
 
     def _key(self, key: str) -> bytes:
         if not isinstance(key, str) or not key:
@@ -311,7 +321,7 @@ class EtcdStore(Store):
     def add(self, key: str, delta: int) -> int:
         delta = int(delta)
         value, mod_rev, _ = self._range(key, self.op_timeout)
-        deadline = time.monotonic() + self.op_timeout
+        deadline = self._bound(time.monotonic() + self.op_timeout)
         while True:
             current = self._parse_int(key, value)
             new = str(current + delta).encode()
@@ -360,7 +370,7 @@ class EtcdStore(Store):
         return value  # not None: wait_change returns something other than "absent"
 
     def wait_change(self, key: str, old: bytes | None, timeout: float) -> bytes | None:
-        deadline = time.monotonic() + timeout
+        deadline = self._bound(time.monotonic() + timeout)
         old = None if old is None else _as_bytes(old, "old value")
         while True:
             left = deadline - time.monotonic()

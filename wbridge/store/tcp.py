@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from ..errors import StoreError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
@@ -91,7 +90,8 @@ class TcpStore(Store):
         self._listen: socket.socket | None = None
         self._connect_timeout = connect_timeout
         self._socks: list[socket.socket] = []
-        self._deadline = threading.local()
+        self._server: object | None = None  # the host's TCPStore server (with a client never used)
+        self._server_socks: list[socket.socket] = []
         td = datetime.timedelta(seconds=connect_timeout)
         try:
             if is_host:
@@ -103,7 +103,10 @@ class TcpStore(Store):
                 sock.bind((host, self.port))
                 sock.listen(1024)
                 self.port = sock.getsockname()[1]
-                self._store, self._socks = _bounded_tcpstore(
+                # The server's own client is never used for calls: a call that fails must drop its
+                # connection (a late reply would answer the next request), and dropping the
+                # server's would stop the store. Calls go through a client like everyone's.
+                self._server, self._server_socks = _bounded_tcpstore(
                     lambda: dist.TCPStore(
                         host,
                         self.port,
@@ -121,6 +124,7 @@ class TcpStore(Store):
                 # close an unrelated file that reused the number.
                 sock.detach()
                 self._listen = None
+                self._store, self._socks = self._connect(host, self.port, connect_timeout)
             else:
                 self._store, self._socks = self._connect(host, self.port, connect_timeout)
         except (RuntimeError, OSError) as e:
@@ -157,9 +161,9 @@ class TcpStore(Store):
     def _call(self, fn: Callable):
         """``fn(torch_store)``; its socket's timeouts bound it (by the caller's ``deadline()`` when one
         is set). A client whose call failed is dropped (a late reply would be read as the answer to
-        the next request) and the next call reconnects; the host keeps its server."""
+        the next request) and the next call reconnects, the host's like any other (its server stays)."""
         limit = self._connect_timeout
-        deadline = getattr(self._deadline, "at", None)
+        deadline = self.caller_deadline()
         if deadline is not None:
             limit = min(limit, deadline - time.monotonic())
             if limit <= 0:
@@ -187,23 +191,11 @@ class TcpStore(Store):
         finally:
             self._lock.release()
 
-    @contextlib.contextmanager
-    def deadline(self, at: float) -> Iterator[None]:
-        """Bounds every call this thread makes inside the block by ``at`` (``time.monotonic()``);
-        an inner block's deadline replaces the outer one until it ends."""
-        prev = getattr(self._deadline, "at", None)
-        self._deadline.at = at
-        try:
-            yield
-        finally:
-            self._deadline.at = prev
-
     def _drop_client(self) -> None:
-        if not self.is_host:
-            self._store = None
-            for s in self._socks:
-                s.close()
-            self._socks = []
+        self._store = None
+        for s in self._socks:
+            s.close()
+        self._socks = []
 
     def get(self, key: str) -> bytes | None:
         # One atomic round trip: compare_set(k, S, S) returns S when k is absent and k's value
@@ -274,10 +266,12 @@ class TcpStore(Store):
         with self._lock:
             self._closed = True
             store, self._store = self._store, None
-            socks, self._socks = self._socks, []
+            server, self._server = self._server, None
+            socks, self._socks = self._socks + self._server_socks, []
+            self._server_socks = []
         for sk in socks:
             sk.close()
-        del store
+        del store, server
         if self._listen is not None:
             self._listen.close()
             self._listen = None
