@@ -10,8 +10,9 @@ time divided by the number of reads is the per-read cost:
   a NIC plays for one-sided reads (``local`` reads with ``process_vm_readv``: no server work).
 
 Prints one line per transport, ``read_cost: transport=tcp reader_us_per_read=... server_us_per_read=...
-rtt_us=...`` (``rtt_us``: median wall time of one 64-byte read, prepared once). Medians of
-``--repeat`` pulls. Run: ``PYTHONPATH=. .venv/bin/python benchmarks/read_cost.py``.
+rtt_us=... reader_us_per_call=...`` (``rtt_us``: median wall time of one 64-byte read, prepared
+once; ``reader_us_per_call``: the reader's median CPU for it, the fixed cost of posting a batch).
+Medians of ``--repeat`` pulls. Run: ``PYTHONPATH=. .venv/bin/python benchmarks/read_cost.py``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def measure(name: str, nbytes: int, reads: int, repeat: int) -> dict:
             for _ in range(repeat):  # interleaved, so load from other work hits both alike
                 samples["small"].append(_pull(tr, preps[0], peer.pid))
                 samples["bulk"].append(_pull(tr, preps[1], peer.pid))
-            rtt = statistics.median(_pull(tr, preps[2], peer.pid)[2] for _ in range(50))
+            tiny_runs = [_pull(tr, preps[2], peer.pid) for _ in range(200)]
             for p in preps:
                 tr.release(p)
             tr.disconnect(conn)
@@ -75,7 +76,8 @@ def measure(name: str, nbytes: int, reads: int, repeat: int) -> dict:
         "reader_us_per_read": max(0.0, med("small", 0) - med("bulk", 0)) / reads * 1e6,
         "server_us_per_read": max(0.0, med("small", 1) - med("bulk", 1)) / reads * 1e6,
         "wall_us_per_read": max(0.0, med("small", 2) - med("bulk", 2)) / reads * 1e6,
-        "rtt_us": rtt * 1e6,
+        "rtt_us": statistics.median(t[2] for t in tiny_runs) * 1e6,
+        "reader_us_per_call": statistics.median(t[0] for t in tiny_runs) * 1e6,
     }
 
 
@@ -91,7 +93,8 @@ def main() -> None:
         print(
             f"read_cost: transport={name} reads={r['reads']} read_bytes={r['read_bytes']} "
             f"reader_us_per_read={r['reader_us_per_read']:.3f} server_us_per_read={r['server_us_per_read']:.3f} "
-            f"wall_us_per_read={r['wall_us_per_read']:.3f} rtt_us={r['rtt_us']:.1f}",
+            f"wall_us_per_read={r['wall_us_per_read']:.3f} rtt_us={r['rtt_us']:.1f} "
+            f"reader_us_per_call={r['reader_us_per_call']:.1f}",
             flush=True,
         )
 

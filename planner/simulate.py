@@ -10,15 +10,17 @@ and ``B`` bytes (mean read ``m = B / n``), moving at rate ``r`` bytes/s, occupie
 
 * both NICs for ``r / bandwidth + r / m * nic_per_read_s`` seconds per second: every read is a
   work request each NIC processes at a fixed cost on top of its bytes;
-* the destination's CPU for ``r / m * cpu_per_read_s`` seconds per second: posting a read costs
-  CPU, and one rank posts all its flows' reads;
+* the destination's CPU: posting costs ``cpu_per_read_s`` per read plus ``cpu_per_post_s`` per
+  post (a call handing the transport up to ``queue_depth`` reads of one flow, so a flow of ``n``
+  reads needs at least ``ceil(n / queue_depth)`` posts), spread over the flow's bytes; one rank
+  posts all its flows' reads;
 * at most ``queue_depth`` reads in flight, each for ``latency_s + nic_per_read_s + m / bandwidth``
   seconds (round trip, work request, bytes at the slower NIC's full speed), so by Little's law
   ``r <= queue_depth * m / (latency_s + nic_per_read_s + m / bandwidth)``.
 
-So more, smaller reads of the same bytes take longer, and a flow with one read in flight never
-reaches the NIC's bandwidth. The default costs are figures measured on this project's own
-transports (``benchmarks/read_cost.py``; README, "Simulator costs").
+So more, smaller reads of the same bytes take longer, a flow with one read in flight never
+reaches the NIC's bandwidth, and a shallow queue costs the reader a post per read. The default
+costs are figures measured on this project's own transports (``benchmarks/read_cost.py``; README, "Simulator costs").
 
 The *lower bound* ignores every per-read cost and sharing: the busiest NIC's bytes over its
 bandwidth, egress or ingress. No schedule of any plan moving these bytes can beat it;
@@ -36,6 +38,8 @@ from .plan import Plan
 
 #: Reader CPU per read: the ``tcp`` reader's measured per-read CPU (benchmarks/read_cost.py).
 DEFAULT_CPU_PER_READ_S = 0.25e-6
+#: Reader CPU per post (per read call): the ``local`` reader's measured CPU for a one-read call.
+DEFAULT_CPU_PER_POST_S = 25e-6
 #: Fixed NIC cost per read: the ``tcp`` server's measured per-read CPU, the part a NIC plays.
 DEFAULT_NIC_PER_READ_S = 0.8e-6
 DEFAULT_LATENCY_S = 5e-6
@@ -75,6 +79,7 @@ def simulate(
     latency_s: float = DEFAULT_LATENCY_S,
     queue_depth: int = DEFAULT_QUEUE_DEPTH,
     cpu_per_read_s: float = DEFAULT_CPU_PER_READ_S,
+    cpu_per_post_s: float = DEFAULT_CPU_PER_POST_S,
     nic_per_read_s: float = DEFAULT_NIC_PER_READ_S,
     max_events: int = 100_000,
 ) -> SimResult:
@@ -112,7 +117,7 @@ def simulate(
     reads_per_byte = nops / nbytes
     ca = 1.0 / bw[a] + reads_per_byte * nic_per_read_s
     cb = 1.0 / bw[b] + reads_per_byte * nic_per_read_s
-    cc = reads_per_byte * cpu_per_read_s
+    cc = (nops * cpu_per_read_s + np.ceil(nops / queue_depth) * cpu_per_post_s) / nbytes
     mean = nbytes / nops
     in_flight = latency_s + nic_per_read_s + mean / np.minimum(bw[a], bw[b])
     flow_cap = queue_depth * mean / in_flight

@@ -11,7 +11,7 @@ from planner.simulate import DEFAULT_NIC_PER_READ_S as NIC
 from .cases import sharded
 
 pytestmark = pytest.mark.timeout(60)
-FREE = {"latency_s": 0, "cpu_per_read_s": 0, "nic_per_read_s": 0}  # bytes only: hand-computable
+FREE = {"latency_s": 0, "cpu_per_read_s": 0, "cpu_per_post_s": 0, "nic_per_read_s": 0}  # bytes only: hand-computable
 
 
 def _plan(dst: int, reads: dict[int, list[int]]) -> Plan:
@@ -65,6 +65,7 @@ def test_small_ops_are_latency_bound():
         latency_s=10e-6,
         queue_depth=1,
         cpu_per_read_s=0,
+        cpu_per_post_s=0,
         nic_per_read_s=0,
     )
     assert res.makespan_s == pytest.approx(1000 * (10e-6 + 1e-9), rel=1e-6)
@@ -80,7 +81,7 @@ def test_more_smaller_reads_of_the_same_bytes_take_longer():
 
 def test_per_read_costs_are_charged_where_they_belong():
     one = _plan(10, {0: [1000] * 10**5})  # 100 MB as 100k reads; the NIC is nearly free (1 TB/s)
-    kw = {"bandwidth": 1e12, "latency_s": 0, "queue_depth": 10**9}
+    kw = {"bandwidth": 1e12, "latency_s": 0, "queue_depth": 10**9, "cpu_per_post_s": 0}
     # Reader CPU: one rank posts all its reads, whatever the number of flows.
     cpu = simulate([one], cpu_per_read_s=1e-6, nic_per_read_s=0, **kw)
     assert cpu.makespan_s == pytest.approx(0.1, rel=1e-6)  # posting overlaps the bytes
@@ -111,3 +112,17 @@ def test_simulate_real_plans_balanced():
     res = simulate(build_plans(src, dst, min_split_bytes=256), bandwidth=1e9, **FREE)
     assert 1.0 - 1e-9 <= res.ratio < 1.05
     assert res.total_bytes == 4 * (256 * 64 + 2 * 64) * 4  # b is replicated on both TP ranks
+
+
+def test_shallow_queue_costs_a_post_per_read():
+    # 64 flows of 20k small reads into one reader: the NICs keep up at any depth (64 flows in
+    # parallel), but with one read in flight per pair every read is a post of its own.
+    many = [_plan(10, {s: [2048] * 20_000 for s in range(64)})]
+    deep = simulate(many, queue_depth=16, latency_s=5e-6)
+    shallow = simulate(many, queue_depth=1, latency_s=5e-6)
+    assert shallow.makespan_s > 2 * deep.makespan_s
+    assert shallow.ratio != deep.ratio
+    # Few large reads: depth barely matters.
+    few = [_plan(10, {s: [2048 * 20_000] for s in range(64)})]
+    a, b = simulate(few, queue_depth=16), simulate(few, queue_depth=1)
+    assert b.makespan_s == pytest.approx(a.makespan_s, rel=0.01)
