@@ -37,7 +37,15 @@ from dataclasses import dataclass
 
 from planner import Fused, LayoutBuilder, RankLayout, Shard, Stack, build_plans
 from planner.layout import even_split as split
-from planner.simulate import simulate
+from planner.packing import build_packed_plans, pack_stagings
+from planner.simulate import (
+    DEFAULT_CPU_PER_POST_S,
+    DEFAULT_CPU_PER_READ_S,
+    DEFAULT_LATENCY_S,
+    DEFAULT_NIC_PER_READ_S,
+    DEFAULT_QUEUE_DEPTH,
+    simulate,
+)
 
 SHAPES = "/work/shared/model-shapes.json"
 DT = "bfloat16"
@@ -305,18 +313,47 @@ def layouts(key: str) -> tuple[list[RankLayout], list[RankLayout]]:
     return sources, dests
 
 
-def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
+def readers(dests: list[RankLayout]) -> list[RankLayout]:
+    """The distinct rollout layouts (one per rollout TP rank): what publishers pack their slots for."""
+    seen: dict[tuple, RankLayout] = {}
+    for d in dests:
+        seen.setdefault((d.tensors, d.region_sizes), d)
+    return list(seen.values())
+
+
+def run_one(key: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     gc.disable()  # building millions of small layout objects; nothing cyclic to collect
     sources, dests = layouts(key)
     gc.enable()
     t1 = time.perf_counter()
     c1 = time.process_time()
-    plans = build_plans(sources, dests)
+    pack_s = 0.0
+    slot_ratio = 1.0
+    if args.zero_copy:
+        plans = build_plans(sources, dests)
+        recv = scatter = 0
+    else:
+        stagings = pack_stagings(sources, readers(dests))
+        pack_s = time.perf_counter() - t1
+        packed = build_packed_plans(list(stagings.values()), dests)
+        plans = {r: pp.plan for r, pp in packed.items()}
+        recv = max(pp.recv_bytes for pp in packed.values())
+        scatter = max(len(pp.scatter) for pp in packed.values())
+        slot_ratio = max(stagings[s.rank].layout.region_sizes[0] / s.region_sizes[0] for s in sources)
     t2 = time.perf_counter()
     c2 = time.process_time()
-    sim = simulate(plans, bandwidth=bandwidth, latency_s=latency, queue_depth=depth)
+    sim = simulate(
+        plans,
+        bandwidth=args.bandwidth,
+        latency_s=args.latency,
+        queue_depth=args.depth,
+        cpu_per_read_s=args.cpu_per_read,
+        cpu_per_post_s=args.cpu_per_post,
+        nic_per_read_s=args.nic_per_read,
+    )
     t3 = time.perf_counter()
+    reads = [len(p) for p in plans.values()]
     loads: dict[int, int] = {}
     for p in plans.values():
         for r, v in p.bytes_per_source().items():
@@ -326,11 +363,17 @@ def run_one(key: str, bandwidth: float, latency: float, depth: int) -> dict:
         "model": key,
         "layout_s": t1 - t0,
         "plan_s": t2 - t1,
+        "pack_s": pack_s,
+        "slot_ratio": slot_ratio,
+        "recv_bytes_max": recv,
+        "scatter_per_rank_max": scatter,
         "plan_cpu_s": c2 - c1,
         "sim_s": t3 - t2,
         "load_avg": os.getloadavg()[0],
         "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "ops": sum(len(p) for p in plans.values()),
+        "ops": sum(reads),
+        "reads_per_rank_max": max(reads),
+        "reads_per_rank_mean": sum(reads) / len(reads),
         "bytes": sim.total_bytes,
         "makespan_s": sim.makespan_s,
         "lower_bound_s": sim.lower_bound_s,
@@ -345,11 +388,25 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=MODELS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth", type=float, default=50e9, help="per-rank NIC bytes/s (default 50 GB/s)")
-    ap.add_argument("--latency", type=float, default=5e-6, help="per-op latency in seconds")
-    ap.add_argument("--depth", type=int, default=64, help="outstanding reads per (source, destination) flow")
+    ap.add_argument("--latency", type=float, default=DEFAULT_LATENCY_S, help="per-read round trip in seconds")
+    ap.add_argument(
+        "--depth", type=int, default=DEFAULT_QUEUE_DEPTH, help="outstanding reads per (source, destination) pair"
+    )
+    ap.add_argument(
+        "--cpu-per-read", type=float, default=DEFAULT_CPU_PER_READ_S, help="reader CPU seconds to post one read"
+    )
+    ap.add_argument(
+        "--cpu-per-post", type=float, default=DEFAULT_CPU_PER_POST_S, help="reader CPU seconds per post (read call)"
+    )
+    ap.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="plan against the trainers' own layouts (zero_copy=True) instead of reader-ordered slots",
+    )
+    ap.add_argument("--nic-per-read", type=float, default=DEFAULT_NIC_PER_READ_S, help="fixed NIC seconds per read")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one, args.bandwidth, args.latency, args.depth)))
+        print(json.dumps(run_one(args.one, args)))
         return
     last = None
     for key in args.models:
@@ -364,23 +421,38 @@ def main() -> None:
             str(args.latency),
             "--depth",
             str(args.depth),
+            "--cpu-per-read",
+            str(args.cpu_per_read),
+            "--nic-per-read",
+            str(args.nic_per_read),
+            "--cpu-per-post",
+            str(args.cpu_per_post),
+            *(["--zero-copy"] if args.zero_copy else []),
         ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         print(
-            f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s "
+            f"{r['model']}: layouts {r['layout_s']:.1f}s, plan {r['plan_s']:.2f}s (packing {r['pack_s']:.2f}s) "
             f"(CPU {r['plan_cpu_s']:.2f}s, load average {r['load_avg']:.1f}), peak RSS {r['rss_gb']:.2f} GB, "
-            f"ops {r['ops']}, bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
+            f"ops {r['ops']} (per rollout rank max {r['reads_per_rank_max']}), "
+            f"bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
             f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
             f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
-            f"(simulated in {r['sim_s']:.1f}s)",
+            f"(simulated in {r['sim_s']:.1f}s); "
+            + (
+                "zero-copy: reads from the trainers' own layouts"
+                if args.zero_copy
+                else f"reader-ordered slots: slot/plain bytes max {r['slot_ratio']:.4f}, receive buffer max "
+                f"{r['recv_bytes_max'] / 2**20:.1f} MiB, scatter copies per rank max {r['scatter_per_rank_max']}"
+            ),
             flush=True,
         )
         last = r
     if last is not None:
         print(
             f"plan_scale: model={last['model']} plan_s={last['plan_s']:.3f} rss_gb={last['rss_gb']:.3f} "
-            f"ops={last['ops']} makespan_ratio={last['makespan_ratio']:.4f}"
+            f"ops={last['ops']} reads_per_rank_max={last['reads_per_rank_max']} "
+            f"reads_per_rank_mean={last['reads_per_rank_mean']:.1f} makespan_ratio={last['makespan_ratio']:.4f}"
         )
 
 

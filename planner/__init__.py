@@ -20,6 +20,15 @@ from .layout import (
     local_tensor,
     pieces_for,
 )
+from .packing import (
+    PackedPlan,
+    PackedStaging,
+    StridedCopies,
+    build_packed_plans,
+    copy_boxes,
+    pack_staging,
+    pack_stagings,
+)
 from .plan import Plan, ReadOp, SourceOps, format_summary, summarize
 from .simulate import SimResult, simulate
 from .validate import validate_plan
@@ -32,6 +41,8 @@ __all__ = [
     "LayoutBuilder",
     "LayoutError",
     "LocalTensor",
+    "PackedPlan",
+    "PackedStaging",
     "Piece",
     "Plan",
     "PlanError",
@@ -40,13 +51,18 @@ __all__ = [
     "Shard",
     "SimResult",
     "SourceOps",
+    "StridedCopies",
     "Stack",
     "TensorSpec",
+    "build_packed_plans",
     "build_plan",
     "build_plans",
+    "copy_boxes",
     "flat_range_boxes",
     "format_summary",
     "local_tensor",
+    "pack_staging",
+    "pack_stagings",
     "pieces_for",
     "simulate",
     "summarize",

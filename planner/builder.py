@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .balance import assign
+from .boxes import any_overlap, grid_cells
 from .dtypes import itemsize as _itemsize
 from .errors import PlanError
 from .layout import LocalTensor, RankLayout, TensorSpec
@@ -148,7 +149,7 @@ class _SourceIndex:
             if len(groups) > 1:
                 groups.sort(key=lambda g: (g.offsets, g.sizes))
                 lo, hi = _bounds(groups, len(sp.shape))
-                if _any_overlap(groups, lo, hi):
+                if any_overlap(lo, hi):
                     groups = _refine(groups, lo, hi, isz)
                     lo, hi = _bounds(groups, len(sp.shape))
             self.tensors[name] = _TensorIndex(sp, owner, isz, groups, lo, hi)
@@ -159,40 +160,10 @@ def _bounds(groups: list[_Group], nd: int) -> tuple[np.ndarray, np.ndarray]:
     return lo, lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
 
 
-def _any_overlap(groups: list[_Group], lo: np.ndarray, hi: np.ndarray) -> bool:
-    n = len(lo)
-    if n <= 16:
-        return any(
-            all(go < ho + hs and ho < go + gs for go, gs, ho, hs in zip(g.offsets, g.sizes, h.offsets, h.sizes))
-            for i, g in enumerate(groups)
-            for h in groups[i + 1 :]
-        )
-    if n > 4096:  # sweep on dim 0 keeps this linear-ish for very many boxes
-        order = np.argsort(lo[:, 0], kind="stable")
-        lo, hi = lo[order], hi[order]
-        for i in range(n):
-            j = i + 1
-            while j < n and lo[j, 0] < hi[i, 0]:
-                if np.all(np.maximum(lo[i], lo[j]) < np.minimum(hi[i], hi[j])):
-                    return True
-                j += 1
-        return False
-    inter = np.all(np.maximum(lo[:, None, :], lo[None, :, :]) < np.minimum(hi[:, None, :], hi[None, :, :]), axis=2)
-    np.fill_diagonal(inter, False)
-    return bool(inter.any())
-
-
 def _refine(groups: list[_Group], lo: np.ndarray, hi: np.ndarray, isz: int) -> list[_Group]:
     """Cuts partially overlapping boxes along all their boundaries into disjoint cells."""
-    nd = lo.shape[1]
-    cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d]])) for d in range(nd)]
     out: list[_Group] = []
-    for cell in itertools.product(*[range(len(c) - 1) for c in cuts]):
-        c_lo = np.array([cuts[d][k] for d, k in enumerate(cell)], dtype=np.int64)
-        c_hi = np.array([cuts[d][k + 1] for d, k in enumerate(cell)], dtype=np.int64)
-        covers = np.flatnonzero(np.all((lo <= c_lo) & (hi >= c_hi), axis=1))
-        if not len(covers):
-            continue
+    for c_lo, c_hi, covers in grid_cells(lo, hi):
         ng = _Group(tuple(int(x) for x in c_lo), tuple(int(x) for x in c_hi - c_lo))
         for gi in covers:
             g = groups[gi]
@@ -217,6 +188,7 @@ class _Chunks:
     dst_base: list[int] = field(default_factory=list)
     dst_strides: list[tuple[int, ...]] = field(default_factory=list)
     itemsize: list[int] = field(default_factory=list)
+    piece: list[tuple[int, int]] = field(default_factory=list)  # (local tensor, piece) of the destination
     needed: int = 0
 
 
@@ -256,9 +228,9 @@ def _chunks_for(
     ch = _Chunks()
     smap = dest.spec_map()
     checked: dict[str, _TensorIndex | None] = {}
-    for t in dest.tensors:
+    for li, t in enumerate(dest.tensors):
         isz = _itemsize(t.dtype)
-        for p in t.pieces:
+        for pi, p in enumerate(t.pieces):
             if not all(p.box.sizes):
                 continue
             ti = checked.get(p.tensor, False)
@@ -280,6 +252,7 @@ def _chunks_for(
                 ch.dst_base.append(t.offset + p.offset * isz)
                 ch.dst_strides.append(p.strides)
                 ch.itemsize.append(isz)
+                ch.piece.append((li, pi))
                 continue
             if ti.lo is None or len(ti.groups) <= 16:
                 hits = ti.groups
@@ -305,6 +278,7 @@ def _chunks_for(
                 )
                 ch.dst_strides.append(p.strides)
                 ch.itemsize.append(isz)
+                ch.piece.append((li, pi))
             if covered != p.box.numel:
                 partial.append(
                     f"{p.tensor!r} box offsets={bo} sizes={bs} on destination rank {dest.rank} "
@@ -481,7 +455,10 @@ def _build_plans(
     *,
     min_split_bytes: int,
     transforms: Mapping[str, str] | None,
+    indexed: tuple[dict[int, tuple[int, ...]], _SourceIndex] | None = None,
 ) -> dict[int, Plan]:
+    """``build_plans``; ``indexed`` is ``(_source_classes(sources), its _SourceIndex)`` when the
+    caller has built them already (``packing.build_packed_plans``)."""
     # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
     from .validate import validate_plan
 
@@ -499,8 +476,11 @@ def _build_plans(
             raise PlanError(f"destination rank {d.rank} given twice")
         seen_dst.add(d.rank)
 
-    classes = _source_classes(sources)
-    index = _SourceIndex(sources, sorted(set(classes.values())))
+    if indexed is None:
+        classes = _source_classes(sources)
+        index = _SourceIndex(sources, sorted(set(classes.values())))
+    else:
+        classes, index = indexed
     align = 4096 if min_split_bytes >= 4096 else 16
 
     groups = [sorted(same, key=lambda d: d.rank) for same in _group_identical(sorted(dests, key=lambda d: d.rank))]

@@ -534,9 +534,10 @@ class LayoutBuilder:
     _tensors: list[LocalTensor] = field(default_factory=list)
     _specs: dict[str, TensorSpec] = field(default_factory=dict)
     _sizes: list[int] = field(default_factory=list)
+    _names: set[str] = field(default_factory=set)
 
     def add(self, name: str, shape: Sequence[int], dtype: str, decl: Declaration) -> LocalTensor:
-        if any(t.name == name for t in self._tensors):
+        if name in self._names:  # a set: MoE layouts register tens of thousands of tensors
             raise LayoutError(f"rank {self.rank}: local tensor {name!r} registered twice")
         nbytes = math.prod(shape) * _itemsize(dtype)
         if self.pack:
@@ -558,6 +559,7 @@ class LayoutBuilder:
                 )
             self._specs[spec.name] = spec
         self._tensors.append(t)
+        self._names.add(name)
         return t
 
     def build(self) -> RankLayout:

@@ -18,17 +18,21 @@ _EMPTY.setflags(write=False)
 
 
 @lru_cache(maxsize=1 << 16)
-def box_runs(
+def box_geometry(
     sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...], itemsize: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(src_offsets, dst_offsets, run_bytes)``: byte offsets of each run relative to the box's
-    first element on each side, in row-major order of the box, and the common run length.
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """``(shape, src_byte_strides, dst_byte_strides, run_bytes)``: the box as ``prod(shape)`` runs
+    of ``run_bytes``, one per index of ``shape`` (row-major), each at ``index . strides`` bytes from
+    the box's first element on either side.
 
-    Results are cached (every layer of a model repeats the same few geometries) and read-only.
+    Dimensions of size 1 drop out, the innermost dimensions contiguous on both sides collapse into
+    the run, and neighbouring outer dimensions that nest exactly on both sides merge, so a box is
+    described with as few dimensions as its two layouts allow. A box with no elements has
+    ``run_bytes == 0``.
     """
     dims = [(n, s, d) for n, s, d in zip(sizes, src_strides, dst_strides) if n != 1]
     if any(n == 0 for n, _, _ in dims):
-        return _EMPTY, _EMPTY, 0
+        return (), (), (), 0
     block = 1
     k = len(dims)
     if dims and dims[-1][1] == 1 and dims[-1][2] == 1:
@@ -37,17 +41,42 @@ def box_runs(
         while k > 0 and dims[k - 1][1] == block and dims[k - 1][2] == block:
             block *= dims[k - 1][0]
             k -= 1
+    outer: list[list[int]] = []
+    for n, s, d in dims[:k]:
+        if outer and outer[-1][1] == n * s and outer[-1][2] == n * d:
+            outer[-1] = [outer[-1][0] * n, s, d]
+        else:
+            outer.append([n, s, d])
+    return (
+        tuple(n for n, _, _ in outer),
+        tuple(s * itemsize for _, s, _ in outer),
+        tuple(d * itemsize for _, _, d in outer),
+        block * itemsize,
+    )
+
+
+@lru_cache(maxsize=1 << 16)
+def box_runs(
+    sizes: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...], itemsize: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(src_offsets, dst_offsets, run_bytes)``: byte offsets of each run relative to the box's
+    first element on each side, in row-major order of the box, and the common run length
+    (``box_geometry`` expanded).
+
+    Results are cached (every layer of a model repeats the same few geometries) and read-only.
+    """
+    shape, ss, ds, run = box_geometry(sizes, src_strides, dst_strides, itemsize)
+    if run == 0:
+        return _EMPTY, _EMPTY, 0
     src = np.zeros(1, dtype=np.int64)
     dst = np.zeros(1, dtype=np.int64)
-    for n, s, d in dims[:k]:
+    for n, s, d in zip(shape, ss, ds):
         idx = np.arange(n, dtype=np.int64)
         src = (src[:, None] + idx * s).ravel()
         dst = (dst[:, None] + idx * d).ravel()
-    src *= itemsize
-    dst *= itemsize
     src.setflags(write=False)
     dst.setflags(write=False)
-    return src, dst, block * itemsize
+    return src, dst, run
 
 
 KEY_SHIFT = 48  # sort keys: region << 48 | byte offset (regions up to 256 TiB)
@@ -119,7 +148,9 @@ def merge_intervals(
         b = a + nbytes[order]
     if len(r) > 1:
         new = np.ones(len(r), dtype=bool)
-        new[1:] = (r[1:] != r[:-1]) | (a[1:] > np.maximum.accumulate(b)[:-1])
+        # Compare as (region, offset) keys: a running maximum of bare offsets would carry one
+        # region's stops into the next and merge that region's separate intervals.
+        new[1:] = (r[1:] != r[:-1]) | (a[1:] + (r[1:] << KEY_SHIFT) > np.maximum.accumulate(b + (r << KEY_SHIFT))[:-1])
         starts = np.flatnonzero(new)
         stops = np.maximum.reduceat(b, starts)
         r, a, b = r[starts], a[starts], stops

@@ -2,16 +2,29 @@
 
 Model
 -----
-Every source rank has an egress NIC and every destination rank an ingress NIC (trainers and
-rollout workers are different machines), each with its own bandwidth. The reads of one
-destination from one source form a *flow*; all flows start at time 0 and share bandwidth
-max-min fairly (progressive filling), re-shared whenever a flow finishes. Each op has a
-round-trip ``latency_s`` and a flow keeps ``queue_depth`` reads in flight, so by Little's law a
-flow of ``n`` ops and ``B`` bytes runs at most at ``queue_depth * (B / n) / latency_s``: small
-strided reads are slow, large ones are bandwidth-bound.
+Every source rank has an egress NIC and every destination rank an ingress NIC and a CPU that
+posts its reads (trainers and rollout workers are different machines). The reads of one
+destination from one source form a *flow*; all flows start at time 0 and share the resources
+max-min fairly (progressive filling), re-shared whenever a flow finishes. A flow of ``n`` reads
+and ``B`` bytes (mean read ``m = B / n``), moving at rate ``r`` bytes/s, occupies:
 
-The *lower bound* ignores latency and sharing: the busiest NIC's bytes over its bandwidth, egress
-or ingress. No schedule of these plans can beat it; ``ratio = makespan / lower_bound``.
+* both NICs for ``r / bandwidth + r / m * nic_per_read_s`` seconds per second: every read is a
+  work request each NIC processes at a fixed cost on top of its bytes;
+* the destination's CPU: posting costs ``cpu_per_read_s`` per read plus ``cpu_per_post_s`` per
+  post (a call handing the transport up to ``queue_depth`` reads of one flow, so a flow of ``n``
+  reads needs at least ``ceil(n / queue_depth)`` posts), spread over the flow's bytes; one rank
+  posts all its flows' reads;
+* at most ``queue_depth`` reads in flight, each for ``latency_s + nic_per_read_s + m / bandwidth``
+  seconds (round trip, work request, bytes at the slower NIC's full speed), so by Little's law
+  ``r <= queue_depth * m / (latency_s + nic_per_read_s + m / bandwidth)``.
+
+So more, smaller reads of the same bytes take longer, a flow with one read in flight never
+reaches the NIC's bandwidth, and a shallow queue costs the reader a post per read. The default
+costs are figures measured on this project's own transports (``benchmarks/read_cost.py``; README, "Simulator costs").
+
+The *lower bound* ignores every per-read cost and sharing: the busiest NIC's bytes over its
+bandwidth, egress or ingress. No schedule of any plan moving these bytes can beat it;
+``ratio = makespan / lower_bound``.
 """
 
 from __future__ import annotations
@@ -22,6 +35,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import Plan
+
+#: Reader CPU per read: the ``tcp`` reader's measured per-read CPU (benchmarks/read_cost.py).
+DEFAULT_CPU_PER_READ_S = 0.25e-6
+#: Reader CPU per post (per read call): the ``local`` reader's measured CPU for a one-read call.
+DEFAULT_CPU_PER_POST_S = 25e-6
+#: Fixed NIC cost per read: the ``tcp`` server's measured per-read CPU, the part a NIC plays.
+DEFAULT_NIC_PER_READ_S = 0.8e-6
+DEFAULT_LATENCY_S = 5e-6
+DEFAULT_QUEUE_DEPTH = 16
 
 
 @dataclass(frozen=True)
@@ -54,8 +76,11 @@ def simulate(
     bandwidth: float = 50e9,
     src_bandwidth: float | Mapping[int, float] | None = None,
     dst_bandwidth: float | Mapping[int, float] | None = None,
-    latency_s: float = 5e-6,
-    queue_depth: int = 64,
+    latency_s: float = DEFAULT_LATENCY_S,
+    queue_depth: int = DEFAULT_QUEUE_DEPTH,
+    cpu_per_read_s: float = DEFAULT_CPU_PER_READ_S,
+    cpu_per_post_s: float = DEFAULT_CPU_PER_POST_S,
+    nic_per_read_s: float = DEFAULT_NIC_PER_READ_S,
     max_events: int = 100_000,
 ) -> SimResult:
     """Simulates every plan at once (see the module docstring). Bandwidths in bytes per second."""
@@ -76,22 +101,29 @@ def simulate(
     dst_ranks = sorted(set(fd))
     s_idx = {r: i for i, r in enumerate(src_ranks)}
     d_idx = {r: i for i, r in enumerate(dst_ranks)}
-    # NICs: sources first, then destinations.
-    cap = np.array(
+    ns, nd = len(src_ranks), len(dst_ranks)
+    # Resources: source NICs, destination NICs, destination CPUs; capacities in seconds per second.
+    bw = np.array(
         [_bw(src_bw_spec, r, bandwidth) for r in src_ranks] + [_bw(dst_bw_spec, r, bandwidth) for r in dst_ranks],
         dtype=np.float64,
     )
     a = np.array([s_idx[r] for r in fs], dtype=np.int64)
-    b = np.array([len(src_ranks) + d_idx[r] for r in fd], dtype=np.int64)
+    b = np.array([ns + d_idx[r] for r in fd], dtype=np.int64)
+    c = b + nd
     nbytes = np.array(fb, dtype=np.float64)
     nops = np.array(fn, dtype=np.float64)
-    nic_bytes = np.bincount(a, nbytes, len(cap)) + np.bincount(b, nbytes, len(cap))
-    lb_per_nic = nic_bytes / cap
-    lower = float(lb_per_nic.max())
-    flow_cap = queue_depth * (nbytes / nops) / latency_s if latency_s > 0 else np.full(len(nbytes), np.inf)
-    makespan = _fluid(a, b, nbytes, cap, flow_cap, max_events)
-    es = int(np.argmax(nic_bytes[: len(src_ranks)]))
-    ed = int(np.argmax(nic_bytes[len(src_ranks) :]))
+    nic_bytes = np.bincount(a, nbytes, ns + nd) + np.bincount(b, nbytes, ns + nd)
+    lower = float((nic_bytes / bw).max())
+    reads_per_byte = nops / nbytes
+    ca = 1.0 / bw[a] + reads_per_byte * nic_per_read_s
+    cb = 1.0 / bw[b] + reads_per_byte * nic_per_read_s
+    cc = (nops * cpu_per_read_s + np.ceil(nops / queue_depth) * cpu_per_post_s) / nbytes
+    mean = nbytes / nops
+    in_flight = latency_s + nic_per_read_s + mean / np.minimum(bw[a], bw[b])
+    flow_cap = queue_depth * mean / in_flight
+    makespan = _fluid(np.stack([a, b, c]), np.stack([ca, cb, cc]), nbytes, ns + 2 * nd, flow_cap, max_events)
+    es = int(np.argmax(nic_bytes[:ns]))
+    ed = int(np.argmax(nic_bytes[ns:]))
     return SimResult(
         makespan,
         lower,
@@ -100,30 +132,33 @@ def simulate(
         int(nops.sum()),
         len(fb),
         (src_ranks[es], int(nic_bytes[es])),
-        (dst_ranks[ed], int(nic_bytes[len(src_ranks) + ed])),
+        (dst_ranks[ed], int(nic_bytes[ns + ed])),
     )
 
 
-def _rates(a: np.ndarray, b: np.ndarray, cap: np.ndarray, flow_cap: np.ndarray) -> np.ndarray:
-    """Max-min fair rates of flows ``a[i] -> b[i]`` over NIC capacities and per-flow caps
-    (progressive filling)."""
-    n = len(a)
+def _rates(res: np.ndarray, coef: np.ndarray, nres: int, flow_cap: np.ndarray) -> np.ndarray:
+    """Max-min fair rates of flows using resources ``res[k, i]`` at ``coef[k, i]`` seconds per
+    byte (every capacity is one second per second) under per-flow caps: progressive filling."""
+    n = res.shape[1]
     rate = np.zeros(n)
     free = np.ones(n, dtype=bool)
-    left = cap.copy()
+    left = np.ones(nres)
     while free.any():
-        cnt = np.bincount(a[free], minlength=len(cap)) + np.bincount(b[free], minlength=len(cap))
-        busy = cnt > 0
-        inc = min(float((left[busy] / cnt[busy]).min()), float((flow_cap[free] - rate[free]).min()))
+        load = sum(np.bincount(res[k, free], coef[k, free], nres) for k in range(len(res)))
+        busy = load > 0
+        inc = min(float((left[busy] / load[busy]).min()), float((flow_cap[free] - rate[free]).min()))
         rate[free] += inc
-        left -= inc * cnt
-        full = busy & (left <= cap * 1e-12)
-        free &= ~(full[a] | full[b]) & (rate < flow_cap * (1 - 1e-12))
+        left -= inc * load
+        full = busy & (left <= 1e-12)
+        blocked = np.zeros(n, dtype=bool)
+        for k in range(len(res)):
+            blocked |= full[res[k]] & (coef[k] > 0)
+        free &= ~blocked & (rate < flow_cap * (1 - 1e-12))
     return rate
 
 
 def _fluid(
-    a: np.ndarray, b: np.ndarray, work: np.ndarray, cap: np.ndarray, flow_cap: np.ndarray, max_events: int
+    res: np.ndarray, coef: np.ndarray, work: np.ndarray, nres: int, flow_cap: np.ndarray, max_events: int
 ) -> float:
     t = 0.0
     left = work.copy()
@@ -132,7 +167,7 @@ def _fluid(
         if not alive.any():
             return t
         idx = np.flatnonzero(alive)
-        r = _rates(a[idx], b[idx], cap, flow_cap[idx])
+        r = _rates(res[:, idx], coef[:, idx], nres, flow_cap[idx])
         dt_each = left[idx] / r
         dt = float(dt_each.min())
         # Finish every flow within a hair of the earliest together (symmetric plans end in bulk).
@@ -143,5 +178,5 @@ def _fluid(
         t += dt
     # Too many distinct events: finish the rest at their current rates (a lower estimate).
     idx = np.flatnonzero(alive)
-    r = _rates(a[idx], b[idx], cap, flow_cap[idx])
+    r = _rates(res[:, idx], coef[:, idx], nres, flow_cap[idx])
     return t + float((left[idx] / r).max())
