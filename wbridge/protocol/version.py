@@ -23,7 +23,11 @@ class VersionRecord:
 
     @classmethod
     def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:
-        raw = store.get(keys.version)
+        return cls.parse(keys, token, store.get(keys.version))
+
+    @classmethod
+    def parse(cls, keys: Keys, token: bytes | None, raw: bytes | None) -> VersionRecord | None:
+        """The record from the bytes of ``keys.version`` (read by the caller, say in a batch)."""
         if raw is None:
             return None
         d = open_sealed(token, keys.version, raw)
