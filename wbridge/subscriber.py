@@ -243,23 +243,6 @@ class Subscriber(Closeable):
             self.stats.pulls.append(PullStats(rec.v, time.perf_counter() - t0, nbytes, ops, retries))
             return rec.v
 
-    def _read_version(self) -> tuple[VersionRecord | None, int]:
-        """The version record and the fence of its slot, in one batched read where it can."""
-        nslots = self._nslots
-        values = self._store.get_many([self.keys.version] + [self.keys.fence(i) for i in range(nslots)])
-        rec = VersionRecord.parse(self.keys, self.token, values[0])
-        if rec is None:
-            return None, 0
-        if rec.slot < nslots:
-            raw = values[1 + rec.slot]
-            try:
-                return rec, int(raw or 0)
-            except ValueError:
-                key = self.keys.fence(rec.slot)
-                raise StoreError(f"store key {key!r} holds {raw[:40]!r}, not an integer") from None
-        self._nslots = min(rec.slot + 1, 64)
-        return rec, self._store.get_int(self.keys.fence(rec.slot))
-
     def _wait_version(self, want: int, deadline: float, timeout: float) -> tuple[VersionRecord, int]:
         """The newest version record (at least ``want``) and its slot's fence. Blocks on the
         ``ready`` key of the version it needs next (a TCPStore wait, an etcd watch), not polling."""
@@ -267,7 +250,9 @@ class Subscriber(Closeable):
         # roll this subscriber back to stale weights.
         want = max(want, self._newest)
         while True:
-            rec, fence = self._read_version()
+            rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots)
+            if rec is not None and rec.slot >= self._nslots:
+                self._nslots = min(rec.slot + 1, 64)
             if rec is not None and rec.v >= want:
                 # zero-copy versions are readable only while their publish() runs
                 if rec.v == self.version or not rec.zero_copy or fence == rec.fence:
