@@ -1,36 +1,80 @@
-"""Publisher side of the control plane: which subscribers are live and what they have acked."""
+"""Publisher side of the control plane: which subscribers are live, what they read and acked.
+
+Store traffic is O(publishers + subscribers) per version, not their product. One publisher rank,
+the aggregator (rank 0), reads every subscriber's lease and state in one batched request per poll
+(``Store.get_many``); once a condition that every rank waits for holds, it writes that condition's
+key (``Keys.acked(v)``: every live subscriber acked v or later; ``Keys.free(v)``: no live subscriber
+reads the slot that v is about to overwrite). The other ranks block on the key appearing (a TCPStore
+wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggregator died, or is
+not waiting for the same thing) scans by itself, once per ``FALLBACK_S``, and writes the key too.
+
+A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted
+(a subscriber that comes back registers under a new id).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .errors import StoreError, WaitTimeout
 from .protocol.keys import Keys
 from .protocol.records import open_sealed
 from .store import Store
 
+FALLBACK_S = 1.0  # a non-aggregating rank scans by itself after waiting this long for a key
+PENDING_GRACE_S = 10.0  # an id whose record never appears (collected, or its owner died) is dropped
+MAX_POLL_S = 0.02  # the aggregator's poll backoff cap
+
 
 @dataclass
 class SubscriberView:
-    """What a publisher knows of one subscriber."""
+    """What a publisher knows of one subscriber, as of the last scan."""
 
     id: int
     ttl: float
     name: str = ""
     dead: bool = False
+    acked: int = 0
+    reading: int = 0
+
+
+def state_bytes(acked: int, reading: int) -> bytes:
+    """The value of ``Keys.sub(i, "state")``: last version applied, version being read (0: none)."""
+    return f"{acked} {reading}".encode()
+
+
+def parse_state(raw: bytes | None) -> tuple[int, int]:
+    """(acked, reading) of a state value; absent or malformed reads as (0, 0): nothing acked yet."""
+    try:
+        acked, reading = raw.split()
+        return int(acked), int(reading)
+    except (ValueError, AttributeError):
+        return 0, 0
 
 
 @dataclass
 class SubscriberTracker:
-    """Scans the subscriber list and tells which are live and what they acked (publisher side).
+    """Scans the subscribers of a channel and waits for conditions on them (publisher side).
+
+    store: the publisher's store connection
+    keys: the channel's key layout
+    token: the channel token (subscriber records are sealed with it)
+    aggregator: whether this rank scans while it waits (True) or blocks on the keys another
+        rank's scans write, scanning by itself only every ``FALLBACK_S`` (False)
+
     Thread-safe: a background publish and the caller's ``subscribers()``/``wait_acked()`` may scan
     at once, and a scan updates ``known`` and the store's lease clock, so one scan at a time."""
 
     store: Store
     keys: Keys
     token: bytes | None
+    aggregator: bool = True
     known: dict[int, SubscriberView] = field(default_factory=dict)
+    pending: dict[int, float] = field(default_factory=dict)  # id -> when first counted, no record yet
+    counted: int = 0  # the subscriber counter as of the last scan
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def live(self) -> list[SubscriberView]:
@@ -38,41 +82,96 @@ class SubscriberTracker:
             return self._scan()
 
     def _scan(self) -> list[SubscriberView]:
-        n = self.store.get_int(self.keys.subs)
-        for i in range(1, n + 1):
-            if i in self.known:
+        views = list(self.known.values())
+        pending = sorted(self.pending)
+        keys = [self.keys.subs, *self._state_keys(views), *(self.keys.sub(i) for i in pending)]
+        values = self.store.get_many(keys)
+        now = time.monotonic()
+        try:
+            count = int(values[0] or 0)
+        except ValueError:
+            count = self.counted  # a malformed counter adds nobody
+        records = list(zip(pending, values[1 + 2 * len(views) :]))
+        new = list(range(self.counted + 1, count + 1))
+        for i in new:
+            self.pending[i] = now
+        self.counted = max(self.counted, count)
+        if new:  # registered since the last scan: their records now, not a poll later
+            records += zip(new, self.store.get_many([self.keys.sub(i) for i in new]))
+        fresh = []
+        for i, raw in records:
+            if raw is None:
+                if now - self.pending[i] > PENDING_GRACE_S:
+                    del self.pending[i]
                 continue
-            raw = self.store.get(self.keys.sub(i))
-            if raw is None:  # counter bumped, record not written yet
-                continue
+            del self.pending[i]
             try:
                 d = open_sealed(self.token, self.keys.sub(i), raw)
-                self.known[i] = SubscriberView(i, float(d["ttl"]), str(d.get("name", "")))
+                fresh.append(SubscriberView(i, float(d["ttl"]), str(d.get("name", ""))))
             except Exception:  # noqa: BLE001 - an unsigned or forged subscriber is ignored
-                self.known[i] = SubscriberView(i, 0.0, "<rejected>", dead=True)
+                pass
+        out = self._judge(views, values[1 : 1 + 2 * len(views)])
+        if fresh:  # their lease and state too
+            out += self._judge(fresh, self.store.get_many(self._state_keys(fresh)))
+        dead = [v for v in views + fresh if v.dead]
+        for v in views + fresh:
+            if v.dead:
+                self.known.pop(v.id, None)
+            else:
+                self.known[v.id] = v
+        if dead:
+            self.store.delete_many([k for v in dead for k in (self.keys.sub(v.id), *self._state_keys([v]))])
+        return out
+
+    def _state_keys(self, views: list[SubscriberView]) -> list[str]:
+        return [k for v in views for k in (self.keys.sub(v.id, "live"), self.keys.sub(v.id, "state"))]
+
+    def _judge(self, views: list[SubscriberView], values: list[bytes | None]) -> list[SubscriberView]:
         out = []
-        for view in self.known.values():
-            if view.dead:
+        for view, live, state in zip(views, values[0::2], values[1::2]):
+            if not self.store.judge_alive(self.keys.sub(view.id, "live"), live, view.ttl):
+                view.dead = True
                 continue
-            if not self.store.is_alive(self.keys.sub(view.id, "live"), view.ttl):
-                view.dead = True  # a subscriber that comes back registers under a new id
-                continue
+            view.acked, view.reading = parse_state(state)
             out.append(view)
         return out
 
-    def acked(self, view: SubscriberView) -> int:
-        return self.store.get_int(self.keys.sub(view.id, "acked"))
-
-    def reading(self, view: SubscriberView) -> int:
-        return self.store.get_int(self.keys.sub(view.id, "reading"))
-
-    def wait(self, pred, timeout: float, what: str) -> None:
-        """Waits until ``pred(view)`` holds for every live subscriber (re-scanned each poll)."""
-
-        def probe():
-            return True if all(pred(s) for s in self.live()) else None
-
-        Store.wait_until(probe, timeout, what, poll=0.001, max_poll=0.02)
+    def wait(
+        self,
+        key: str,
+        pred: Callable[[SubscriberView], bool],
+        deadline: float,
+        what: str,
+        check_stop: Callable[[], None],
+    ) -> None:
+        """Returns once ``pred(view)`` held for every live subscriber in one scan (this rank's or
+        another's: then ``key`` exists); ``check_stop`` may raise to give up. ``WaitTimeout`` at
+        ``deadline`` (``time.monotonic()``)."""
+        poll = 0.0005
+        next_scan = time.monotonic() + (0.0 if self.aggregator else FALLBACK_S)
+        while True:
+            check_stop()
+            now = time.monotonic()
+            if now >= next_scan:
+                if all(pred(s) for s in self.live()):
+                    self.store.set(key, b"1")
+                    return
+                if self.aggregator:
+                    next_scan, poll = now + poll, min(poll * 2, MAX_POLL_S)
+                else:
+                    next_scan = now + FALLBACK_S
+            now = time.monotonic()
+            if now >= deadline:
+                raise WaitTimeout(f"timed out waiting for {what}")
+            pause = max(0.0, min(next_scan, deadline) - now)
+            if self.aggregator:
+                time.sleep(pause)
+                continue
+            try:
+                self.store.wait(key, max(pause, 0.001))
+                return
+            except (WaitTimeout, StoreError):
+                pass  # a store down for the slice: the next scan retries it within its own timeout
 
 
 def now() -> float:

@@ -172,7 +172,8 @@ class Publisher(Closeable):
         self._inflight_deadline = 0.0
         self._worker_ident: int | None = None
         self._store = open_store(store, host_store=host_store, connect_timeout=connect_timeout)
-        self._tracker = SubscriberTracker(self._store, self.keys, self.token)
+        # rank 0 aggregates subscriber progress for every rank (see _tracker)
+        self._tracker = SubscriberTracker(self._store, self.keys, self.token, aggregator=rank == 0)
         self._next_version = 0
         names = served_transports(transport)
         opts = transport_options or {}
@@ -253,7 +254,7 @@ class Publisher(Closeable):
             if self._gen is not None:
                 log.warning("publisher rank %d: the store was lost; joined its new generation", self.rank)
             self._gen, self.keys = gen, keys
-            self._tracker = SubscriberTracker(self._store, self.keys, self.token)
+            self._tracker = SubscriberTracker(self._store, self.keys, self.token, aggregator=self.rank == 0)
         self._next_version = (latest.v if latest else 0) + 1
         with self._snap_lock:
             self._reg = reg
@@ -446,6 +447,8 @@ class Publisher(Closeable):
                 committed_at=now(),
                 mode=self.mode,
             ).write(self._store, self.keys, self.token)
+            self._store.set(self.keys.ready(v), b"1")  # wakes the subscribers blocked on it
+            self._collect(v, reg.epoch)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:
             self._wait_acked(v, deadline, f"publisher rank {self.rank}: acks of version {v}")
@@ -457,6 +460,14 @@ class Publisher(Closeable):
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
         self.stats.append(PublishStats(v, t2 - t1, (t1 - t0) + (t3 - t2), t3 - t0, nbytes, background))
         return v
+
+    def _collect(self, v: int, epoch: int) -> None:
+        """Deletes the keys of the version ``slots + 2`` before ``v``: every rank is past its waits
+        for it, and its slot was overwritten since (a reader still verifying it fails stale, as it
+        would on the overwritten slot). Best effort: the next commit tries the next one."""
+        old = v - (self.slots + 2)
+        if old >= 1:
+            quietly(self._store.delete_many, self.keys.version_keys(old, epoch, self.world_size, self.checksums))
 
     def wait_acked(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until every live subscriber acked ``version`` or later."""
@@ -489,24 +500,18 @@ class Publisher(Closeable):
     def subscribers(self) -> list[dict]:
         """The live subscribers: id, name, last acked version, version being read (0: none)."""
         self._check_open()
-        return [
-            {"id": s.id, "name": s.name, "acked": self._tracker.acked(s), "reading": self._tracker.reading(s)}
-            for s in self._tracker.live()
-        ]
+        return [{"id": s.id, "name": s.name, "acked": s.acked, "reading": s.reading} for s in self._tracker.live()]
 
     def _wait_acked(self, version: int, deadline: float, what: str) -> None:
-        self._wait_subscribers(lambda s: self._tracker.acked(s) >= version, deadline, what)
+        self._wait_subscribers(self.keys.acked(version), lambda s: s.acked >= version, deadline, what)
 
-    def _wait_subscribers(self, pred, deadline: float, what: str) -> None:
-        """Waits until ``pred`` holds for every live subscriber; close() cuts the wait short."""
-
-        def check(s) -> bool:
-            self._check_stopped()
-            return pred(s)
-
+    def _wait_subscribers(self, key: str, pred, deadline: float, what: str) -> None:
+        """Waits until ``pred`` holds for every live subscriber (``key`` says so once it does, see
+        ``_tracker``); close() cuts the wait short."""
         self._check_stopped()
+        _left(deadline, what)
         try:
-            self._tracker.wait(check, _left(deadline, what), what)
+            self._tracker.wait(key, pred, deadline, what, self._check_stopped)
         except WaitTimeout as e:  # also the store's, when the deadline passed inside a call
             raise WaitTimeout(f"timed out waiting for {what}") from e
 
@@ -525,11 +530,11 @@ class Publisher(Closeable):
         if self.mode != "async" and not self.zero_copy:
             # Do not pull a slot from under a reader; async readers get StaleVersionError instead.
             def free(s) -> bool:
-                r = self._tracker.reading(s)
+                r = s.reading
                 return r <= 0 or r % self.slots != slot or r >= v
 
             what = f"publisher rank {self.rank}: readers of slot {slot}"
-            self._wait_subscribers(free, deadline, what)
+            self._wait_subscribers(self.keys.free(v), free, deadline, what)
 
     def _snapshot(self, reg: _Registration, slot: int, ready: Any) -> list | None:
         """Copies the live tensors into ``slot``; returns its checksums (None: not enabled). On

@@ -42,6 +42,7 @@ from . import _generation
 from ._lifecycle import Closeable, quietly
 from ._selection import candidates
 from ._tensors import address, alloc_bytes, build_layout, byte_view
+from ._tracker import state_bytes
 from .errors import (
     AuthError,
     IntegrityError,
@@ -60,6 +61,10 @@ from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
 log = logging.getLogger("wbridge")
+
+# A pull waiting for a version blocks on its ``ready`` key in slices this long, re-reading the version
+# record in between (a key collected before the wait began, or a zero-copy version fenced off).
+VERSION_WAIT_SLICE_S = 5.0
 
 
 @dataclass
@@ -170,6 +175,8 @@ class Subscriber(Closeable):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._newest = 0  # the newest version number seen; records older than it are refused
+        self._acked = 0  # the last version applied (what the state key says was acked)
+        self._nslots = 1  # fences read along with the version record: slots 0 .. _nslots - 1
         # nccl joins process groups, so auto picks it only where the publisher opted in by serving
         # it (Publisher(transport=[..., "nccl"])); this side accepts it wherever it is installed
         self._caps = _select.capabilities(nccl=True)
@@ -203,10 +210,11 @@ class Subscriber(Closeable):
         """Joins store generation ``gen`` as a new live subscriber (a new id there)."""
         keys = self._base_keys.at(gen)
         sub_id = self._store.add(keys.subs, 1)
-        # the lease first: publishers only look at subscribers whose record exists, and a
-        # record without a live lease would read as a dead subscriber
+        # the lease and state first: publishers only look at subscribers whose record exists,
+        # and a record without a live lease would read as a dead subscriber
         lease = self._store.lease(keys.sub(sub_id, "live"), self.lease_ttl)
         try:
+            self._store.set(keys.sub(sub_id, "state"), state_bytes(self._acked, 0))
             key = keys.sub(sub_id)
             record = {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()}
             self._store.set(key, seal(self.token, key, record))
@@ -305,14 +313,14 @@ class Subscriber(Closeable):
         self._check_generation()
         while True:
             try:
-                rec = self._wait_version(want, deadline, timeout)
+                rec, fence = self._wait_version(want, deadline, timeout)
             except _GenerationChanged:
                 continue
             if rec.v == self.version:
                 return rec.v
             t0 = time.perf_counter()
             try:
-                nbytes, ops = self._apply(rec, deadline)
+                nbytes, ops = self._apply(rec, fence, deadline)
             except StaleVersionError:
                 retries += 1
                 want = rec.v + 1
@@ -325,52 +333,54 @@ class Subscriber(Closeable):
             self.stats.pulls.append(PullStats(rec.v, time.perf_counter() - t0, nbytes, ops, retries))
             return rec.v
 
-    def _wait_version(self, want: int, deadline: float, timeout: float) -> VersionRecord:
+    def _wait_version(self, want: int, deadline: float, timeout: float) -> tuple[VersionRecord, int]:
+        """The newest version record (at least ``want``) and its slot's fence. Blocks on the
+        ``ready`` key of the version it needs next (a TCPStore wait, an etcd watch), not polling."""
         # Never go back: a store replaying an older (genuinely signed) version record must not
         # roll this subscriber back to stale weights.
         want = max(want, self._newest)
-
-        def probe():
-            rec = VersionRecord.read(self._store, self.keys, self.token)
+        while True:
+            rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots)
             if rec is None and not self._check_generation():
                 raise _GenerationChanged
-            if rec is None:
-                return None
-            if rec.v < want:
-                if rec.mode == "sync" and rec.v != self.version and self._lease is not None:
-                    raise UsageError(
-                        f"subscriber {self.name}: channel {self.channel!r} is in sync mode and version {rec.v} "
-                        f"waits for this subscriber's ack, so version {want} cannot come until it pulls "
-                        f"{rec.v}: call pull() without min_version (or min_version={rec.v}) first"
-                    )
-                return None
-            if rec.v == self.version:
-                return rec  # already applied
-            if rec.zero_copy and self._store.get_int(self.keys.fence(rec.slot)) != rec.fence:
-                return None  # zero-copy versions are readable only while their publish() runs
-            return rec
+            if rec is not None and rec.slot >= self._nslots:
+                self._nslots = min(rec.slot + 1, 64)
+            if rec is not None and rec.v >= want:
+                # zero-copy versions are readable only while their publish() runs
+                if rec.v == self.version or not rec.zero_copy or fence == rec.fence:
+                    self._newest = max(self._newest, rec.v)
+                    return rec, fence
+            elif rec is not None and rec.mode == "sync" and rec.v != self.version and self._lease is not None:
+                raise UsageError(
+                    f"subscriber {self.name}: channel {self.channel!r} is in sync mode and version {rec.v} "
+                    f"waits for this subscriber's ack, so version {want} cannot come until it pulls "
+                    f"{rec.v}: call pull() without min_version (or min_version={rec.v}) first"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(
+                    f"subscriber {self.name}: no version >= {want} on channel "
+                    f"{self.channel!r} within {timeout:.1f}s (is a publisher running?)"
+                )
+            nxt = want if rec is None or rec.v < want else rec.v + 1
+            try:
+                self._store.wait(self.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))
+            except (WaitTimeout, StoreError):
+                pass  # a store down for the slice: the next read retries it within its own timeout
 
-        try:
-            rec = Store.wait_until(
-                probe, max(0.0, deadline - time.monotonic()), f"version >= {want} on channel {self.channel!r}"
-            )
-            self._newest = max(self._newest, rec.v)
-            return rec
-        except WaitTimeout:
-            raise WaitTimeout(
-                f"subscriber {self.name}: no version >= {want} on channel "
-                f"{self.channel!r} within {timeout:.1f}s (is a publisher running?)"
-            ) from None
-
-    def _apply(self, rec: VersionRecord, deadline: float) -> tuple[int, int]:
+    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[int, int]:
+        """Reads ``rec`` (whose slot's fence read ``fence`` along with it). The state key says
+        "reading v" from before the first read until the reads are checked: publishers do not
+        overwrite the slot meanwhile (sync and one-step-off modes). The slot stamps, read after the
+        data, are what proves the slot did not change (the store is untrusted, so its fence is only
+        a hint)."""
         session = self._session
         if session is None or session.epoch != rec.epoch:
             session = self._setup(rec, deadline)
-        fence_key = self.keys.fence(rec.slot)
-        reading_key = self.keys.sub(self._id, "reading")
-        self._store.set(reading_key, str(rec.v).encode())
+        state_key = self.keys.sub(self._id, "state")
+        self._store.set(state_key, state_bytes(self._acked, rec.v))
         try:
-            if self._store.get_int(fence_key) != rec.fence:
+            if fence != rec.fence:
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
@@ -382,22 +392,19 @@ class Subscriber(Closeable):
                     self._check_stamps(session, rec, deadline)  # a slot reused under us is staleness
                     raise
             self._check_stamps(session, rec, deadline)
-            if self._store.get_int(fence_key) != rec.fence:
-                raise StaleVersionError(f"version {rec.v} was overwritten during the read")
         except BaseException:
             # best effort, briefly even past the pull's deadline: keep the original error, and do
             # not leave a reading mark that would make publishers wait for this slot
             with self._store.deadline(time.monotonic() + 1.0):
-                quietly(self._store.set, reading_key, b"0")
+                quietly(self._store.set, state_key, state_bytes(self._acked, 0))
             raise
-        self._store.set(reading_key, b"0")
         for dst, src in self._commit:  # staged: every read succeeded, now commit
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, src)
             else:
                 dst.copy_(src)
-        self.version = rec.v
-        self._store.set(self.keys.sub(self._id, "acked"), str(rec.v).encode())
+        self.version = self._acked = rec.v
+        self._store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
         return session.plan.total_bytes, len(session.plan)
 
     def _read_all(self, session: _Session, slot: int, deadline: float) -> None:
@@ -459,16 +466,18 @@ class Subscriber(Closeable):
     def _setup(self, rec: VersionRecord, deadline: float) -> _Session:
         """Fetches the epoch's publisher records, plans, chooses transports and connects."""
         self._drop_session()
+        keys = [self.keys.rank(rec.epoch, r) for r in range(rec.world_size)]
         records = []
-        for r in range(rec.world_size):
-            key = self.keys.rank(rec.epoch, r)
-            try:
-                raw = self._store.wait(key, max(0.0, deadline - time.monotonic()))
-            except WaitTimeout:
-                raise WaitTimeout(
-                    f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} never registered"
-                ) from None
+        for r, (key, raw) in enumerate(zip(keys, self._store.get_many(keys))):
+            if raw is None:  # committed before this rank's record was visible? wait for it
+                try:
+                    raw = self._store.wait(key, max(0.0, deadline - time.monotonic()))
+                except WaitTimeout:
+                    raise WaitTimeout(
+                        f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} never registered"
+                    ) from None
             records.append(open_sealed(self.token, key, raw))
+        self._nslots = min(64, max(int(d.get("slots", 1)) for d in records))
         layouts = [RankLayout.from_dict(d["layout"]) for d in records]
         plan = build_plan(layouts, self._layout)
         self.stats.plans += 1
@@ -552,9 +561,11 @@ class Subscriber(Closeable):
 
     def _verify(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
         """Checks every chunk the plan read from each source against the publisher's sums."""
-        for src in session.sources:
-            key = self.keys.sums(rec.v, src.rank)
-            sums = open_sealed(self.token, key, self._store.wait(key, max(0.0, deadline - time.monotonic())))
+        keys = [self.keys.sums(rec.v, src.rank) for src in session.sources]
+        for src, key, raw in zip(session.sources, keys, self._store.get_many(keys)):
+            if raw is None:  # written before the commit: collected since, so the slot was reused
+                raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
+            sums = open_sealed(self.token, key, raw)
             if sums.get("algo") != _checksum.ALGO:
                 raise IntegrityError(
                     f"publisher rank {src.rank} uses checksum {sums.get('algo')}, this subscriber {_checksum.ALGO}"

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from tests.runtime.actors import PubActor, SubActor
+import torch
+
+from tests.runtime.actors import TOKEN, PubActor, SubActor
+from wbridge import Subscriber, WaitTimeout
+from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
 
 CLONE_NEWNET = 0x40000000
 
@@ -76,3 +82,64 @@ def wait_paused(signal_path: str, count: int, timeout: float = 30.0) -> None:
 
 def release(release_path: str) -> None:
     open(release_path, "w").close()
+
+
+class Churn:
+    """Subscribers that come and go: ``lifetimes`` of them on ``threads`` threads of this process,
+    each joining (own store connection), pulling 1-3 versions (every byte checked) and leaving
+    (``close``), or, with ``forever=True``, pulling until the process dies."""
+
+    def __init__(
+        self, url: str, seed: int, lifetimes: int, threads: int, *, ttl: float = 2.0, forever: bool = False
+    ) -> None:
+        self.url, self.seed, self.ttl, self.forever = url, seed, ttl, forever
+        self.stats = {"joined": 0, "left": 0, "pulls": 0, "torn": 0, "hangs": 0, "errors": {}}
+        self._lock = threading.Lock()
+        share = [list(range(t, lifetimes, threads)) for t in range(threads)]
+        self._threads = [threading.Thread(target=self._run, args=(ids,), daemon=True) for ids in share]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def joined(self) -> int:
+        return self.stats["joined"]
+
+    def finish(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return dict(self.stats, running=sum(t.is_alive() for t in self._threads))
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[what] += n
+
+    def _run(self, lifetimes: list[int]) -> None:
+        for i in lifetimes:
+            rng = random.Random(self.seed * 100003 + i)
+            tp = rng.choice((1, 2))
+            tensors = make_tensors(ModelConfig.tiny(), tp, rng.randrange(tp), fused=rng.random() < 0.5, version=None)
+            sub = Subscriber("t", self.url, token=TOKEN, transport="tcp", lease_ttl=self.ttl, name=f"churn{i}")
+            try:
+                sub.register(tensors)
+                self._count("joined")
+                last, pulls = 0, (1 << 30) if self.forever else rng.randint(1, 3)
+                for _ in range(pulls):
+                    for t, _ in tensors.values():
+                        t.view(-1).view(torch.uint8).fill_(0xA5)
+                    try:
+                        last = sub.pull(min_version=last + 1, timeout=30.0)
+                    except WaitTimeout:
+                        self._count("hangs")
+                        break
+                    except Exception as e:  # noqa: BLE001 - counted by type, reported by the test
+                        with self._lock:
+                            self.stats["errors"][type(e).__name__] = self.stats["errors"].get(type(e).__name__, 0) + 1
+                        continue
+                    self._count("pulls")
+                    if mismatches(tensors, last):
+                        self._count("torn")
+            finally:
+                sub.close()
+                self._count("left")

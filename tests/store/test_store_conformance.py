@@ -261,3 +261,61 @@ def test_closed_store_refuses(store_env):
     assert "closed=True" in repr(s)
     with pytest.raises(StoreError, match="closed"):
         s.get("k")
+
+
+def test_get_many_in_order_with_absent_keys(store_env):
+    """get_many answers every key in order, absent ones as None, across the etcd transaction
+    limit (128 operations) and for keys all present (TCPStore's multi_get path) or not."""
+    s, other = store_env.open(), store_env.open()
+    keys = [f"many/{i}" for i in range(300)]
+    for i, k in enumerate(keys):
+        if i % 3:
+            s.set(k, b"v%d" % i)
+    s.set("many/empty", b"")
+    s.set("many/big", os.urandom(1 << 16))
+    got = other.get_many(keys)
+    assert got == [None if i % 3 == 0 else b"v%d" % i for i in range(len(keys))]
+    present = [k for i, k in enumerate(keys) if i % 3] + ["many/empty", "many/big"]
+    assert other.get_many(present) == [s.get(k) for k in present]
+    assert other.get_many([]) == []
+    assert other.get_many(["nothing/here"]) == [None]
+    # the connection is still good after the fallback path
+    assert other.get("many/1") == b"v1"
+
+
+def test_delete_many(store_env):
+    s, other = store_env.open(), store_env.open()
+    keys = [f"del/{i}" for i in range(200)]
+    for k in keys[:150]:
+        s.set(k, b"x")
+    s.set("keep", b"k")
+    s.delete_many(keys)  # 50 of them were never there
+    assert other.get_many(keys) == [None] * len(keys)
+    assert other.get("keep") == b"k"
+    s.delete_many([])
+
+
+def test_wait_blocks_until_the_key_appears_and_other_calls_go_on(store_env):
+    """wait blocks in the store (no polling needed) and wakes soon after another client writes the
+    key; meanwhile the same client's other calls are not held up behind it."""
+    s, writer = store_env.open(), store_env.open()
+    s.set("other", b"o")
+    got = {}
+
+    def wait():
+        got["v"] = s.wait("appears", 30)
+        got["t"] = time.monotonic()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)  # not an assertion: lets the waiter block first
+    t0 = time.monotonic()
+    assert s.get("other") == b"o"
+    assert s.get_many(["other", "appears"]) == [b"o", None]
+    assert time.monotonic() - t0 < 5.0, "a call waited behind the blocking wait"
+    t_set = time.monotonic()
+    writer.set("appears", b"now")
+    t.join(30)
+    assert not t.is_alive()
+    assert got["v"] == b"now"
+    assert got["t"] - t_set < 5.0

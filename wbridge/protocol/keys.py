@@ -10,12 +10,27 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/version              the newest committed version's record (v, epoch, slot, fence)
     wb/c/g/<g>/v/<v>/e/<e>/snap     how many publisher ranks of epoch e snapshotted v
     wb/c/g/<g>/v/<v>/sum/<rank>     per-rank chunk checksums of v (when enabled)
+    wb/c/g/<g>/v/<v>/ready          written once v is committed: subscribers block on it appearing
+    wb/c/g/<g>/v/<v>/acked          written once every live subscriber acked v or later
+    wb/c/g/<g>/v/<v>/free           written once no live subscriber reads (an older version in)
+                                    the slot that v is about to overwrite
     wb/c/g/<g>/slot/<s>/fence       bumped by every rank before it overwrites slot s
     wb/c/g/<g>/subs                 subscriber counter; subscriber ids are 1, 2, ...
-    wb/c/g/<g>/sub/<i>              subscriber record;  .../live lease, .../acked, .../reading
+    wb/c/g/<g>/sub/<i>              subscriber record
+    wb/c/g/<g>/sub/<i>/live         its lease
+    wb/c/g/<g>/sub/<i>/state        "<acked> <reading>": last version applied, version being read
 
 ``Keys(c)`` (no generation) names only ``generation``; its other keys are those of a store
 without generations.
+
+``acked`` and ``free`` are written by the aggregating publisher rank (rank 0), which alone reads
+every subscriber's lease and state (one batched read per poll); the other ranks block on those keys
+appearing (see ``wbridge._tracker``).
+
+Garbage collection: the committer of v deletes the ``v/<v - lag>/...`` keys (``lag`` = slots + 2,
+``version_keys``), and the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
+subscriber once its lease lapsed, so the store holds a bounded number of keys however many
+versions are published and subscribers come and go.
 """
 
 from __future__ import annotations
@@ -50,6 +65,24 @@ class Keys:
 
     def sums(self, v: int, rank: int) -> str:
         return f"{self.p}v/{v}/sum/{rank}"
+
+    def ready(self, v: int) -> str:
+        return f"{self.p}v/{v}/ready"
+
+    def acked(self, v: int) -> str:
+        return f"{self.p}v/{v}/acked"
+
+    def free(self, v: int) -> str:
+        return f"{self.p}v/{v}/free"
+
+    def version_keys(self, v: int, epoch: int, world_size: int, checksums: bool) -> list[str]:
+        """Every per-version key of ``v`` (snap counters of this epoch and the one before)."""
+        keys = [self.snap(v, epoch), self.ready(v), self.acked(v), self.free(v)]
+        if epoch > 1:
+            keys.append(self.snap(v, epoch - 1))
+        if checksums:
+            keys += [self.sums(v, r) for r in range(world_size)]
+        return keys
 
     def fence(self, slot: int) -> str:
         return f"{self.p}slot/{slot}/fence"

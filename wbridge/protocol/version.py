@@ -24,7 +24,30 @@ class VersionRecord:
 
     @classmethod
     def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:
-        raw = store.get(keys.version)
+        return cls.parse(keys, token, store.get(keys.version))
+
+    @classmethod
+    def read_with_fence(
+        cls, store: Store, keys: Keys, token: bytes | None, nslots: int
+    ) -> tuple[VersionRecord | None, int]:
+        """The record and the current fence of its slot (0 when there is no record), in one
+        batched read with the fences of slots ``0 .. nslots - 1`` (another read if its slot is not
+        among them)."""
+        values = store.get_many([keys.version] + [keys.fence(i) for i in range(nslots)])
+        rec = cls.parse(keys, token, values[0])
+        if rec is None:
+            return None, 0
+        if rec.slot >= nslots:
+            return rec, store.get_int(keys.fence(rec.slot))
+        raw = values[1 + rec.slot]
+        try:
+            return rec, int(raw or 0)
+        except ValueError:
+            raise StoreError(f"store key {keys.fence(rec.slot)!r} holds {raw[:40]!r}, not an integer") from None
+
+    @classmethod
+    def parse(cls, keys: Keys, token: bytes | None, raw: bytes | None) -> VersionRecord | None:
+        """The record from the bytes of ``keys.version`` (read by the caller, say in a batch)."""
         if raw is None:
             return None
         d = open_sealed(token, keys.version, raw)

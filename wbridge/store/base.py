@@ -3,8 +3,11 @@
 ``open_store(url, ...)`` returns a ``Store``. ``tcp://host:port`` is torch's TCPStore (the embedded
 default, hosted by one publisher); ``etcd://host:port[,host:port]`` is etcd v3 for clusters.
 
-Call protocol: open, then any of get/set/compare_set/add/delete/wait/wait_change from any thread,
-``lease``/``is_alive`` for liveness, ``close()`` (idempotent). Every blocking call takes a timeout
+Call protocol: open, then any of get/get_many/set/compare_set/add/delete/delete_many/wait/wait_change
+from any thread, ``lease``/``is_alive``/``judge_alive`` for liveness, ``close()`` (idempotent).
+``get_many`` and ``delete_many`` are one request for many keys where the store can batch (TCPStore
+``multi_get``, an etcd transaction); ``wait`` blocks in the store where it can (a TCPStore wait, an
+etcd watch) instead of polling. Every blocking call takes a timeout
 and raises ``WaitTimeout`` (a ``WBridgeError``) when it expires; a lost connection is ``StoreError``.
 Values are bytes. The store is not trusted: wbridge signs what it writes (see ``records``).
 """
@@ -15,7 +18,7 @@ import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import StoreError, WaitTimeout
 
@@ -64,6 +67,11 @@ class Store(ABC):
     def get(self, key: str) -> bytes | None:
         """The value of ``key`` or ``None``; never blocks on a missing key."""
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values of ``keys`` in order (``None`` where absent); one request where the store
+        batches reads. The default reads them one by one."""
+        return [self.get(k) for k in keys]
+
     @abstractmethod
     def set(self, key: str, value: bytes) -> None: ...
 
@@ -81,13 +89,22 @@ class Store(ABC):
     @abstractmethod
     def delete(self, key: str) -> None: ...
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Deletes ``keys`` (absent ones are fine); one request where the store batches writes."""
+        for k in keys:
+            self.delete(k)
+
     @abstractmethod
     def lease(self, key: str, ttl: float) -> Lease:
         """Marks ``key`` alive for as long as the returned lease is refreshed (every ``ttl/4``)."""
 
-    @abstractmethod
     def is_alive(self, key: str, ttl: float) -> bool:
         """Whether the lease at ``key`` was refreshed within the last ``ttl`` seconds (as seen here)."""
+        return self.judge_alive(key, self.get(key), ttl)
+
+    @abstractmethod
+    def judge_alive(self, key: str, value: bytes | None, ttl: float) -> bool:
+        """``is_alive`` for a lease key whose ``value`` the caller just read (say in a ``get_many``)."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -11,7 +11,8 @@ and its ``Watcher`` opens the stream with no timeout). Keys live under a prefix 
   caller's ``deadline()``) across the
   endpoints (failover) and across an etcd restart, then raises ``StoreError``. Waits raise
   ``WaitTimeout``.
-- ``add`` is a compare-and-swap transaction loop; ``compare_set`` one transaction.
+- ``add`` is a compare-and-swap transaction loop; ``compare_set`` one transaction; ``get_many`` and
+  ``delete_many`` one read-only (or delete-only) transaction per ``TXN_OPS`` keys.
 - ``lease`` grants a real etcd lease, attaches ``key`` to it and keeps it alive from a thread; if the
   lease was lost (etcd down longer than the TTL) it is re-granted and ``key`` rewritten. When the holder
   dies, etcd deletes ``key`` after the TTL, so ``is_alive`` is "the key exists".
@@ -29,7 +30,7 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -50,6 +51,8 @@ DEFAULT_PREFIX = "/wbridge/"
 MIN_LEASE_TTL = 2
 # A refused connection is retried after this pause, doubling up to the cap.
 RETRY_PAUSE, RETRY_PAUSE_MAX = 0.05, 0.5
+# Operations per transaction: etcd's default --max-txn-ops.
+TXN_OPS = 128
 # Connect timeout per attempt, so one black-holed endpoint does not eat a whole call's budget.
 CONNECT_ATTEMPT_TIMEOUT = 2.0
 
@@ -306,6 +309,27 @@ class EtcdStore(Store):
     def get(self, key: str) -> bytes | None:
         return self._range(key, self.op_timeout)[0]
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        keys = list(keys)
+        for i in range(0, len(keys), TXN_OPS):
+            chunk = keys[i : i + TXN_OPS]
+            txn = {"success": [{"request_range": {"key": _b64(self._key(k))}} for k in chunk]}
+            got = self._retry(lambda c, txn=txn: c.transaction(txn), self.op_timeout, "get many", idempotent=True)
+            responses = got.get("responses") or []
+            if len(responses) != len(chunk):
+                raise StoreError(f"store {self.url}: {len(responses)} answers to a read of {len(chunk)} keys")
+            for r in responses:
+                kvs = r.get("response_range", {}).get("kvs") or []
+                out.append(_unb64(kvs[0].get("value")) if kvs else None)
+        return out
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        keys = list(keys)
+        for i in range(0, len(keys), TXN_OPS):
+            txn = {"success": [{"request_delete_range": {"key": _b64(self._key(k))}} for k in keys[i : i + TXN_OPS]]}
+            self._retry(lambda c, txn=txn: c.transaction(txn), self.op_timeout, "delete many", idempotent=True)
+
     def set(self, key: str, value: bytes) -> None:
         full, value = self._key(key), _as_bytes(value, f"value of {key!r}")
         self._retry(lambda c: c.put(full, value), self.op_timeout, f"set {key!r}", idempotent=True)
@@ -361,9 +385,9 @@ class EtcdStore(Store):
             if lease in self._leases:
                 self._leases.remove(lease)
 
-    def is_alive(self, key: str, ttl: float) -> bool:
+    def judge_alive(self, key: str, value: bytes | None, ttl: float) -> bool:
         # etcd expires the key with its lease: existing means its holder kept it alive.
-        return self.get(key) is not None
+        return value is not None
 
     def wait(self, key: str, timeout: float) -> bytes:
         value = self.wait_change(key, None, timeout)

@@ -8,7 +8,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..errors import StoreError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
@@ -16,6 +16,10 @@ from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 # A value no caller writes: TcpStore.get's marker for "absent".
 _ABSENT = b"\0wbridge-absent:" + os.urandom(16)
 
+
+# How long a multi_get may wait for its keys: ``get_many`` checks first that they all exist, so this
+# bounds only the race with a concurrent delete (then it reads them one by one).
+_MULTI_GET_GUARD = datetime.timedelta(seconds=2)
 
 # One TCPStore connection at a time in this process, so that its new socket can be told apart.
 _CONNECT_LOCK = threading.Lock()
@@ -92,6 +96,7 @@ class TcpStore(Store):
         self._socks: list[socket.socket] = []
         self._server: object | None = None  # the host's TCPStore server (with a client never used)
         self._server_socks: list[socket.socket] = []
+        self._waiters: list[TcpStore] = []  # idle connections for blocking waits, one per waiting thread
         td = datetime.timedelta(seconds=connect_timeout)
         try:
             if is_host:
@@ -206,6 +211,85 @@ class TcpStore(Store):
 
         return self._call(op)
 
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        # CHECK then MULTI_GET: torch's multi_get waits for missing keys, so it runs only when all
+        # exist; a key deleted in between ends its wait at the guard (a clean cancel that keeps the
+        # connection), and then, as when some key is absent, the keys are read one by one.
+        keys = list(keys)
+        if not keys:
+            return []
+
+        def op(st):
+            if not st.check(keys):
+                return None
+            st.set_timeout(_MULTI_GET_GUARD)
+            try:
+                return [bytes(v) for v in st.multi_get(keys)]
+            except RuntimeError as e:
+                if str(e).startswith("wait timeout"):
+                    return None
+                raise
+
+        values = self._call(op)
+        if values is None:
+            return [self.get(k) for k in keys]
+        return values
+
+    def wait(self, key: str, timeout: float) -> bytes:
+        """Blocks in the server (a TCPStore WAIT) until ``key`` exists, on a connection of its own
+        so that other threads' calls are not held up behind it."""
+        deadline = time.monotonic() + timeout
+        at = self.caller_deadline()
+        if at is not None:
+            deadline = min(deadline, at)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(f"timed out after {timeout:.1f}s waiting for store key {key!r}")
+            waiter = self._take_waiter()
+            try:
+                found = waiter.wait_exists(key, left)
+            except BaseException:
+                waiter.close()
+                raise
+            self._give_back_waiter(waiter)
+            if found:
+                value = self.get(key)
+                if value is not None:
+                    return value  # else deleted again meanwhile: wait on
+
+    def _take_waiter(self) -> TcpStore:
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"store {self.url} is closed")
+            if self._waiters:
+                return self._waiters.pop()
+        return TcpStore(self.host, self.port, is_host=False, connect_timeout=self._connect_timeout)
+
+    def _give_back_waiter(self, waiter: TcpStore) -> None:
+        with self._lock:
+            if not self._closed:
+                self._waiters.append(waiter)
+                return
+        waiter.close()
+
+    def wait_exists(self, key: str, timeout: float) -> bool:
+        """One TCPStore WAIT for ``key``: True once it exists, False after ``timeout`` (torch cancels
+        a timed-out wait cleanly, so the connection stays usable)."""
+        td = datetime.timedelta(seconds=max(timeout, 0.001))
+
+        def op(st):
+            try:
+                st.wait([key], td)
+                return True
+            except RuntimeError as e:
+                if str(e).startswith("wait timeout"):
+                    return False
+                raise
+
+        with self.deadline(time.monotonic() + timeout + self._connect_timeout):
+            return bool(self._call(op))
+
     def set(self, key: str, value: bytes) -> None:
         # TCPStore's SET gets no reply: it could still be in flight when set() returned, and a read
         # on another connection could overtake it (seen: 2 stale reads in 2000). The server handles
@@ -246,10 +330,9 @@ class TcpStore(Store):
 
         return Lease(key, ttl, refresh=lambda: own.add(key, 1), revoke=revoke)
 
-    def is_alive(self, key: str, ttl: float) -> bool:
+    def judge_alive(self, key: str, value: bytes | None, ttl: float) -> bool:
         # TCPStore has no server-side expiry: a lease is a counter that its holder bumps; it is
         # alive while we see it change within ttl (by our own clock, so no clock skew matters).
-        value = self.get(key)
         now = time.monotonic()
         if value is None or value == b"-1":
             self._seen.pop(key, None)
@@ -269,6 +352,9 @@ class TcpStore(Store):
             server, self._server = self._server, None
             socks, self._socks = self._socks + self._server_socks, []
             self._server_socks = []
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.close()
         for sk in socks:
             sk.close()
         del store, server
