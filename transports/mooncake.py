@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ._host import rdma_devices
 from ._util import check_host_memory, int_field, str_field
 from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import TransportError
@@ -53,13 +53,6 @@ except ImportError as e:  # re-raised so that transports.get names the extra (an
 _log = logging.getLogger(__name__)
 PROTOCOLS = ("auto", "tcp", "rdma")
 _ids = itertools.count(1)
-
-
-def rdma_present() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
 
 
 @dataclass(eq=False)
@@ -127,7 +120,7 @@ class MooncakeTransport(Transport):
         self.max_batch = max_batch
         if protocol not in PROTOCOLS:
             raise TransportError(f"mooncake: protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        self.protocol = ("rdma" if rdma_present() else "tcp") if protocol == "auto" else protocol
+        self.protocol = ("rdma" if rdma_devices() else "tcp") if protocol == "auto" else protocol
         self._engine = TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", self.protocol, devices) != 0:
             self._engine = None
@@ -265,10 +258,8 @@ class MooncakeTransport(Transport):
             self._peers.discard(peer)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._begin_close():
+            return
         # An engine call still in flight writes into registered memory: let it end (the engine's own
         # transfer timeout bounds it) before unregistering and destroying the engine.
         self._worker.shutdown(wait=True)
@@ -295,10 +286,6 @@ class MooncakeTransport(Transport):
                     _log.warning(
                         "mooncake: deregistering %#x while a read from %s is still running", addr, p.peer.session
                     )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("mooncake: transport is closed")
 
     def __repr__(self) -> str:
         return (

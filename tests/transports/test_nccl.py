@@ -135,8 +135,8 @@ def test_refuses_mixed_or_unknown_devices():
     with Nccl() as t:
         with pytest.raises(TransportError, match="device"):
             t.register(1 << 20, 4096, device="tpu:0")
-    from transports.nccl import _backend
+    from transports._nccl_group import backend_for
 
-    assert _backend(["cpu", "cpu"], "x") == "gloo" and _backend(["cuda:0", "cuda:1"], "x") == "nccl"
+    assert backend_for(["cpu", "cpu"], "x") == "gloo" and backend_for(["cuda:0", "cuda:1"], "x") == "nccl"
     with pytest.raises(TransportError, match="mixes"):
-        _backend(["cpu", "cuda:0"], "the destination")
+        backend_for(["cpu", "cuda:0"], "the destination")

@@ -1,0 +1,108 @@
+"""The ``nccl`` transport's data plane: registered memory as tensors, the two-rank process groups
+(gloo for host memory, NCCL for CUDA memory), and posting a batch of sends or receives on one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ._util import memory_view
+from .errors import TransportError
+
+_log = logging.getLogger("transports.nccl")
+
+
+class CudaMemory:
+    """Exposes ``nbytes`` of device memory at ``addr`` to ``torch.as_tensor`` (no copy)."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+def tensor(addr: int, nbytes: int, device: str) -> torch.Tensor:
+    if device == "cpu":
+        return torch.frombuffer(memory_view(addr, nbytes), dtype=torch.uint8)
+    return torch.as_tensor(CudaMemory(addr, nbytes), device=device)
+
+
+def backend_for(devices: Sequence[str], who: str) -> str:
+    kinds = {"cuda" if d.startswith("cuda") else d for d in devices}
+    if kinds <= {"cpu"}:
+        return "gloo"
+    if kinds == {"cuda"}:
+        return "nccl"
+    raise TransportError(f"nccl: {who} mixes host and CUDA memory ({sorted(set(devices))}); stage into one kind")
+
+
+def check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return
+    raise TransportError(f"nccl: unsupported device {device!r} (cpu or cuda:N)")
+
+
+def make_group(store: Any, rank: int, backend: str, host: str, timeout: float, device: str) -> Any:
+    """A standalone two-rank process group (not registered with the default world: nothing global)."""
+    td = datetime.timedelta(seconds=max(timeout, 0.001))
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = td
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+    torch.cuda.set_device(torch.device(device))
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = td
+    return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+def destroy(pg: Any) -> None:
+    """Ends a group now, not when the garbage collector gets to it: its sockets and communicators
+    must not outlive the pull (a traceback or a cycle can keep the object alive)."""
+    if pg is None:
+        return
+    for name in ("shutdown", "abort"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except RuntimeError as e:
+                _log.debug("nccl: %s of a pull group failed: %r", name, e)
+
+
+def post(pg: Any, backend: str, device: str, tensors: list, peer: int, send: bool) -> list:
+    """Posts one send (or recv) per tensor, tag = position: the batch_isend_irecv of a bare group."""
+    op = pg.send if send else pg.recv
+    if backend == "nccl" and hasattr(pg, "_start_coalescing"):
+        dev = torch.device(device)
+        pg._start_coalescing(dev)
+        for i, t in enumerate(tensors):
+            op([t], peer, i)
+        return [pg._end_coalescing(dev)]
+    return [op([t], peer, i) for i, t in enumerate(tensors)]
+
+
+def wait(works: list, deadline: float, what: str) -> None:
+    for w in works:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportError(f"nccl: {what} timed out")
+        try:
+            w.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            raise TransportError(f"nccl: {what} failed: {e}") from e
+
+
+def split(nbytes: np.ndarray, direct: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the reads sent on their own and of those packed together (same rule on both sides)."""
+    big = nbytes >= direct
+    return np.flatnonzero(big), np.flatnonzero(~big)
