@@ -87,10 +87,10 @@ class SocketStore(dist.Store):
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         super().__init__()
-        self._sock, self._deadline = sock, deadline
+        self._sock, self.deadline = sock, deadline
 
     def _call(self, op: str, **kw: Any) -> dict:
-        left = self._deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
             raise TransportError("nccl: rendezvous timed out")
         self._sock.settimeout(left)

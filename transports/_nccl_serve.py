@@ -36,6 +36,20 @@ class Plan:
     direct: int
 
 
+@dataclass(eq=False)
+class Group:
+    """The process group of one connection, kept across pulls while the reader asks for it by ``id``."""
+
+    id: str = ""
+    key: tuple = ()  # (backend, device)
+    pg: Any = None
+    store: Any = None
+
+    def end(self) -> None:
+        g.destroy(self.pg)
+        self.pg, self.store, self.id = None, None, ""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What the serving side needs from its transport: token key, regions, host and time limits."""
@@ -96,6 +110,13 @@ class Server:
 
     def _loop(self, conn: socket.socket) -> None:
         plans: dict[int, Plan] = {}
+        group = Group()
+        try:
+            self._serve_requests(conn, plans, group)
+        finally:
+            group.end()
+
+    def _serve_requests(self, conn: socket.socket, plans: dict[int, Plan], group: Group) -> None:
         while True:
             kind, msg, raw = p.recv(conn, (p.PREPARE, p.RELEASE, p.PULL))
             if kind == p.PREPARE:
@@ -111,7 +132,7 @@ class Server:
                 if plan is None:
                     p.send(conn, p.ERROR, {"message": "unknown prepared batch"})
                     continue
-                self._pull(conn, plan, msg)
+                self._pull(conn, plan, msg, group)
             else:
                 return
 
@@ -138,7 +159,7 @@ class Server:
         g.backend_for(sorted({x.device for x in entries}), "the serving side")
         return Plan(ids, index, e["offset"].copy(), e["nbytes"].copy(), direct)
 
-    def _pull(self, conn: socket.socket, plan: Plan, msg: dict) -> None:
+    def _pull(self, conn: socket.socket, plan: Plan, msg: dict, group: Group) -> None:
         timeout = min(float(msg.get("timeout", 60.0)), self.cfg.max_timeout)
         deadline = time.monotonic() + timeout
         served, _ = self.cfg.table.acquire(plan.ids)
@@ -148,22 +169,30 @@ class Server:
         try:
             device = served[0].device
             backend = g.backend_for([s.device for s in served], "the serving side")
-            store = p.EpochStore(deadline)
+            wanted = str(msg.get("group", ""))
+            fresh = not (group.pg is not None and wanted and group.id == wanted and group.key == (backend, device))
+            if fresh:  # the reader has no group with us (first pull, or after an error): form one
+                group.end()
+                group.id, group.key, group.store = wanted, (backend, device), p.EpochStore(deadline)
+            group.store.deadline = deadline
+            group.store.abort.clear()
             result: dict = {}
             worker = threading.Thread(
                 target=self._send_epoch,
                 name="wbridge-nccl-epoch",
                 daemon=True,
-                args=(store, plan, served, backend, device, deadline, result),
+                args=(group, fresh, plan, served, deadline, result),
             )
-            p.send(conn, p.READY, {"backend": backend})
+            p.send(conn, p.READY, {"backend": backend, "new": fresh})
             worker.start()
             try:
-                ended = self._serve_store(conn, store, deadline)
+                ended = self._serve_store(conn, group.store, deadline)
             finally:
-                store.abort.set()
+                group.store.abort.set()
                 worker.join(max(0.0, deadline - time.monotonic()) + 5.0)
             error = result.get("error") or (None if not worker.is_alive() else "send did not finish")
+            if error:
+                group.end()  # its state is unknown: the next pull forms a new one
             if ended:
                 p.send(conn, p.ERROR if error else p.DONE, {"message": error} if error else {})
             elif error:
@@ -205,11 +234,12 @@ class Server:
                 p.send(conn, p.ERROR, {"message": f"store call failed: {e}"})
 
     def _send_epoch(
-        self, store: Any, plan: Plan, served: list[Served], backend: str, device: str, deadline: float, result: dict
+        self, group: Group, fresh: bool, plan: Plan, served: list[Served], deadline: float, result: dict
     ) -> None:
-        pg = None
         try:
-            pg = g.make_group(store, 0, backend, self.host, deadline - time.monotonic(), device)
+            backend, device = group.key
+            if fresh:
+                group.pg = g.make_group(group.store, 0, backend, self.host, self.cfg.max_timeout, device)
             direct, packed = g.split(plan.nbytes, plan.direct)
             views = [
                 served[int(plan.index[i])].handle[int(plan.offset[i]) : int(plan.offset[i] + plan.nbytes[i])]
@@ -226,12 +256,9 @@ class Server:
                         ]
                     )
                 )
-            g.wait(g.post(pg, backend, device, views, 1, send=True), deadline, "send")
+            g.wait(g.post(group.pg, backend, device, views, 1, send=True), deadline, "send")
         except BaseException as e:  # noqa: BLE001 - reported to the reader and the log
             result["error"] = f"serving side: {e}"
-        finally:
-            g.destroy(pg)
-            del pg
 
     def close(self, timeout: float) -> None:
         with self.lock:

@@ -1,4 +1,4 @@
-"""``nccl``: the two-sided fallback. Reads become matched send/recv pairs in a per-pull process group.
+"""``nccl``: the two-sided fallback. Reads become matched send/recv pairs in a per-connection process group.
 
 Serving side: ``endpoint()`` starts a control listener on ``host`` (never all interfaces by default).
 Each connection first runs a mutual HMAC challenge-response with the shared token (the token never
@@ -7,17 +7,18 @@ crosses the wire). Then, per connection:
 - ``PREPARE`` (once per plan): the reader's batch as ``(region, offset, nbytes)`` entries; the server
   checks every entry against its registered regions and keeps it, or answers ``ERROR``;
 - ``PULL`` (every read): the server re-checks that the regions are still registered and answers
-  ``READY``; both sides then form a fresh two-rank ``torch.distributed`` process group for this pull
-  epoch (gloo for host memory, NCCL for CUDA memory), whose rendezvous store is served *over this
-  authenticated connection* (no TCPStore, which would listen on all interfaces). The server sends,
-  the reader receives; the reader reports ``END`` and the server answers ``DONE`` or ``ERROR``.
+  ``READY``. On the first pull of a connection both sides form a two-rank ``torch.distributed``
+  process group (gloo for host memory, NCCL for CUDA memory), whose rendezvous store is served *over
+  this authenticated connection* (no TCPStore, which would listen on all interfaces); later pulls
+  name that group and reuse it (the server's ``READY`` says whether it still has it). The server
+  sends, the reader receives; the reader reports ``END`` and the server answers ``DONE`` or ``ERROR``.
 
 Reads of at least ``direct_bytes`` go as one send/recv each, straight between the registered memory
 and the destination; smaller reads are gathered into one packed send on the serving side and
 scattered from the packed receive buffer on the reading side (thousands of tiny sends would cost
-more than the copies). Every wait is bounded by the read's timeout; the group is torn down after
-every pull, so a peer that died mid-pull cannot wedge later pulls. After an error the control
-connection is closed; the next ``read`` of the same prepared batch reconnects and re-prepares.
+more than the copies). Every wait is bounded by the read's timeout. After an error both sides tear
+the group down and the control connection is closed, so a peer that died mid-pull cannot wedge
+later pulls: the next ``read`` of the same prepared batch reconnects, re-prepares and forms a new group.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class NcclPeer:
     sock: socket.socket | None = None
     closed: bool = False
     generation: int = 0  # bumped on every (re)connection: prepared batches live per connection
+    #: The process group formed with the serving side, kept across pulls (``group_id`` names it to
+    #: the server; ``group_key`` is its (backend, device)); dropped with the connection.
+    group: Any = None
+    group_id: str = ""
+    group_key: tuple = ()
+    store: Any = None
 
     @property
     def label(self) -> str:
@@ -275,21 +282,25 @@ class NcclTransport(Transport):
         if peer.sock is None or prepared.generation != peer.generation:
             self._prepare_remote(prepared, deadline)
         sock = peer.sock
-        pg = None
+        key = (prepared.backend, prepared.device)
         try:
             sock.settimeout(time_left(deadline, "nccl", peer.label, "pull"))
-            epoch = uuid.uuid4().hex
-            p.send(sock, p.PULL, {"id": prepared.id, "timeout": timeout, "epoch": epoch})
+            if peer.group is None or peer.group_key != key:
+                self._end_group(peer)
+                peer.group_id, peer.group_key = uuid.uuid4().hex, key
+            p.send(sock, p.PULL, {"id": prepared.id, "timeout": timeout, "group": peer.group_id})
             kind, msg, _ = p.recv(sock, (p.READY,))
             if kind == p.ERROR:
                 raise TransportError(f"nccl: peer {peer.label} refused the pull: {msg.get('message')}")
-            store = p.SocketStore(sock, deadline)
-            pg = g.make_group(
-                store, 1, prepared.backend, self.host, time_left(deadline, "nccl", peer.label, "pull"), prepared.device
-            )
+            if msg.get("new", True) or peer.group is None:  # one group per connection, formed once
+                g.destroy(peer.group)
+                peer.group = None
+                peer.store = p.SocketStore(sock, deadline)
+                peer.group = g.make_group(peer.store, 1, prepared.backend, self.host, self.max_timeout, prepared.device)
+            peer.store.deadline = deadline  # NCCL may still call the store (lazy communicators)
             bufs = prepared.direct_views + ([prepared.packed] if prepared.packed is not None else [])
             g.wait(
-                g.post(pg, prepared.backend, prepared.device, bufs, 0, send=False),
+                g.post(peer.group, prepared.backend, prepared.device, bufs, 0, send=False),
                 deadline,
                 f"pull from peer {peer.label}",
             )
@@ -306,11 +317,14 @@ class NcclTransport(Transport):
             if isinstance(e, TransportError):
                 raise
             raise TransportError(f"nccl: pull from peer {peer.label} failed: {e!r}") from e
-        finally:
-            g.destroy(pg)
-            del pg
+
+    @staticmethod
+    def _end_group(peer: NcclPeer) -> None:
+        g.destroy(peer.group)
+        peer.group, peer.store, peer.group_id, peer.group_key = None, None, "", ()
 
     def _drop(self, peer: NcclPeer) -> None:
+        self._end_group(peer)
         sock, peer.sock = peer.sock, None
         if sock is not None:
             wake(sock)
