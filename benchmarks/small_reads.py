@@ -9,18 +9,20 @@ reads of 2 KiB, 4 KiB apart in the source and back to back in the destination: e
 Both batches are prepared once on one peer and read alternately (``repeat`` timed reads each per
 round, ``rounds`` rounds), and every read is checked bit-exact. Per transport it prints::
 
-    small_reads: transport=<name> reads=<n> small_gbps=<g> bulk_gbps=<g> small_vs_bulk=<r>
+    small_reads: transport=<name> reads=<n> small_gbps=<g> bulk_gbps=<g> small_vs_bulk=<r> gc_per_read=<c>
 
 ``small_vs_bulk`` is the bulk read's best time over the small reads' best time (1.0: the reads cost
 nothing beyond their bytes; target >= 0.5 on tcp and local). For ``local``, ``copy_ceiling`` is the
 same ratio for a bare in-process numpy copy of the same pattern against one ``memmove``: what this
-machine's memory allows a strided gather, with no transport at all.
+machine's memory allows a strided gather, with no transport at all. ``gc_per_read`` counts the
+garbage collections this process ran per small read (Python objects made per read trigger them).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import sys
 import time
 
@@ -51,6 +53,7 @@ def measure(name: str, rows: int, repeat: int, rounds: int, timeout: float = 120
     dst = np.full(rows * TAKE_BYTES, 0xA5, dtype=np.uint8)  # touched before timing
     small, bulk = batches(rows)
     times: dict[str, list[float]] = {"small": [], "bulk": []}
+    collections = 0  # garbage collections (any generation) during the timed small reads
     exact = True
     with (
         ServingProcess(name, [{"size": size, "seed": 7}], token="bench", timeout=timeout) as server,
@@ -63,10 +66,13 @@ def measure(name: str, rows: int, repeat: int, rounds: int, timeout: float = 120
             for kind in ("small", "bulk"):
                 t.read(prep[kind], timeout=timeout)  # warm-up, and the bit-exact check
                 exact &= bool(np.array_equal(dst, want_small if kind == "small" else want_bulk))
+                before = sum(x["collections"] for x in gc.get_stats())
                 for _ in range(repeat):
                     t0 = time.perf_counter()
                     t.read(prep[kind], timeout=timeout)
                     times[kind].append(time.perf_counter() - t0)
+                if kind == "small":
+                    collections += sum(x["collections"] for x in gc.get_stats()) - before
         for p in prep.values():
             t.release(p)
         t.disconnect(peer)
@@ -78,6 +84,7 @@ def measure(name: str, rows: int, repeat: int, rounds: int, timeout: float = 120
         "small_gbps": dst.nbytes / best["small"] / 1e9,
         "bulk_gbps": dst.nbytes / best["bulk"] / 1e9,
         "small_vs_bulk": best["bulk"] / best["small"],
+        "gc_per_read": collections / (rounds * repeat),
         "bit_exact": exact,
     }
 
@@ -116,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = f" copy_ceiling={copy_ceiling(args.rows, args.repeat):.2f}" if name == "local" else ""
         print(
             f"small_reads: transport={name} reads={r['reads']} small_gbps={r['small_gbps']:.2f} "
-            f"bulk_gbps={r['bulk_gbps']:.2f} small_vs_bulk={r['small_vs_bulk']:.2f}{extra} bit_exact={r['bit_exact']}",
+            f"bulk_gbps={r['bulk_gbps']:.2f} small_vs_bulk={r['small_vs_bulk']:.2f}{extra} "
+            f"gc_per_read={r['gc_per_read']:.1f} bit_exact={r['bit_exact']}",
             flush=True,
         )
     return 0
