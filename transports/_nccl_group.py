@@ -8,13 +8,15 @@ import datetime
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._util import memory_view
+from ._copy import CopyPlan
+from ._util import coalesce, memory_view
 from .errors import TransportError
 
 _log = logging.getLogger("transports.nccl")
@@ -106,3 +108,48 @@ def split(nbytes: np.ndarray, direct: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the reads sent on their own and of those packed together (same rule on both sides)."""
     big = nbytes >= direct
     return np.flatnonzero(big), np.flatnonzero(~big)
+
+
+@dataclass(eq=False)
+class Packed:
+    """The short reads of a batch, sent as one contiguous ``buffer``: gathered into it on the serving
+    side, scattered out of it on the reading side. Host memory moves as one ``CopyPlan`` (no Python
+    call per read); CUDA memory as one ``copy_`` per read."""
+
+    buffer: Any
+    gather: bool  # True: regions -> buffer (the sender); False: buffer -> regions (the receiver)
+    copies: CopyPlan | None = None
+    pairs: list = field(default_factory=list, repr=False)  # CUDA: (region view, start, stop)
+
+    def run(self) -> None:
+        if self.copies is not None:
+            self.copies.run()
+            return
+        for view, a, b in self.pairs:
+            if self.gather:
+                self.buffer[a:b].copy_(view)
+            else:
+                view.copy_(self.buffer[a:b])
+
+
+def packed(
+    tensors: Sequence[Any],
+    addrs: Sequence[int],
+    device: str,
+    region: np.ndarray,
+    offset: np.ndarray,
+    nbytes: np.ndarray,
+    *,
+    gather: bool,
+) -> Packed | None:
+    """A ``Packed`` for reads ``(region, offset, nbytes)`` of the regions ``tensors`` (at ``addrs``)."""
+    if not len(nbytes):
+        return None
+    pos = np.cumsum(nbytes) - nbytes
+    buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=device)
+    if device == "cpu":
+        mem = np.asarray(addrs, dtype=np.int64)[region] + offset
+        at = buf.data_ptr() + pos
+        return Packed(buf, gather, CopyPlan.of(*(coalesce(at, mem, nbytes) if gather else coalesce(mem, at, nbytes))))
+    rows = zip(region.tolist(), offset.tolist(), nbytes.tolist(), pos.tolist())
+    return Packed(buf, gather, pairs=[(tensors[r][o : o + k], a, a + k) for r, o, k, a in rows])

@@ -9,16 +9,15 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import _auth
 from . import _nccl_group as g
 from . import _nccl_proto as p
-from ._regions import RegionTable, Served
+from ._regions import RegionTable
 from ._util import wake
 from .errors import TransportError
 
@@ -34,6 +33,8 @@ class Plan:
     offset: np.ndarray
     nbytes: np.ndarray
     direct: int
+    direct_views: list = field(default_factory=list, repr=False)  # one tensor per long read
+    packed: g.Packed | None = None  # the short reads, gathered into one send buffer every pull
 
 
 @dataclass(eq=False)
@@ -157,7 +158,14 @@ class Server:
                 f"{int(e['nbytes'][i])}) falls outside the registered region"
             )
         g.backend_for(sorted({x.device for x in entries}), "the serving side")
-        return Plan(ids, index, e["offset"].copy(), e["nbytes"].copy(), direct)
+        plan = Plan(ids, index, e["offset"].copy(), e["nbytes"].copy(), direct)
+        # Region ids are never reused, and every pull re-acquires them: what is built here stays valid.
+        long, short = g.split(plan.nbytes, direct)
+        off, n = plan.offset, plan.nbytes
+        plan.direct_views = [entries[int(index[i])].handle[int(off[i]) : int(off[i] + n[i])] for i in long]
+        tensors, addrs = [x.handle for x in entries], [x.addr for x in entries]
+        plan.packed = g.packed(tensors, addrs, entries[0].device, index[short], off[short], n[short], gather=True)
+        return plan
 
     def _pull(self, conn: socket.socket, plan: Plan, msg: dict, group: Group) -> None:
         timeout = min(float(msg.get("timeout", 60.0)), self.cfg.max_timeout)
@@ -181,7 +189,7 @@ class Server:
                 target=self._send_epoch,
                 name="wbridge-nccl-epoch",
                 daemon=True,
-                args=(group, fresh, plan, served, deadline, result),
+                args=(group, fresh, plan, deadline, result),
             )
             p.send(conn, p.READY, {"backend": backend, "new": fresh})
             worker.start()
@@ -233,29 +241,15 @@ class Server:
             except (RuntimeError, KeyError, TypeError, ValueError) as e:
                 p.send(conn, p.ERROR, {"message": f"store call failed: {e}"})
 
-    def _send_epoch(
-        self, group: Group, fresh: bool, plan: Plan, served: list[Served], deadline: float, result: dict
-    ) -> None:
+    def _send_epoch(self, group: Group, fresh: bool, plan: Plan, deadline: float, result: dict) -> None:
         try:
             backend, device = group.key
             if fresh:
                 group.pg = g.make_group(group.store, 0, backend, self.host, self.cfg.max_timeout, device)
-            direct, packed = g.split(plan.nbytes, plan.direct)
-            views = [
-                served[int(plan.index[i])].handle[int(plan.offset[i]) : int(plan.offset[i] + plan.nbytes[i])]
-                for i in direct
-            ]
-            if len(packed):
-                views.append(
-                    torch.cat(
-                        [
-                            served[int(plan.index[i])].handle[
-                                int(plan.offset[i]) : int(plan.offset[i] + plan.nbytes[i])
-                            ]
-                            for i in packed
-                        ]
-                    )
-                )
+            views = list(plan.direct_views)
+            if plan.packed is not None:
+                plan.packed.run()
+                views.append(plan.packed.buffer)
             g.wait(g.post(group.pg, backend, device, views, 1, send=True), deadline, "send")
         except BaseException as e:  # noqa: BLE001 - reported to the reader and the log
             result["error"] = f"serving side: {e}"

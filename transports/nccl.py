@@ -16,9 +16,11 @@ crosses the wire). Then, per connection:
 Reads of at least ``direct_bytes`` go as one send/recv each, straight between the registered memory
 and the destination; smaller reads are gathered into one packed send on the serving side and
 scattered from the packed receive buffer on the reading side (thousands of tiny sends would cost
-more than the copies). Every wait is bounded by the read's timeout. After an error both sides tear
-the group down and the control connection is closed, so a peer that died mid-pull cannot wedge
-later pulls: the next ``read`` of the same prepared batch reconnects, re-prepares and forms a new group.
+more than the copies); both copies, and the views of the long reads, are built once per prepared
+batch, and in host memory each copy is one ``CopyPlan`` (no Python call per read). Every wait is
+bounded by the read's timeout. After an error both sides tear the group down and the control
+connection is closed, so a peer that died mid-pull cannot wedge later pulls: the next ``read`` of
+the same prepared batch reconnects, re-prepares and forms a new group.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descr
 from .errors import TransportError
 
 try:
-    import torch
     import torch.distributed as dist
 except ImportError as e:  # pragma: no cover - torch is a core dependency
     raise ImportError(f"the nccl transport needs torch.distributed ({e})") from e
@@ -80,8 +81,7 @@ class NcclPrepared:
     id: int
     entries: bytes
     direct_views: list
-    packed: Any  # receive buffer of the small reads, or None
-    scatter: list  # (destination view, start, stop) in the packed buffer
+    packed: g.Packed | None  # the short reads: one receive buffer, scattered after each pull
     backend: str
     device: str
     count: int
@@ -227,11 +227,15 @@ class NcclTransport(Transport):
         direct, packed = g.split(batch.nbytes, self.direct_bytes)
         dr, do, n = batch.dst_region.tolist(), batch.dst_offset.tolist(), batch.nbytes.tolist()
         direct_views = [dst[dr[i]][do[i] : do[i] + n[i]] for i in direct.tolist()]
-        scatter, pos = [], 0
-        for i in packed.tolist():
-            scatter.append((dst[dr[i]][do[i] : do[i] + n[i]], pos, pos + n[i]))
-            pos += n[i]
-        buf = torch.empty(pos, dtype=torch.uint8, device=device) if pos else None
+        small = g.packed(
+            dst,
+            [r.addr for r in local_regions],
+            device,
+            batch.dst_region[packed],
+            batch.dst_offset[packed],
+            batch.nbytes[packed],
+            gather=False,
+        )
         entries = np.empty(len(batch), dtype=p.ENTRY)
         entries["region"] = np.asarray(ids, dtype=np.int64)[batch.src_region] if len(batch) else []
         entries["offset"], entries["nbytes"] = batch.src_offset, batch.nbytes
@@ -240,8 +244,7 @@ class NcclTransport(Transport):
             next(_ids),
             entries.tobytes(),
             direct_views,
-            buf,
-            scatter,
+            small,
             backend,
             device,
             len(batch),
@@ -298,14 +301,14 @@ class NcclTransport(Transport):
                 peer.store = p.SocketStore(sock, deadline)
                 peer.group = g.make_group(peer.store, 1, prepared.backend, self.host, self.max_timeout, prepared.device)
             peer.store.deadline = deadline  # NCCL may still call the store (lazy communicators)
-            bufs = prepared.direct_views + ([prepared.packed] if prepared.packed is not None else [])
+            bufs = prepared.direct_views + ([prepared.packed.buffer] if prepared.packed is not None else [])
             g.wait(
                 g.post(peer.group, prepared.backend, prepared.device, bufs, 0, send=False),
                 deadline,
                 f"pull from peer {peer.label}",
             )
-            for view, a, b in prepared.scatter:
-                view.copy_(prepared.packed[a:b])
+            if prepared.packed is not None:
+                prepared.packed.run()
             sock.settimeout(time_left(deadline, "nccl", peer.label, "pull"))
             p.send(sock, p.END, {"ok": True})
             kind, msg, _ = p.recv(sock, (p.DONE,))
