@@ -29,7 +29,9 @@ for _fn in (_libc.readv, _libc.writev):
 
 def iovecs(addr: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """The ``(k, 2)`` uint64 iovec array of ``k`` pieces."""
-    return np.ascontiguousarray(np.stack([addr, nbytes], axis=1).astype(np.uint64, copy=False))
+    out = np.empty((len(nbytes), 2), dtype=np.uint64)
+    out[:, 0], out[:, 1] = addr, nbytes  # cast column by column: mixing int64 and uint64 would go through float64
+    return out
 
 
 def send_iov(sock: socket.socket, iov: np.ndarray, time_left: Callable[[], float]) -> None:

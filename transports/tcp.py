@@ -115,8 +115,10 @@ def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
         # One gather write per IOV_MAX pieces, straight from the registered memory; reads whose
         # sources continue one another go as one piece.
         src = np.array([e.addr for e in served], dtype=np.uint64)[index] + off
-        pos, src, n = coalesce(np.cumsum(n) - n, src, n)
-        iov = np.concatenate([[[header.ctypes.data, header.nbytes]], _iov.iovecs(src, n)]).astype(np.uint64)
+        _, src, n = coalesce(np.cumsum(n) - n, src, n)
+        iov = np.concatenate(
+            [_iov.iovecs(np.array([header.ctypes.data]), np.array([header.nbytes])), _iov.iovecs(src, n)]
+        )
         sock.settimeout(cfg.frame_timeout)
         _iov.send_iov(sock, iov, lambda: cfg.frame_timeout)
     finally:
