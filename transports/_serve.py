@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+import transports
+
 #: Period of the "pattern" fill: a prime, so a block landing at a wrong 4 KiB-multiple offset shows.
 PATTERN_PERIOD = 1_048_573
 
@@ -83,9 +85,6 @@ def _stats(transport: Any, regions: dict) -> dict:
 
 
 def serve(spec: dict) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import transports
-
     if not spec.get("dumpable", True):  # tests: a process others may not inspect without CAP_SYS_PTRACE
         import ctypes
 
@@ -172,7 +171,9 @@ class ServingProcess:
             "dumpable": dumpable,
         }
         self.timeout = timeout
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # The child imports this very copy of the package (a checkout or an installed one): its parent
+        # folder goes first on the child's PYTHONPATH.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(transports.__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transports._serve", json.dumps(self.spec)],
@@ -180,7 +181,6 @@ class ServingProcess:
             stdout=subprocess.PIPE,
             text=True,
             env=env,
-            cwd=root,
         )
         hello = self._line()
         self.pid: int = hello["pid"]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -99,3 +102,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def time_left(deadline: float, kind: str, label: str, what: str) -> float:
+    """Seconds left before ``deadline``, or ``TransportError`` naming the peer once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportError(f"{kind}: {what} with peer {label} timed out")
+    return left
+
+
+@contextmanager
+def peer_lock(kind: str, peer: Any, timeout: float) -> Iterator[None]:
+    """Holds ``peer.lock`` (one read per peer at a time) for at most ``timeout`` seconds of waiting,
+    and refuses a peer that is ``closed``; errors name ``peer.label``."""
+    if not peer.lock.acquire(timeout=timeout):
+        raise TransportError(f"{kind}: peer {peer.label} busy with another read for {timeout}s")
+    try:
+        if peer.closed:
+            raise TransportError(f"{kind}: peer {peer.label} is disconnected")
+        yield
+    finally:
+        peer.lock.release()
+
+
+def wake(sock: socket.socket | None) -> None:
+    """Shuts ``sock`` down both ways (waking threads blocked on it), ignoring a socket already gone."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -8,12 +8,8 @@ Every message is one frame: a fixed 16-byte header followed by ``length`` payloa
     flags   H  reserved, must be 0
     length  Q  payload bytes; at most MAX_PAYLOAD[type] (DATA: exactly what the READ asked for)
 
-Connection (the token is the HMAC key and never crosses the wire)::
-
-    client -> HELLO      client_nonce (32 bytes)
-    server -> CHALLENGE  server_nonce (32) + HMAC(token, "server", instance, client_nonce, server_nonce)
-    client -> AUTH       HMAC(token, "client", instance, server_nonce, client_nonce)
-    server -> AUTH_OK    (empty), or ERROR and the server closes the connection
+Connection: the handshake of ``transports._auth`` (label ``wbridge-tcp-v1``) in HELLO, CHALLENGE,
+AUTH and AUTH_OK frames; the token is the HMAC key and never crosses the wire.
 
 Reads, after AUTH_OK, any number of times::
 
@@ -25,9 +21,6 @@ Both ends validate every field before acting on it; anything malformed ends the 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -35,20 +28,19 @@ from enum import IntEnum
 
 import numpy as np
 
-from .errors import TransportError
+from . import _auth
+from ._auth import MAC_BYTES, NONCE_BYTES
+from .errors import ProtocolError
 
 MAGIC = b"WBTP"
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<4sBBHQ")
-NONCE_BYTES = 32
-MAC_BYTES = 32
+LABEL = b"wbridge-tcp-v1"
 ENTRY = np.dtype([("region", "<u8"), ("offset", "<u8"), ("nbytes", "<u8")])
 #: Reads per READ frame; bounds what one frame makes the server validate and hold.
 MAX_ENTRIES = 4096
 #: The most bytes one READ may ask for (a sanity bound; plans split far below it).
 MAX_READ_BYTES = 1 << 40
-#: iovecs per sendmsg/recvmsg_into call (Linux IOV_MAX is 1024).
-IOV_MAX = 1024
 
 
 class FrameType(IntEnum):
@@ -72,10 +64,6 @@ MAX_PAYLOAD = {
     FrameType.DATA: MAX_READ_BYTES,
     FrameType.ERROR: MAX_ERROR_BYTES,
 }
-
-
-class ProtocolError(TransportError):
-    """The peer sent something that is not a well-formed frame of this protocol."""
 
 
 def pack_header(ftype: FrameType, length: int) -> bytes:
@@ -127,59 +115,36 @@ def recv_frame(sock: socket.socket, expect: Sequence[FrameType] | None = None) -
     return kind, recv_exact(sock, length) if length else b""
 
 
-def _advance(pending: list[memoryview], done: int) -> list[memoryview]:
-    """Drops the first ``done`` bytes of a scatter list (whole buffers, then a partial one)."""
-    j = 0
-    while j < len(pending) and done >= len(pending[j]):
-        done -= len(pending[j])
-        j += 1
-    rest = pending[j:]
-    if done:
-        rest[0] = rest[0][done:]
-    return rest
-
-
-def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
-    """``sendall`` over a scatter list, IOV_MAX at a time, without joining the buffers."""
-    for i in range(0, len(views), IOV_MAX):
-        pending = list(views[i : i + IOV_MAX])
-        while pending:
-            pending = _advance(pending, sock.sendmsg(pending))
-
-
-def recv_into_views(
-    sock: socket.socket, views: Sequence[memoryview], time_left: Callable[[], float] | None = None
-) -> None:
-    """Fills every buffer of ``views`` in order straight from the socket (scatter receive).
-
-    ``time_left`` (raising once a deadline passed) bounds each receive, so a trickling peer cannot
-    stretch the whole frame past its deadline.
-    """
-    for i in range(0, len(views), IOV_MAX):
-        pending = list(views[i : i + IOV_MAX])
-        while pending:
-            if time_left is not None:
-                sock.settimeout(time_left())
-            if len(pending) == 1:
-                got = sock.recv_into(pending[0])
-            else:
-                got = sock.recvmsg_into(pending)[0]
-            if got == 0:
-                raise ConnectionError("connection closed in the middle of a DATA frame")
-            pending = _advance(pending, got)
-
-
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
-
-
 def mac(key: bytes, role: bytes, instance: bytes, first: bytes, second: bytes) -> bytes:
-    """The handshake proof: binds the role, the server instance and both nonces to the token."""
-    return hmac.new(key, b"wbridge-tcp-v1\0" + role + b"\0" + instance + first + second, hashlib.sha256).digest()
+    """The handshake proof of this protocol (see ``transports._auth.mac``)."""
+    return _auth.mac(key, LABEL, role, instance, first, second)
 
 
-def verify(expected: bytes, got: bytes) -> bool:
-    return hmac.compare_digest(expected, got)
+_STEPS = {
+    "hello": FrameType.HELLO,
+    "challenge": FrameType.CHALLENGE,
+    "auth": FrameType.AUTH,
+    "ok": FrameType.AUTH_OK,
+    "error": FrameType.ERROR,
+}
+
+
+def handshake_io(
+    sock: socket.socket, *, client: bool, time_left: Callable[[], float] | None = None
+) -> tuple[_auth.Send, _auth.Recv]:
+    """``send``/``recv`` of ``transports._auth`` over frames. The client takes the server's ERROR as a
+    refusal; the server takes anything but the expected frame as a protocol error."""
+
+    def send(step: str, payload: bytes) -> None:
+        sock.sendall(frame(_STEPS[step], payload))
+
+    def recv(step: str) -> bytes | None:
+        if time_left is not None:
+            sock.settimeout(time_left())
+        kind, payload = recv_frame(sock, (_STEPS[step], FrameType.ERROR) if client else (_STEPS[step],))
+        return None if kind is FrameType.ERROR else payload
+
+    return send, recv
 
 
 def pack_entries(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> bytes:

@@ -203,6 +203,29 @@ class Transport(ABC):
     def close(self) -> None:
         """Releases everything; idempotent."""
 
+    def _begin_close(self) -> bool:
+        """Marks the transport closed; False when it already was (``close`` then has nothing to do)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def _end_serving(self, peers: Sequence[Any], server: Any, regions: Sequence[Region], timeout: float) -> None:
+        """The rest of ``close`` for a transport with a listener: ``peers`` disconnected, ``server``
+        (if any) closed, waiting up to ``timeout`` for its connections, ``regions`` deregistered."""
+        for peer in peers:
+            self.disconnect(peer)
+        if server is not None:
+            server.close(timeout)
+        for region in regions:
+            self.deregister(region)
+
+    def _check_open(self) -> None:
+        """Raises ``TransportError`` once ``close`` was called."""
+        if self._closed:
+            raise TransportError(f"{self.name}: transport is closed")
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -16,3 +16,7 @@ class AuthError(TransportError):
 
 class MissingExtraError(TransportError, ImportError):
     """A transport's optional dependency is not installed; the message names the extra."""
+
+
+class ProtocolError(TransportError):
+    """The peer sent something that is not a well-formed message of the transport's protocol."""

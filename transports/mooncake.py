@@ -8,8 +8,10 @@ devices exist (``/sys/class/infiniband`` not empty) and ``tcp`` otherwise; both 
 - ``register`` registers the buffer with the engine once (never per read);
 - ``prepare`` checks every read against the descriptors and builds the engine's three address
   lists (local addresses, remote addresses, lengths) once;
-- ``read`` posts them as one ``batch_transfer_sync_read`` on a worker thread and waits at most
-  ``timeout`` seconds; the engine call itself gives up after the engine's transfer timeout.
+- ``read`` posts them as engine batches of at most ``max_batch`` reads with the engine's async
+  API (``batch_transfer_async_read``), keeping ``depth`` batches in flight (it waits for the oldest
+  with ``get_batch_transfer_status`` before posting the next), on a worker thread, and waits at most
+  ``timeout`` seconds; the engine gives up on a batch after its own transfer timeout.
 
 What the engine does not give (so this transport cannot either; the conformance suite skips these
 cases with the reasons in ``conformance_skips``):
@@ -26,9 +28,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import socket
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,6 +40,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ._host import rdma_devices
 from ._util import check_host_memory, int_field, str_field
 from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import TransportError
@@ -53,13 +56,6 @@ except ImportError as e:  # re-raised so that transports.get names the extra (an
 _log = logging.getLogger(__name__)
 PROTOCOLS = ("auto", "tcp", "rdma")
 _ids = itertools.count(1)
-
-
-def rdma_present() -> bool:
-    try:
-        return bool(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return False
 
 
 @dataclass(eq=False)
@@ -96,7 +92,8 @@ class MooncakeTransport(Transport):
 
     ``protocol``: ``auto`` (``rdma`` where RDMA devices exist, else ``tcp``), ``tcp`` or ``rdma``.
     ``devices``: comma-separated RDMA device filter for the engine (``""``: all). ``max_batch``: reads
-    per engine call (the engine's tcp lanes reject a batch deeper than their queues, ~1024 per peer).
+    per engine batch; ``depth``: engine batches in flight at once (the engine's tcp lanes reject more
+    outstanding reads than their queues hold, ~1024 per peer, so ``max_batch * depth`` stays within).
     """
 
     name = "mooncake"
@@ -119,15 +116,16 @@ class MooncakeTransport(Transport):
         *,
         protocol: str = "auto",
         devices: str = "",
-        max_batch: int = 512,
+        max_batch: int = 256,
+        depth: int = 4,
     ) -> None:
         super().__init__(token=token, host=host)
-        if max_batch < 1:
-            raise TransportError(f"mooncake: max_batch must be positive, got {max_batch}")
-        self.max_batch = max_batch
+        if max_batch < 1 or depth < 1:
+            raise TransportError(f"mooncake: max_batch and depth must be positive, got {max_batch}, {depth}")
+        self.max_batch, self.depth = max_batch, depth
         if protocol not in PROTOCOLS:
             raise TransportError(f"mooncake: protocol must be one of {PROTOCOLS}, got {protocol!r}")
-        self.protocol = ("rdma" if rdma_present() else "tcp") if protocol == "auto" else protocol
+        self.protocol = ("rdma" if rdma_devices() else "tcp") if protocol == "auto" else protocol
         self._engine = TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", self.protocol, devices) != 0:
             self._engine = None
@@ -136,7 +134,7 @@ class MooncakeTransport(Transport):
         self._regions: dict[int, Region] = {}
         self._peers: set[MooncakePeer] = set()
         self._prepared: set[MooncakePrepared] = set()
-        # The engine's sync read has no deadline argument: it runs here and read() waits on it.
+        # The engine's completion wait has no deadline argument: it runs here and read() waits on it.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="wbridge-mooncake")
 
     # -- serving -----------------------------------------------------------------------------
@@ -247,12 +245,23 @@ class MooncakeTransport(Transport):
             )
 
     def _post(self, session: str, chunks: list) -> int:
-        """Runs on the worker thread: one engine call per chunk; the first failing status ends it."""
+        """Runs on the worker thread: async engine batches, ``depth`` in flight; 0, or the first failure
+        (after every batch already posted has ended, so nothing writes into memory afterwards)."""
+        engine, inflight, status = self._engine, deque(), 0
         for local, remote, lengths in chunks:
-            status = self._engine.batch_transfer_sync_read(session, local, remote, lengths)
-            if status != 0:
-                return status
-        return 0
+            if len(inflight) == self.depth:
+                status = status or engine.get_batch_transfer_status([inflight.popleft()])
+            if status:
+                break
+            batch = engine.batch_transfer_async_read(session, local, remote, lengths)
+            if batch == 0:  # refused at submission (unknown segment, full queues)
+                status = -1
+                break
+            inflight.append(batch)
+        if inflight:
+            done = engine.get_batch_transfer_status(list(inflight))
+            status = status or done
+        return status
 
     def release(self, prepared: MooncakePrepared) -> None:
         with self._lock:
@@ -265,10 +274,8 @@ class MooncakeTransport(Transport):
             self._peers.discard(peer)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._begin_close():
+            return
         # An engine call still in flight writes into registered memory: let it end (the engine's own
         # transfer timeout bounds it) before unregistering and destroying the engine.
         self._worker.shutdown(wait=True)
@@ -295,10 +302,6 @@ class MooncakeTransport(Transport):
                     _log.warning(
                         "mooncake: deregistering %#x while a read from %s is still running", addr, p.peer.session
                     )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("mooncake: transport is closed")
 
     def __repr__(self) -> str:
         return (

@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ._host import rdma_ports
 from ._util import int_field, str_field
 from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import TransportError
@@ -72,17 +73,6 @@ MAX_METADATA = 1 << 20
 SIOCGIFADDR = 0x8915
 
 
-def _rdma_ports(root: str = "/sys/class/infiniband") -> list[str]:
-    out = []
-    try:
-        for dev in sorted(os.listdir(root)):
-            for port in sorted(os.listdir(os.path.join(root, dev, "ports"))):
-                out.append(f"{dev}:{port}")
-    except OSError:
-        pass
-    return out
-
-
 def _interface_of(host: str) -> str | None:
     """The network interface that owns IPv4 address ``host`` (``lo`` for loopback), or None."""
     try:
@@ -108,7 +98,7 @@ def _net_devices(host: str) -> str | None:
     if iface is None:
         return None
     # RDMA ports open no TCP listener, and a reader bound to loopback still reads remote peers over them
-    return ",".join([iface, *_rdma_ports()])
+    return ",".join([iface, *rdma_ports()])
 
 
 def _b64(data: bytes) -> str:
@@ -432,10 +422,6 @@ class NixlTransport(Transport):
                 self._agent.deregister_memory(region.handle[1])
             self._regions.clear()
             self._agent = None  # last: the agent's destructor tears down UCX
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("nixl: transport is closed")
 
     def __repr__(self) -> str:
         return (

@@ -14,11 +14,11 @@ raises ``MissingExtraError`` naming the extra; one the peer lacks raises ``Trans
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import REGISTRY, available, get
+from . import REGISTRY, _host, available, get
+from ._host import rdma_devices
 from .errors import TransportError
 
 #: Order tried by ``auto`` among the one-sided RDMA engines.
@@ -28,29 +28,10 @@ RDMA_FIRST = ("nixl", "mooncake")
 CAPABILITY_KEYS = ("transports", "rdma", "cuda", "host", "nccl")
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
-    """Names of the RDMA devices this machine exposes (``mlx5_0``, ...); empty where there are none."""
-    try:
-        return sorted(os.listdir(root))
-    except OSError:
-        return []
-
-
 def host_identity() -> str:
     """``<boot id>/<pid namespace inode>``: equal for two processes iff they can address each other's pids."""
-    try:
-        pidns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        pidns = 0
-    return f"{_read('/proc/sys/kernel/random/boot_id')}/{pidns}"
+    boot, pidns = _host.host_identity()
+    return f"{boot}/{pidns}"
 
 
 def _cuda() -> bool:

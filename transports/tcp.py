@@ -4,13 +4,14 @@ Serving side: ``endpoint()`` starts a listener on ``host`` (loopback unless told
 interfaces by default) with one thread per authenticated connection. Each connection runs the
 protocol of ``transports._wire``: a mutual HMAC challenge-response with the shared token (the token
 never crosses the wire), then READ requests answered with DATA frames sent straight from the
-registered memory (``sendmsg`` over memoryviews, no copies in Python). A read that falls outside a
+registered memory (``writev`` over iovec columns built with numpy: no copy and no Python object
+per read; reads whose sources continue one another go as one piece). A read that falls outside a
 registered region is refused with an ERROR frame; malformed frames close the connection.
 
 Reading side: ``connect`` opens ``streams`` authenticated connections to a peer; ``prepare`` checks
 bounds, splits long reads, balances the pieces over the streams by bytes and packs the READ frames
 once; ``read`` posts them (two frames in flight per stream) and receives each DATA frame straight
-into the destination memory (``recv_into``/``recvmsg_into`` on memoryviews of the destination).
+into the destination memory (``readv`` over iovec columns of the destination, built once at ``prepare``).
 """
 
 from __future__ import annotations
@@ -28,62 +29,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import _auth, _iov
 from . import _wire as w
-from ._util import check_host_memory, hex_field, int_field, memory_view, split_and_balance, str_field, token_key
+from ._regions import RegionTable, Served
+from ._util import (
+    check_host_memory,
+    coalesce,
+    hex_field,
+    int_field,
+    peer_lock,
+    split_and_balance,
+    str_field,
+    time_left,
+    token_key,
+    wake,
+)
 from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import AuthError, TransportError
 
 INSTANCE_BYTES = 16
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Served:
-    """A region as the server sees it, with a count of DATA frames being sent from it."""
-
-    nbytes: int
-    view: memoryview
-    users: int = 0
-
-
-class _RegionTable:
-    """Registered regions by id. ``remove`` waits until no DATA frame is being sent from the region."""
-
-    def __init__(self) -> None:
-        self._regions: dict[int, _Served] = {}
-        self._cond = threading.Condition()
-
-    def __len__(self) -> int:
-        return len(self._regions)
-
-    def add(self, rid: int, entry: _Served) -> None:
-        with self._cond:
-            self._regions[rid] = entry
-
-    def remove(self, rid: int, timeout: float) -> None:
-        with self._cond:
-            entry = self._regions.pop(rid, None)
-            if entry is not None and not self._cond.wait_for(lambda: entry.users == 0, timeout):
-                raise TransportError(f"tcp: region {rid} still being sent after {timeout}s")
-
-    def acquire(self, ids: np.ndarray) -> tuple[list[_Served] | None, str]:
-        """The regions named by ``ids`` (sorted, unique), each marked in use; or ``None`` and why."""
-        with self._cond:
-            out = []
-            for rid in ids.tolist():
-                entry = self._regions.get(rid)
-                if entry is None:
-                    return None, f"region {rid} is not registered"
-                out.append(entry)
-            for entry in out:
-                entry.users += 1
-            return out, ""
-
-    def release(self, entries: list[_Served]) -> None:
-        with self._cond:
-            for entry in entries:
-                entry.users -= 1
-            self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -92,7 +57,7 @@ class ServerConfig:
 
     key: bytes
     instance: bytes
-    regions: _RegionTable
+    regions: RegionTable
     handshake_timeout: float = 10.0
     frame_timeout: float = 30.0
 
@@ -121,18 +86,8 @@ def _close_gracefully(sock: socket.socket, limit: int = 1 << 20, timeout: float 
 
 
 def _server_handshake(sock: socket.socket, cfg: ServerConfig) -> bool:
-    _, client_nonce = w.recv_frame(sock, (w.FrameType.HELLO,))
-    if len(client_nonce) != w.NONCE_BYTES:
-        raise w.ProtocolError(f"HELLO nonce of {len(client_nonce)} bytes")
-    nonce = w.new_nonce()
-    proof = w.mac(cfg.key, b"server", cfg.instance, client_nonce, nonce)
-    sock.sendall(w.frame(w.FrameType.CHALLENGE, nonce + proof))
-    _, answer = w.recv_frame(sock, (w.FrameType.AUTH,))
-    if not w.verify(w.mac(cfg.key, b"client", cfg.instance, nonce, client_nonce), answer):
-        _send_error(sock, "authentication failed")
-        return False
-    sock.sendall(w.frame(w.FrameType.AUTH_OK))
-    return True
+    send, recv = w.handshake_io(sock, client=False)
+    return _auth.server_handshake(send, recv, cfg.key, w.LABEL, cfg.instance)
 
 
 def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
@@ -156,9 +111,16 @@ def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
             )
             return
         total = int(n.sum(dtype=np.uint64))
-        views = [served[r].view[o : o + k] for r, o, k in zip(index.tolist(), off.tolist(), n.tolist())]
+        header = np.frombuffer(w.pack_header(w.FrameType.DATA, total), dtype=np.uint8)
+        # One gather write per IOV_MAX pieces, straight from the registered memory; reads whose
+        # sources continue one another go as one piece.
+        src = np.array([e.addr for e in served], dtype=np.uint64)[index] + off
+        _, src, n = coalesce(np.cumsum(n) - n, src, n)
+        iov = np.concatenate(
+            [_iov.iovecs(np.array([header.ctypes.data]), np.array([header.nbytes])), _iov.iovecs(src, n)]
+        )
         sock.settimeout(cfg.frame_timeout)
-        w.send_views(sock, [memoryview(w.pack_header(w.FrameType.DATA, total))] + views)
+        _iov.send_iov(sock, iov, lambda: cfg.frame_timeout)
     finally:
         cfg.regions.release(served)
 
@@ -257,10 +219,7 @@ class _Server:
     def close(self, timeout: float = 10.0) -> None:
         self._stopping = True
         for s in [self.sock] + self._shutdown_all():
-            try:
-                s.shutdown(socket.SHUT_RDWR)  # wakes accept()/recv() blocked in other threads
-            except OSError:
-                pass
+            wake(s)  # wakes accept()/recv() blocked in other threads
         self._acceptor.join(timeout)
         self.sock.close()
         deadline = time.monotonic() + timeout
@@ -276,10 +235,10 @@ class _Server:
 
 @dataclass(frozen=True)
 class _Frame:
-    """One pre-packed READ and where its DATA lands."""
+    """One pre-packed READ and where its DATA lands (iovecs, neighbouring destinations merged)."""
 
     request: bytes
-    views: list[memoryview] = field(repr=False)
+    iov: np.ndarray = field(repr=False)
     nbytes: int
 
 
@@ -354,7 +313,7 @@ class TcpTransport(Transport):
         self.handshake_timeout, self.frame_timeout = handshake_timeout, frame_timeout
         self.max_connections = max_connections
         self._instance = os.urandom(INSTANCE_BYTES)
-        self._table = _RegionTable()
+        self._table = RegionTable("tcp")
         self._regions: dict[int, Region] = {}
         self._next_id = 1
         self._server: _Server | None = None
@@ -369,7 +328,7 @@ class TcpTransport(Transport):
             desc = encode_descriptor("tcp", instance=self._instance.hex(), region=rid, nbytes=nbytes)
             region = Region(rid, addr, nbytes, device, desc)
             self._regions[rid] = region
-            self._table.add(rid, _Served(nbytes, memory_view(addr, nbytes)))
+            self._table.add(rid, Served(nbytes, addr))
         return region
 
     def deregister(self, region: Region) -> None:
@@ -424,39 +383,13 @@ class TcpTransport(Transport):
         return peer
 
     def _open_stream(self, peer: TcpPeer, deadline: float) -> socket.socket:
-        try:
-            sock = socket.create_connection((peer.host, peer.port), timeout=_left(deadline, peer, "connect"))
-        except OSError as e:
-            raise TransportError(f"tcp: cannot connect to peer {peer.label}: {e}") from e
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_nonce = w.new_nonce()
-            sock.sendall(w.frame(w.FrameType.HELLO, client_nonce))
-            sock.settimeout(_left(deadline, peer, "authenticate"))
-            kind, payload = w.recv_frame(sock, (w.FrameType.CHALLENGE, w.FrameType.ERROR))
-            if kind is w.FrameType.ERROR or len(payload) != w.NONCE_BYTES + w.MAC_BYTES:
-                raise TransportError(f"tcp: peer {peer.label} refused the handshake: {payload[:200]!r}")
-            nonce, proof = payload[: w.NONCE_BYTES], payload[w.NONCE_BYTES :]
-            if not w.verify(w.mac(self._key, b"server", peer.instance, client_nonce, nonce), proof):
-                raise AuthError(
-                    f"tcp: peer {peer.label} failed to prove the shared token "
-                    f"(wrong token, or another server instance at that address)"
-                )
-            sock.sendall(w.frame(w.FrameType.AUTH, w.mac(self._key, b"client", peer.instance, nonce, client_nonce)))
-            sock.settimeout(_left(deadline, peer, "authenticate"))
-            kind, payload = w.recv_frame(sock, (w.FrameType.AUTH_OK, w.FrameType.ERROR))
-            if kind is w.FrameType.ERROR:
-                raise AuthError(f"tcp: peer {peer.label} rejected our token: {payload.decode(errors='replace')}")
-            return sock
-        except BaseException as e:
-            sock.close()
-            if isinstance(e, TransportError):
-                raise
-            if isinstance(e, socket.timeout):
-                raise TransportError(f"tcp: handshake with peer {peer.label} timed out") from e
-            if isinstance(e, OSError):
-                raise TransportError(f"tcp: handshake with peer {peer.label} failed: {e!r}") from e
-            raise
+        def handshake(sock: socket.socket) -> None:
+            send, recv = w.handshake_io(
+                sock, client=True, time_left=lambda: time_left(deadline, "tcp", peer.label, "authenticate")
+            )
+            _auth.client_handshake(send, recv, self._key, w.LABEL, peer.instance, f"tcp: peer {peer.label}")
+
+        return _auth.dial("tcp", peer.host, peer.port, deadline, handshake)
 
     def prepare(
         self, peer: TcpPeer, remote_regions: Sequence[bytes], local_regions: Sequence[Region], batch: ReadBatch
@@ -472,48 +405,36 @@ class TcpTransport(Transport):
             if r.device != "cpu":
                 raise TransportError(f"tcp: destination region {r.id} is on {r.device}; tcp reads into host memory")
         check_batch_bounds("tcp", batch, remote_sizes, [r.nbytes for r in local_regions], peer.label)
-        dst_views = [memory_view(r.addr, r.nbytes) for r in local_regions]
+        dst_base = np.array([r.addr for r in local_regions], dtype=np.int64)
         rid = np.asarray(remote_ids, dtype=np.int64)
         op, start, stream = split_and_balance(batch.nbytes, self.streams, self.split_bytes)
         size = np.minimum(batch.nbytes[op] - start, self.split_bytes)
+        src_reg, src_off = rid[batch.src_region[op]], batch.src_offset[op] + start
+        dst = dst_base[batch.dst_region[op]] + batch.dst_offset[op] + start
         frames = []
         for s in range(self.streams):
-            sel = np.flatnonzero(stream == s)
-            frames.append(tuple(self._pack_frames(batch, rid, dst_views, op[sel], start[sel], size[sel])))
+            a, b = np.searchsorted(stream, [s, s + 1])  # each stream takes a consecutive run of pieces
+            frames.append(tuple(self._pack_frames(src_reg[a:b], src_off[a:b], dst[a:b], size[a:b])))
         return TcpPrepared(peer, tuple(frames), len(batch), batch.total_bytes)
 
-    def _pack_frames(
-        self,
-        batch: ReadBatch,
-        rid: np.ndarray,
-        dst_views: list[memoryview],
-        op: np.ndarray,
-        start: np.ndarray,
-        size: np.ndarray,
-    ) -> list[_Frame]:
-        src_reg, src_off = rid[batch.src_region[op]], batch.src_offset[op] + start
-        dst_reg, dst_off = batch.dst_region[op].tolist(), (batch.dst_offset[op] + start).tolist()
-        sizes = size.tolist()
+    def _pack_frames(self, src_reg: np.ndarray, src_off: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Frame]:
+        """READ frames of at most ``MAX_ENTRIES`` pieces and ``frame_bytes`` (or one longer piece) each."""
+        ends = np.cumsum(size)
         out, i = [], 0
-        while i < len(op):
-            j, nbytes = i, 0
-            while j < len(op) and j - i < w.MAX_ENTRIES and (j == i or nbytes + sizes[j] <= self.frame_bytes):
-                nbytes += sizes[j]
-                j += 1
-            views = [dst_views[dst_reg[k]][dst_off[k] : dst_off[k] + sizes[k]] for k in range(i, j)]
+        while i < len(size):
+            before = int(ends[i - 1]) if i else 0
+            j = min(i + w.MAX_ENTRIES, int(np.searchsorted(ends, before + self.frame_bytes, side="right")))
+            j = max(j, i + 1)
             request = w.frame(w.FrameType.READ, w.pack_entries(src_reg[i:j], src_off[i:j], size[i:j]))
-            out.append(_Frame(request, views, nbytes))
+            d, _, n = coalesce(dst[i:j], np.cumsum(size[i:j]) - size[i:j], size[i:j])
+            out.append(_Frame(request, _iov.iovecs(d, n), int(ends[j - 1]) - before))
             i = j
         return out
 
     def read(self, prepared: TcpPrepared, *, timeout: float) -> None:
         peer = prepared.peer
         deadline = time.monotonic() + timeout
-        if not peer.lock.acquire(timeout=timeout):
-            raise TransportError(f"tcp: peer {peer.label} busy with another read for {timeout}s")
-        try:
-            if peer.closed:
-                raise TransportError(f"tcp: peer {peer.label} is disconnected")
+        with peer_lock("tcp", peer, timeout):
             jobs = [s for s in range(len(prepared.frames)) if prepared.frames[s]]
             futures = (
                 [peer.pool.submit(self._run_stream, peer, s, prepared.frames[s], deadline) for s in jobs[:-1]]
@@ -539,8 +460,6 @@ class TcpTransport(Transport):
                     if isinstance(e, TransportError):
                         raise e
                 raise TransportError(f"tcp: read from peer {peer.label} failed: {errors[0]!r}") from errors[0]
-        finally:
-            peer.lock.release()
 
     def _run_stream(self, peer: TcpPeer, s: int, frames: Sequence[_Frame], deadline: float) -> None:
         """Sends the READ frames of stream ``s``, ``window`` ahead, and receives each DATA in place."""
@@ -551,17 +470,17 @@ class TcpTransport(Transport):
             sent = 0
             for k, fr in enumerate(frames):
                 while sent < len(frames) and sent < k + self.window:
-                    sock.settimeout(_left(deadline, peer, "send"))
+                    sock.settimeout(time_left(deadline, "tcp", peer.label, "send"))
                     sock.sendall(frames[sent].request)
                     sent += 1
-                sock.settimeout(_left(deadline, peer, "read"))
+                sock.settimeout(time_left(deadline, "tcp", peer.label, "read"))
                 kind, payload = w.recv_frame(sock, (w.FrameType.DATA, w.FrameType.ERROR))
                 if kind is w.FrameType.ERROR:
                     raise TransportError(f"tcp: peer {peer.label} refused a read: {payload.decode(errors='replace')}")
                 got = int.from_bytes(payload, "little")
                 if got != fr.nbytes:
                     raise w.ProtocolError(f"peer {peer.label} sent DATA of {got} bytes for a READ of {fr.nbytes}")
-                w.recv_into_views(sock, fr.views, lambda: _left(deadline, peer, "read"))
+                _iov.recv_iov(sock, fr.iov, lambda: time_left(deadline, "tcp", peer.label, "read"))
         except BaseException as e:
             # The stream's state is unknown (frames in flight): drop it; the next read reconnects.
             peer.socks[s] = None
@@ -583,32 +502,18 @@ class TcpTransport(Transport):
             self._peers.discard(peer)
         for i, sock in enumerate(peer.socks):
             if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                wake(sock)
                 sock.close()
                 peer.socks[i] = None
         if peer.pool is not None:
             peer.pool.shutdown(wait=True)
 
     def close(self) -> None:
+        if not self._begin_close():
+            return
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            peers, server = list(self._peers), self._server
-            self._server = None
-        for p in peers:
-            self.disconnect(p)
-        if server is not None:
-            server.close(timeout=self.frame_timeout)
-        for region in list(self._regions.values()):
-            self.deregister(region)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError("tcp: transport is closed")
+            server, self._server = self._server, None
+        self._end_serving(list(self._peers), server, list(self._regions.values()), self.frame_timeout)
 
     def __repr__(self) -> str:
         where = f"{self._server.host}:{self._server.port}" if self._server else "not serving"
@@ -616,14 +521,6 @@ class TcpTransport(Transport):
             f"TcpTransport({where}, streams={self.streams}, regions={len(self._regions)}, "
             f"peers={len(self._peers)}, closed={self._closed})"
         )
-
-
-def _left(deadline: float, peer: TcpPeer, what: str) -> float:
-    """Seconds left before ``deadline``, or ``TransportError`` naming the peer once it passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TransportError(f"tcp: {what} with peer {peer.label} timed out")
-    return left
 
 
 def _is_loopback(host: str) -> bool:

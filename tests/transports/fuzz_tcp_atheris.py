@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import transports.base  # noqa: E402,F401 - imported (with numpy) before instrumenting: only the wire code is
 
 with atheris.instrument_imports():
-    from transports import _wire, tcp
+    from transports import _auth, _regions, _wire, tcp
 
 from tests.transports.wire_model import (
     CHALLENGE,
@@ -35,9 +35,9 @@ from tests.transports.wire_model import (
 
 KEY, INSTANCE = b"atheris-token", b"\1" * 16
 ARRAYS = {1: np.arange(300, dtype=np.uint8), 2: np.arange(7, dtype=np.uint8) * 3}
-TABLE = tcp._RegionTable()
+TABLE = _regions.RegionTable("tcp")
 for rid, arr in ARRAYS.items():
-    TABLE.add(rid, tcp._Served(arr.nbytes, memoryview(arr)))
+    TABLE.add(rid, _regions.Served(arr.nbytes, arr.ctypes.data, memoryview(arr)))
 REGIONS = {rid: arr.tobytes() for rid, arr in ARRAYS.items()}
 CFG = tcp.ServerConfig(KEY, INSTANCE, TABLE, handshake_timeout=2.0, frame_timeout=1.0)
 
@@ -87,7 +87,7 @@ def seed_corpus(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    assert _wire.MAX_ENTRIES  # keep the instrumented import visible to linters
+    assert _wire.MAX_ENTRIES and _auth.NONCE_BYTES and _regions.Served  # instrumented imports, in use
     for arg in sys.argv[1:]:
         if not arg.startswith("-") and not (os.path.isdir(arg) and os.listdir(arg)):
             seed_corpus(arg)

@@ -5,7 +5,7 @@ process (``peer.Peer``). A transport joins automatically once its module imports
 ``usable()`` (if any) says yes. Hooks a transport class may define:
 
 - ``conformance_skips``: ``{case: reason}``, to opt out of a case that does not apply to it (the
-  case is skipped with that reason). Cases: ``roundtrip``, ``mixed``, ``edges``, ``bounds``,
+  case is skipped with that reason). Cases: ``roundtrip``, ``mixed``, ``many``, ``edges``, ``bounds``,
   ``forged``, ``deregister``, ``auth``, ``killed``, ``stopped``, ``close``, ``leaks``, ``process``.
 - ``conformance_variants``: ``{label: constructor keywords}``, to run the suite once per variant
   (``local`` runs its ``memfd`` and ``vm`` paths).
@@ -168,6 +168,36 @@ def test_mixed_batch_bit_exact(variant, server, reader_factory, expected):
     want = apply_reference(r.dst, batch, expected)
     prep = r.prepare(batch)
     for _ in range(2):  # prepare once, read many; garbage again in between
+        r.dst.fill(GARBAGE)
+        r.read(prep)
+        bad = np.flatnonzero(r.dst != want)
+        assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:5]}"
+
+
+def test_many_small_reads_bit_exact(variant, server, reader_factory, expected):
+    """A batch the planner makes for column slices, large: 24,000 reads in evenly spaced families
+    (the rows of a slice, one running backwards), one family's destinations back to back, plus
+    irregular reads between them; bit-exact, twice from one prepare."""
+    applies(variant, "many")
+    rng = np.random.default_rng(9)
+    rows = []
+    # rows of a [8192, 256]-byte slice out of 512-byte rows of region 0, landing back to back
+    k = np.arange(8192)
+    rows.append(np.stack([0 * k, k * 512 + 64, 0 * k, k * 256, 0 * k + 256], 1))
+    # a second family from region 1, backwards, into spaced destinations
+    k = np.arange(12000)
+    rows.append(np.stack([0 * k + 1, 1_000_000 - 80 * k, 0 * k, (1 << 21) + k * 100, 0 * k + 72], 1))
+    # irregular short reads
+    n = rng.integers(1, 300, 3808)
+    rows.append(
+        np.stack([0 * n, rng.integers(0, (4 << 20) - 300, len(n)), 0 * n, (4 << 21) + np.arange(len(n)) * 300, n], 1)
+    )
+    batch = ReadBatch.of(np.concatenate(rows))
+    assert len(batch) == 24000
+    r = reader_factory((4 << 21) + 3808 * 300).connect()
+    want = apply_reference(r.dst, batch, expected)
+    prep = r.prepare(batch)
+    for _ in range(2):
         r.dst.fill(GARBAGE)
         r.read(prep)
         bad = np.flatnonzero(r.dst != want)

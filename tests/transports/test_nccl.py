@@ -122,6 +122,29 @@ def test_reconnects_after_a_failed_pull(server):
             assert np.array_equal(dst[: len(want)], want)
 
 
+def test_one_group_per_peer_reused_across_pulls(server):
+    """Pulls of several prepared batches from one peer share one process group (the serving side
+    agrees to reuse it, or the reader would form a new one); a failed pull forms a new one."""
+    t, dst, prep = _reader(server, 4096, region=1)
+    want = region_bytes(4096, 2)
+    with t:
+        other = t.prepare(
+            prep.peer, server.descriptors, [t._regions[min(t._regions)]], ReadBatch.of([(1, 96, 0, 0, 4000)])
+        )
+        groups = []
+        for p, expect in ((prep, want), (other, want[96:]), (prep, want), (other, want[96:])):
+            dst.fill(GARBAGE)
+            t.read(p, timeout=TIMEOUT)
+            assert np.array_equal(dst[: len(expect)], expect)
+            groups.append(prep.peer.group)
+        assert groups[0] is not None and all(gr is groups[0] for gr in groups)
+        t._drop(prep.peer)  # what a failed pull does
+        dst.fill(GARBAGE)
+        t.read(prep, timeout=TIMEOUT)
+        assert np.array_equal(dst, want)
+        assert prep.peer.group is not None and prep.peer.group is not groups[0]
+
+
 def test_control_listener_on_host_only_and_no_tcpstore(server):
     t, _, prep = _reader(server, 4096, region=1)
     with t:
@@ -135,8 +158,8 @@ def test_refuses_mixed_or_unknown_devices():
     with Nccl() as t:
         with pytest.raises(TransportError, match="device"):
             t.register(1 << 20, 4096, device="tpu:0")
-    from transports.nccl import _backend
+    from transports._nccl_group import backend_for
 
-    assert _backend(["cpu", "cpu"], "x") == "gloo" and _backend(["cuda:0", "cuda:1"], "x") == "nccl"
+    assert backend_for(["cpu", "cpu"], "x") == "gloo" and backend_for(["cuda:0", "cuda:1"], "x") == "nccl"
     with pytest.raises(TransportError, match="mixes"):
-        _backend(["cpu", "cuda:0"], "the destination")
+        backend_for(["cpu", "cuda:0"], "the destination")

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports import AuthError, TransportError
-from transports import _wire as w
+from transports import AuthError, TransportError, _iov
+from transports._regions import RegionTable
 from transports._util import split_and_balance
 from transports.base import ReadBatch
-from transports.tcp import ServerConfig, TcpTransport, _RegionTable, _server_handshake
+from transports.tcp import ServerConfig, TcpTransport, _server_handshake
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = b"tcp-token"
@@ -36,21 +36,37 @@ def test_split_and_balance_covers_every_byte_once(sizes, streams, split):
     assert loads.max() - loads.min() <= 2 * split
 
 
-def test_scatter_send_and_receive_past_iov_max():
+def test_gather_send_and_scatter_receive_past_iov_max():
+    """Pieces cut differently on each side, over a tiny send buffer and a socket with a timeout (so
+    every partial and would-block path of writev/readv runs), land bit-exact."""
     rng = np.random.default_rng(1)
     src = rng.integers(0, 256, 200_000, dtype=np.uint8)
-    cuts = np.sort(rng.choice(np.arange(1, src.nbytes), 2500, replace=False))
-    bounds = np.concatenate([[0], cuts, [src.nbytes]])
     dst = np.zeros_like(src)
+
+    def iov(arr: np.ndarray, pieces: int) -> np.ndarray:
+        cuts = np.sort(rng.choice(np.arange(1, arr.nbytes), pieces, replace=False))
+        bounds = np.concatenate([[0], cuts, [arr.nbytes]])
+        return _iov.iovecs(arr.ctypes.data + bounds[:-1], np.diff(bounds))
+
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # force partial sends
-    views = [memoryview(src)[x:y] for x, y in zip(bounds[:-1], bounds[1:])]
-    sender = threading.Thread(target=w.send_views, args=(a, views))
+    a.settimeout(10), b.settimeout(10)
+    sender = threading.Thread(target=_iov.send_iov, args=(a, iov(src, 2500), lambda: 10.0))
     sender.start()
-    w.recv_into_views(b, [memoryview(dst)[x:y] for x, y in zip(bounds[:-1], bounds[1:])])
+    _iov.recv_iov(b, iov(dst, 3100), lambda: 10.0)
     sender.join(10)
     a.close(), b.close()
     assert np.array_equal(src, dst)
+
+
+def test_scatter_receive_names_a_peer_that_closes_midway():
+    a, b = socket.socketpair()
+    a.sendall(b"x" * 100)
+    a.close()
+    dst = np.zeros(1000, np.uint8)
+    with pytest.raises(ConnectionError, match="100 of 1000"):
+        _iov.recv_iov(b, _iov.iovecs(np.array([dst.ctypes.data]), np.array([1000])), lambda: 5.0)
+    b.close()
 
 
 @pytest.fixture
@@ -81,7 +97,7 @@ def test_streams_share_the_bytes(served):
 
 def test_hung_peer_times_out_naming_it():
     """A server that authenticates, then never answers: the read fails within its timeout and says where."""
-    table = _RegionTable()
+    table = RegionTable("tcp")
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     instance = b"\7" * 16

@@ -10,6 +10,7 @@ import socket
 import struct
 import time
 
+from transports import _auth
 from transports import _wire as w
 
 HDR = struct.Struct("<4sBBHQ")
@@ -67,7 +68,7 @@ def parse_replies(data: bytes) -> list[tuple[int, bytes]]:
 
 def client_handshake(sock: socket.socket, key: bytes, instance: bytes, wait_ok: bool = True) -> None:
     """Plays the client's side of the handshake; ``wait_ok=False`` stops after sending AUTH."""
-    nonce = w.new_nonce()
+    nonce = _auth.new_nonce()
     sock.sendall(w.frame(w.FrameType.HELLO, nonce))
     kind, payload = w.recv_frame(sock, (w.FrameType.CHALLENGE,))
     server_nonce = payload[: w.NONCE_BYTES]
