@@ -516,3 +516,14 @@ def ratio(a: float, b: float) -> float:
 
 def fmt_ratio(r: float) -> str:
     return "inf" if r == float("inf") else f"{r:.2f}"
+
+
+def open_publisher(
+    channel: str, url: str, rank: int, world: int, tensors: Mapping[str, Any], transport: str, **kw: Any
+):
+    """A benchmark trainer rank's registered publisher, serving one transport."""
+    from wbridge import Publisher
+
+    pub = Publisher(channel, url, rank=rank, world_size=world, token=TOKEN, transport=[transport], **kw)
+    pub.register(tensors)
+    return pub

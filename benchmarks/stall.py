@@ -66,6 +66,7 @@ from _common import (
     load_targets,
     machine,
     model_config,
+    open_publisher,
     ratio,
     start_actors,
     stop_all,
@@ -153,19 +154,9 @@ class Trainer(_Side):
 
     # -- wbridge -------------------------------------------------------------------------------
     def open(self, channel: str, mode: str, transport: str) -> None:
-        from wbridge import Publisher
-
-        self.pub = Publisher(
-            channel,
-            self.store_url,
-            rank=self.rank,
-            world_size=TP * DP,
-            token=TOKEN,
-            mode=mode,
-            max_staleness=STALENESS[mode] if mode == "async" else None,
-            transport=[transport],
-        )
-        self.pub.register(self.tensors)
+        staleness = STALENESS[mode] if mode == "async" else None
+        self.pub = open_publisher(channel, self.store_url, self.rank, TP * DP, self.tensors, transport, mode=mode,
+                                  max_staleness=staleness)  # fmt: skip
 
     def publish(self, timeout: float) -> float:
         t0 = time.perf_counter()

@@ -62,6 +62,7 @@ from _common import (
     machine,
     median,
     model_config,
+    open_publisher,
     peak_rss_mib,
     ratio,
     start_actors,
@@ -111,19 +112,8 @@ class Trainer(_Member):
         set_version(self.tensors, content)
 
     def wb_open(self, channel: str, zero_copy: bool, transport: str) -> None:
-        from wbridge import Publisher
-
-        self.pub = Publisher(
-            channel,
-            self.store_url,
-            rank=self.rank,
-            world_size=TP * DP,
-            token=TOKEN,
-            mode="sync",
-            zero_copy=zero_copy,
-            transport=[transport],
-        )
-        self.pub.register(self.tensors)
+        self.pub = open_publisher(channel, self.store_url, self.rank, TP * DP, self.tensors, transport, mode="sync",
+                                  zero_copy=zero_copy)  # fmt: skip
 
     def wb_publish(self, timeout: float) -> dict:
         t0 = time.perf_counter()

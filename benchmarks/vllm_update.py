@@ -36,9 +36,9 @@ PROMPTS = [[11 + i, 42, 7, 99, 3, 58, 21, 5] for i in range(4)]
 
 
 def _config(hidden: int, layers: int):
-    from transformers import Qwen2Config
+    from wbridge.testing.hf import qwen2_config
 
-    return Qwen2Config(
+    return qwen2_config(
         vocab_size=4096,
         hidden_size=hidden,
         intermediate_size=hidden * 3,
@@ -47,10 +47,6 @@ def _config(hidden: int, layers: int):
         num_key_value_heads=max(1, hidden // 128),
         head_dim=64,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        bos_token_id=0,
-        eos_token_id=1,
     )
 
 

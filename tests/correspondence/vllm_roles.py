@@ -23,23 +23,9 @@ MAX_TOKENS = 12
 
 
 def tiny_config():
-    from transformers import Qwen2Config
+    from wbridge.testing.hf import qwen2_config
 
-    # GQA: 4 query heads, 2 kv heads; head_dim 32 (vLLM CPU attention needs >= 32).
-    return Qwen2Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    return qwen2_config()
 
 
 def tiny_moe_config():

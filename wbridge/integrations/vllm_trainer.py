@@ -121,17 +121,22 @@ class WBridgeTrainerEngine(TrainerWeightTransferEngine[WBridgeTrainerInitInfo]):
         return f"WBridgeTrainerEngine({role}, channel={pub.channel!r}, version={self.version})"
 
 
+def register_once(factory: Any, cls: type) -> None:
+    """Registers ``cls`` as ``"wbridge"`` in one of vLLM's weight-transfer factories; idempotent,
+    and a ``UsageError`` if the name is taken by another class."""
+    registry = factory._registry  # the factories have no lookup by name
+    if BACKEND not in registry:
+        factory.register_engine(BACKEND, cls.__module__, cls.__name__)
+        return
+    existing = registry[BACKEND]()
+    if existing is not cls:
+        raise UsageError(
+            f"vLLM's {factory.__name__} already maps {BACKEND!r} to {existing.__module__}.{existing.__qualname__}"
+        )
+
+
 def register_trainer() -> None:
     """Offers ``"wbridge"`` in vLLM's ``WeightTransferTrainerFactory``; idempotent."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    registry = WeightTransferTrainerFactory._registry
-    if BACKEND in registry:
-        existing = registry[BACKEND]()
-        if existing is not WBridgeTrainerEngine:
-            raise UsageError(
-                f"vLLM trainer weight-transfer backend {BACKEND!r} is already registered to "
-                f"{existing.__module__}.{existing.__qualname__}"
-            )
-        return
-    WeightTransferTrainerFactory.register_engine(BACKEND, __name__, WBridgeTrainerEngine.__name__)
+    register_once(WeightTransferTrainerFactory, WBridgeTrainerEngine)

@@ -230,16 +230,7 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from .vllm_trainer import register_trainer
+    from .vllm_trainer import register_once, register_trainer
 
-    registry = WeightTransferEngineFactory._registry  # the factory has no lookup by name
-    if BACKEND in registry:
-        existing = registry[BACKEND]()
-        if existing is not WBridgeWeightTransferEngine:
-            raise UsageError(
-                f"vLLM weight-transfer backend {BACKEND!r} is already registered to "
-                f"{existing.__module__}.{existing.__qualname__}"
-            )
-    else:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, WBridgeWeightTransferEngine.__name__)
+    register_once(WeightTransferEngineFactory, WBridgeWeightTransferEngine)
     register_trainer()
