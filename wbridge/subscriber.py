@@ -38,10 +38,11 @@ from planner.plan import Plan
 from transports import select as _select
 from transports.base import ReadBatch
 
-from . import _generation
+from . import _validate
 from ._lifecycle import Closeable, quietly
+from ._membership import NEW_GENERATION, REJOINED, STILL, Membership
 from ._selection import candidates
-from ._tensors import address, alloc_bytes, build_layout, byte_view
+from ._tensors import address, alloc_bytes, build_layout, byte_view, commit_pairs
 from .errors import (
     AuthError,
     IntegrityError,
@@ -54,7 +55,7 @@ from .errors import (
 )
 from .protocol import checksum as _checksum
 from .protocol.keys import Keys
-from .protocol.records import open_sealed, seal
+from .protocol.records import open_sealed
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
@@ -130,13 +131,13 @@ class Subscriber(Closeable):
         transport_wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None,
         nccl: bool = False,
     ) -> None:
+        lease_ttl = _validate.timeout(lease_ttl, "lease_ttl", positive=True)
+        connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.token = token.encode() if isinstance(token, str) else token
-        self._base_keys = self.keys = Keys(channel)
-        self._gen: str | None = None  # the store generation joined (see _generation)
-        self._left: set[str] = set()  # generations left behind: never gone back to
+        self.token = _validate.token(token)
+        keys = Keys(channel)
         self.version: int | None = None
         self.stats = SubscriberStats()
         self._closed = False
@@ -151,28 +152,31 @@ class Subscriber(Closeable):
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
         self._commit: list[tuple[Any, Any]] = []  # staged: (live slice, private slice) views
-        self._id: int | None = None
-        self._lease = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._newest = 0  # the newest version number seen; records older than it are refused
         self._caps = _select.capabilities(nccl=nccl)  # nccl: opt in to the two-sided fallback
         self._store = open_store(store, connect_timeout=connect_timeout)
+        self._member = Membership(self._store, keys, self.token, self.name, lease_ttl)
 
     # ------------------------------------------------------------------------------------------
     @property
     def id(self) -> int | None:
         """This subscriber's id in the channel (assigned by ``register``)."""
-        return self._id
+        return self._member.id
+
+    @property
+    def keys(self) -> Keys:
+        """The channel's store keys in the store generation joined."""
+        return self._member.keys
 
     def register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> None:
         """Declares the tensors to fill; joins the channel as a live subscriber."""
         self._check_open()
-        if not tensors:
-            raise UsageError("subscriber register() needs at least one tensor")
-        if self._gen is None:
-            self._join(_generation.join(self._store, self._base_keys, self.token))
-        layout, live, device = build_layout(self._id, tensors, pack=self.staged, who=f"subscriber {self.name}")
+        _validate.tensors(tensors, f"subscriber {self.name}")
+        if self._member.gen is None:
+            self._member.join()
+        layout, live, device = build_layout(self._member.id, tensors, pack=self.staged, who=f"subscriber {self.name}")
         self._drop_session()
         self._deregister_local()
         self._layout, self._live = layout, live
@@ -183,39 +187,18 @@ class Subscriber(Closeable):
         self._device = device
         self.version = None
 
-    def _join(self, gen: str) -> None:
-        """Joins store generation ``gen`` as a new live subscriber (a new id there)."""
-        keys = self._base_keys.at(gen)
-        sub_id = self._store.add(keys.subs, 1)
-        # the lease first: publishers only look at subscribers whose record exists, and a
-        # record without a live lease would read as a dead subscriber
-        lease = self._store.lease(keys.sub(sub_id, "live"), self.lease_ttl)
-        try:
-            key = keys.sub(sub_id)
-            record = {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()}
-            self._store.set(key, seal(self.token, key, record))
-        except BaseException:
-            quietly(lease.revoke)
-            raise
-        old, self._lease = self._lease, lease
-        if old is not None:
-            quietly(old.revoke)
-        if self._gen is not None and self._gen != gen:
-            self._left.add(self._gen)
-        self._gen, self.keys, self._id = gen, keys, sub_id
-
-    def _check_generation(self) -> bool:
-        """Whether the store is still in the generation joined; if not (the store was lost and came
-        back empty), forgets what it knew there and joins the new one. The tensors keep their bytes
-        but ``version`` is None: they hold no version of the new generation until a pull."""
-        gen = _generation.current(self._store, self._base_keys, self.token)
-        if gen == self._gen or gen in self._left:
-            return True  # a generation left behind coming back is a replay: wait for a new one
-        log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
-        self._drop_session()
-        self.version, self._newest = None, 0
-        self._join(gen if gen is not None else _generation.join(self._store, self._base_keys, self.token))
-        return False
+    def _check_membership(self) -> bool:
+        """Whether the membership stands; if the store was found in a new generation (it was lost
+        and came back empty), forgets what it knew: the tensors keep their bytes but ``version`` is
+        None (no version of the new generation) until a pull. A lapsed lease is joined again, and
+        the version held is acked under the new id."""
+        found = self._member.check()
+        if found == NEW_GENERATION:
+            self._drop_session()
+            self.version, self._newest = None, 0
+        elif found == REJOINED and self.version is not None:
+            self._store.set(self.keys.sub(self._member.id, "acked"), str(self.version).encode())
+        return found == STILL
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
@@ -225,11 +208,19 @@ class Subscriber(Closeable):
 
     async def pull_async(self, min_version: int | None = None, timeout: float = 60.0) -> int:
         """``pull`` for asyncio loops: runs in a worker thread, the event loop stays free."""
+        self._check_args(min_version, timeout)  # bad arguments raise here, not in the thread
         return await asyncio.to_thread(self.pull, min_version, timeout)
+
+    @staticmethod
+    def _check_args(min_version: int | None, timeout: float) -> float:
+        if min_version is not None:
+            _validate.integer(min_version, "pull() min_version")
+        return _validate.timeout(timeout, "pull() timeout")
 
     def pull(self, min_version: int | None = None, timeout: float = 60.0) -> int:
         """Applies the newest committed version (at least ``min_version``) and returns it."""
         self._check_open()
+        timeout = self._check_args(min_version, timeout)
         if self._layout is None:
             raise UsageError(f"subscriber {self.name}: pull() before register()")
         deadline = time.monotonic() + timeout
@@ -240,7 +231,7 @@ class Subscriber(Closeable):
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
         want = max(1, min_version or 1)
         retries = 0
-        self._check_generation()
+        self._check_membership()
         while True:
             try:
                 rec = self._wait_version(want, deadline, timeout)
@@ -270,7 +261,7 @@ class Subscriber(Closeable):
 
         def probe():
             rec = VersionRecord.read(self._store, self.keys, self.token)
-            if rec is None and not self._check_generation():
+            if rec is None and not self._check_membership():
                 raise _GenerationChanged
             if rec is None or rec.v < want:
                 return None
@@ -297,7 +288,7 @@ class Subscriber(Closeable):
         if session is None or session.epoch != rec.epoch:
             session = self._setup(rec, deadline)
         fence_key = self.keys.fence(rec.slot)
-        reading_key = self.keys.sub(self._id, "reading")
+        reading_key = self.keys.sub(self._member.id, "reading")
         self._store.set(reading_key, str(rec.v).encode())
         try:
             if self._store.get_int(fence_key) != rec.fence:
@@ -327,7 +318,7 @@ class Subscriber(Closeable):
             else:
                 dst.copy_(src)
         self.version = rec.v
-        self._store.set(self.keys.sub(self._id, "acked"), str(rec.v).encode())
+        self._store.set(self.keys.sub(self._member.id, "acked"), str(rec.v).encode())
         return session.plan.total_bytes, len(session.plan)
 
     def _read_all(self, session: _Session, slot: int, deadline: float) -> None:
@@ -421,7 +412,7 @@ class Subscriber(Closeable):
             self._pool_size = max(1, len(sources))
             self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="wbridge-pull")
         if self.staged:
-            self._commit = _commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
+            self._commit = commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
         self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
         return self._session
 
@@ -550,9 +541,7 @@ class Subscriber(Closeable):
             if self._closed:
                 return
             self._closed = True
-        if self._lease is not None:
-            self._lease.revoke()
-            self._lease = None
+        self._member.leave()
         self._drop_session()
         self._deregister_local()
         if self._pool is not None:
@@ -565,45 +554,13 @@ class Subscriber(Closeable):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self._layout else "new")
         return (
-            f"Subscriber({self.channel!r}, id={self._id}, version={self.version}, "
+            f"Subscriber({self.channel!r}, id={self._member.id}, version={self.version}, "
             f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})"
         )
 
 
 class _GenerationChanged(Exception):
     """Internal: the store was found in a new generation while waiting; wait again there."""
-
-
-def _commit_pairs(
-    plan: Plan, layout: RankLayout, live: Mapping[str, Any], private: Any, device: str
-) -> list[tuple[Any, Any]]:
-    """Staged mode: (live slice, private slice) views of every mapped byte range, built once per plan."""
-    if len(plan) == 0:
-        return []
-    offs = np.concatenate([s.dst_offset for s in plan.sources])
-    lens = np.concatenate([s.nbytes for s in plan.sources])
-    order = np.argsort(offs, kind="stable")
-    offs, lens = offs[order], lens[order]
-    ends = offs + lens
-    # merge touching ranges
-    starts_new = np.ones(len(offs), dtype=bool)
-    starts_new[1:] = offs[1:] != ends[:-1]
-    idx = np.flatnonzero(starts_new)
-    m_off = offs[idx]
-    m_end = np.maximum.reduceat(ends, idx)
-    out = []
-    tensors = sorted((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors)
-    bounds = np.array([t[0] for t in tensors])
-    views = {name: byte_view(t) for name, t in live.items()}
-    for a, b in zip(m_off.tolist(), m_end.tolist()):
-        while a < b:
-            k = int(np.searchsorted(bounds, a, side="right")) - 1
-            lo, hi, name = tensors[k]
-            n = min(b, hi) - a
-            dst, src = views[name][a - lo : a - lo + n], private[a : a + n]
-            out.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
-            a += n
-    return out
 
 
 def _unb64(s: str) -> bytes:
