@@ -34,7 +34,6 @@ import numpy as np
 import transports as _transports
 from planner.builder import build_plan
 from planner.layout import Declaration, RankLayout
-from planner.plan import Plan
 from transports import select as _select
 from transports.base import ReadBatch
 
@@ -42,6 +41,7 @@ from . import _validate
 from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, REJOINED, STILL, Membership
 from ._selection import candidates
+from ._session import Session, Source, SourcesFailed, failed_sources, replan
 from ._tensors import address, alloc_bytes, build_layout, byte_view, commit_pairs
 from .errors import (
     AuthError,
@@ -88,31 +88,6 @@ class SubscriberStats:
         return self.pulls[-1] if self.pulls else None
 
 
-@dataclass
-class _Source:
-    rank: int
-    transport: str
-    endpoint: bytes
-    regions: list[list[bytes]]  # slot -> region descriptors
-    batch: ReadBatch
-    peer: Any = None
-    prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared read
-    stamp: Any = None  # where the slot's stamp is read to
-    stamp_region: Any = None
-    stamp_prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared stamp read
-
-
-@dataclass
-class _Session:
-    """Everything planned for one publisher epoch; replayed by every pull of that epoch."""
-
-    epoch: int
-    world_size: int
-    plan: Plan
-    sources: list[_Source]
-    layouts: list[RankLayout]
-
-
 class Subscriber(Closeable):
     def __init__(
         self,
@@ -147,7 +122,7 @@ class Subscriber(Closeable):
         self._wrapper = transport_wrapper  # fault injection and tracing (see wbridge.testing.faults)
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
@@ -295,7 +270,12 @@ class Subscriber(Closeable):
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
-            self._read_all(session, rec.slot, deadline)
+            while True:
+                try:
+                    self._read_all(session, rec.slot, deadline)
+                    break
+                except SourcesFailed as failed:  # a source died: its replicas stand in, if any
+                    session = self._failover(session, failed, deadline)
             if self.verify and rec.checksums:
                 try:
                     self._verify(session, rec, deadline)
@@ -321,8 +301,8 @@ class Subscriber(Closeable):
         self._store.set(self.keys.sub(self._member.id, "acked"), str(rec.v).encode())
         return session.plan.total_bytes, len(session.plan)
 
-    def _read_all(self, session: _Session, slot: int, deadline: float) -> None:
-        def one(src: _Source) -> None:
+    def _read_all(self, session: Session, slot: int, deadline: float) -> None:
+        def one(src: Source) -> None:
             prep = src.prepared.get(slot)
             t = self._transports[src.transport]
             if prep is None:
@@ -334,26 +314,32 @@ class Subscriber(Closeable):
             t.read(prep, timeout=left)
 
         work = [s for s in session.sources if len(s.batch)]
-        if len(work) == 1:
-            one(work[0])
+        if len(work) == 1:  # no thread hop
+            try:
+                one(work[0])
+            except BaseException as e:  # noqa: BLE001 - classified, then raised
+                err = failed_sources([(work[0].rank, e)])
+                if err is e:
+                    raise
+                raise err from e
             return
-        futures = [self._pool.submit(one, s) for s in work]
+        futures = [(s.rank, self._pool.submit(one, s)) for s in work]
         errors = []
-        for f in futures:
+        for rank, f in futures:
             try:
                 f.result()
-            except BaseException as e:  # noqa: BLE001 - collect, then raise the first
-                errors.append(e)
+            except BaseException as e:  # noqa: BLE001 - collect, then raise
+                errors.append((rank, e))
         if errors:
-            raise errors[0]
+            raise failed_sources(errors)
 
-    def _check_stamps(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
+    def _check_stamps(self, session: Session, rec: VersionRecord, deadline: float) -> None:
         """Reads every source's slot stamp after the data: unless each still says "version v,
         stable", the slot changed under the reads (the seqlock check; the store's fence is only a
         hint, since the store is not trusted)."""
         want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
 
-        def one(src: _Source) -> None:
+        def one(src: Source) -> None:
             t = self._transports[src.transport]
             prep = src.stamp_prepared.get(rec.slot)
             if prep is None:
@@ -377,7 +363,7 @@ class Subscriber(Closeable):
             f.result()
 
     # ------------------------------------------------------------------------------------------
-    def _setup(self, rec: VersionRecord, deadline: float) -> _Session:
+    def _setup(self, rec: VersionRecord, deadline: float) -> Session:
         """Fetches the epoch's publisher records, plans, chooses transports and connects."""
         self._drop_session()
         records = []
@@ -391,13 +377,26 @@ class Subscriber(Closeable):
                 ) from None
             records.append(open_sealed(self.token, key, raw))
         layouts = [RankLayout.from_dict(d["layout"]) for d in records]
-        plan = build_plan(layouts, self._layout)
+        session = Session(rec.epoch, rec.world_size, build_plan(layouts, self._layout), [], layouts, records)
+        return self._connect_all(session, deadline)
+
+    def _failover(self, session: Session, failed: SourcesFailed, deadline: float) -> Session:
+        """Plans the read again over the ranks still alive (replicas hold the same bytes)."""
+        plan, dead = replan(session, self._layout, failed)
+        log.warning("subscriber %s: publisher ranks %s failed mid-read; reading from replicas", self.name, sorted(dead))
+        self._drop_session()
+        new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead)
+        return self._connect_all(new, deadline)
+
+    def _connect_all(self, session: Session, deadline: float) -> Session:
+        """Connects to every source of ``session.plan``; the session becomes the current one."""
+        plan = session.plan
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
-        sources: list[_Source] = []
+        sources = session.sources
         try:
             for src_ops in plan.sources:
-                d = records[src_ops.src_rank]
+                d = session.records[src_ops.src_rank]
                 batch = ReadBatch(
                     src_ops.src_region, src_ops.src_offset, src_ops.dst_region, src_ops.dst_offset, src_ops.nbytes
                 )
@@ -413,10 +412,10 @@ class Subscriber(Closeable):
             self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="wbridge-pull")
         if self.staged:
             self._commit = commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
-        self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
-        return self._session
+        self._session = session
+        return session
 
-    def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> _Source:
+    def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> Source:
         """Connects to one publisher rank over the best transport that works; ``auto`` falls back
         to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
         tried = []
@@ -426,7 +425,7 @@ class Subscriber(Closeable):
         options = candidates(self.preference, self._caps, remote)
         for i, (name, reason) in enumerate(options):
             served = record["transports"][name]
-            src = _Source(
+            src = Source(
                 rank=rank,
                 transport=name,
                 endpoint=_unb64(served["endpoint"]),
@@ -471,7 +470,7 @@ class Subscriber(Closeable):
             ]
         return t
 
-    def _verify(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
+    def _verify(self, session: Session, rec: VersionRecord, deadline: float) -> None:
         """Checks every chunk the plan read from each source against the publisher's sums."""
         for src in session.sources:
             key = self.keys.sums(rec.v, src.rank)
@@ -488,7 +487,7 @@ class Subscriber(Closeable):
                 where=f"publisher rank {src.rank}, version {rec.v}",
             )
 
-    def _fetch_chunk(self, src: _Source, slot: int, deadline: float):
+    def _fetch_chunk(self, src: Source, slot: int, deadline: float):
         t = self._transports[src.transport]
 
         def fetch(region: int, offset: int, n: int) -> np.ndarray:
