@@ -381,15 +381,17 @@ class Subscriber(Closeable):
         return self._connect_all(session, deadline)
 
     def _failover(self, session: Session, failed: SourcesFailed, deadline: float) -> Session:
-        """Plans the read again over the ranks still alive (replicas hold the same bytes)."""
+        """Plans again over the ranks still alive (replicas hold the same bytes) and connects;
+        ``failed.error`` if some byte has no replica left."""
         plan, dead = replan(session, self._layout, failed)
-        log.warning("subscriber %s: publisher ranks %s failed mid-read; reading from replicas", self.name, sorted(dead))
+        log.warning("subscriber %s: publisher ranks %s failed; reading from replicas", self.name, sorted(dead))
         self._drop_session()
         new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead)
         return self._connect_all(new, deadline)
 
     def _connect_all(self, session: Session, deadline: float) -> Session:
-        """Connects to every source of ``session.plan``; the session becomes the current one."""
+        """Connects to every source of ``session.plan`` (planning around ranks that cannot be
+        reached); the session becomes the current one."""
         plan = session.plan
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
@@ -400,10 +402,18 @@ class Subscriber(Closeable):
                 batch = ReadBatch(
                     src_ops.src_region, src_ops.src_offset, src_ops.dst_region, src_ops.dst_offset, src_ops.nbytes
                 )
-                sources.append(self._connect(src_ops.src_rank, d, batch, deadline))
-        except BaseException:
+                try:
+                    sources.append(self._connect(src_ops.src_rank, d, batch, deadline))
+                except TransportError as e:  # unreachable (dead?): its replicas may stand in
+                    err = failed_sources([(src_ops.src_rank, e)])
+                    if err is e:
+                        raise
+                    raise err from e
+        except BaseException as e:
             for src in sources:
                 quietly(self._transports[src.transport].disconnect, src.peer)
+            if isinstance(e, SourcesFailed):
+                return self._failover(session, e, deadline)
             raise
         if self._pool_size < len(sources):
             if self._pool is not None:

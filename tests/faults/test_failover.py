@@ -43,3 +43,22 @@ def test_source_dies_mid_pull(tmp_path, replicas: int) -> None:
         sub.stop()
         for p in pubs:
             p.stop()
+
+
+def test_source_dead_before_the_pull_is_planned_around() -> None:
+    """A rank already dead when the subscriber first plans (its connect is refused): the plan
+    goes around it from the start."""
+    tp, world = 2, 4
+    url = f"tcp://127.0.0.1:{free_port()}"
+    opts = dict(model_kind="tiny", transport="tcp", mode="async", max_staleness=100)
+    pubs = [Worker(f"pub{r}", FaultPub, url, r, world, tp, host_store=(r == 0), **opts) for r in range(world)]
+    sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp")
+    try:
+        call_all(pubs, "publish", 1)
+        pubs[2].kill()
+        got = sub.call("pull", min_version=1, timeout=30.0)
+        assert got["v"] == 1 and got["bad"] == [] and 2 not in got["bytes_per_source"], got
+    finally:
+        sub.stop()
+        for p in pubs:
+            p.stop()
