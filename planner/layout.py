@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -54,10 +55,38 @@ def even_split(n: int, k: int) -> list[tuple[int, int]]:
     return out
 
 
+def _int(value: object, what: str) -> int:
+    """An integer (``operator.index``: a float, even 1.0, or a string is refused, never truncated)."""
+    if isinstance(value, bool):
+        raise LayoutError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise LayoutError(f"{what} must be an integer, got {value!r}") from None
+
+
 def _ints(values: Iterable[int], what: str) -> Shape:
-    out = tuple(int(v) for v in values)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise LayoutError(f"{what} must be a sequence of integers, got {values!r}")
+    out = tuple(_int(v, what) for v in values)
     if any(v < 0 for v in out):
         raise LayoutError(f"{what} must be non-negative, got {out}")
+    return out
+
+
+def _name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise LayoutError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _parts(parts: object, kinds: tuple[type, ...], what: str) -> tuple:
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Iterable):
+        raise LayoutError(f"{what} must be a sequence of declarations, got {parts!r}")
+    out = tuple(parts)
+    for p in out:
+        if not isinstance(p, kinds):
+            raise LayoutError(f"{what}: {p!r} is not a {' or '.join(k.__name__ for k in kinds)}")
     return out
 
 
@@ -263,6 +292,7 @@ class Shard:
     padded: bool = False
 
     def __post_init__(self) -> None:
+        _name(self.name, "Shard name")
         object.__setattr__(self, "global_shape", _ints(self.global_shape, f"{self.name} global_shape"))
         if self.offsets is not None:
             object.__setattr__(self, "offsets", _ints(self.offsets, f"{self.name} offsets"))
@@ -284,7 +314,8 @@ class Fused:
     parts: tuple[Shard, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", tuple(self.parts))
+        object.__setattr__(self, "dim", _int(self.dim, "Fused dim"))
+        object.__setattr__(self, "parts", _parts(self.parts, (Shard,), "Fused parts"))
 
 
 @dataclass(frozen=True)
@@ -298,7 +329,7 @@ class Stack:
     parts: tuple[Shard | Fused, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "parts", tuple(self.parts))
+        object.__setattr__(self, "parts", _parts(self.parts, (Shard, Fused), "Stack parts"))
 
 
 @dataclass(frozen=True)
@@ -312,11 +343,14 @@ class Flat:
     segments: tuple[tuple[str, Shape, int, int], ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "segments",
-            tuple((str(n), _ints(s, f"{n} global_shape"), int(a), int(b)) for n, s, a, b in self.segments),
-        )
+        segments = []
+        for seg in _parts(self.segments, (tuple, list), "Flat segments"):
+            if len(seg) != 4:
+                raise LayoutError(f"Flat segment {seg!r} is not (name, global_shape, start, stop)")
+            n, shape, a, b = seg
+            n = _name(n, "Flat segment name")
+            segments.append((n, _ints(shape, f"{n} global_shape"), *_ints((a, b), f"{n} segment bounds")))
+        object.__setattr__(self, "segments", tuple(segments))
 
 
 Declaration = Shard | Fused | Stack | Flat

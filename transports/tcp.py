@@ -26,11 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from . import _auth, _iov
 from . import _wire as w
+from ._preauth import PreauthGate
 from ._regions import RegionTable, Served
 from ._util import (
     check_host_memory,
@@ -125,8 +127,11 @@ def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
         cfg.regions.release(served)
 
 
-def serve_connection(sock: socket.socket, cfg: ServerConfig, stopping: Callable[[], bool] = lambda: False) -> str:
+def serve_connection(
+    sock: socket.socket, cfg: ServerConfig, stopping: Callable[[], bool] = lambda: False, gate: Any = None
+) -> str:
     """Runs one connection until the peer leaves, misbehaves or the server stops; returns why it ended.
+    ``gate`` (a ``PreauthGate``) is told once the peer passed the handshake.
 
     Never raises for anything the peer sends: every failure ends in closing this connection only.
     """
@@ -135,6 +140,8 @@ def serve_connection(sock: socket.socket, cfg: ServerConfig, stopping: Callable[
         if not _server_handshake(sock, cfg):
             _close_gracefully(sock)
             return "authentication failed"
+        if gate is not None:
+            gate.passed(sock)
         while not stopping():
             sock.settimeout(None)  # an authenticated client may idle between pulls
             if not sock.recv(1, socket.MSG_PEEK):
@@ -176,6 +183,7 @@ class _Server:
         self.internal_errors = 0  # connections that ended in a server bug (the fuzz tests want 0)
         self._conns: dict[threading.Thread, socket.socket] = {}
         self._lock = threading.Lock()
+        self._gate = PreauthGate(cfg.handshake_timeout)  # not yet authenticated: their own cap
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"wbridge-tcp-accept-{self.port}", daemon=True)
         self._acceptor.start()
 
@@ -199,9 +207,10 @@ class _Server:
                 _log.error("tcp: listener on %s:%s failed: %s", self.host, self.port, e)
                 return
             with self._lock:
-                if self._stopping or len(self._conns) >= self.max_connections:
+                if self._stopping or len(self._conns) - len(self._gate) >= self.max_connections:
                     conn.close()
                     continue
+                self._gate.admit(conn)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 t = threading.Thread(target=self._run, args=(conn,), name="wbridge-tcp-conn", daemon=True)
                 self._conns[t] = conn
@@ -209,15 +218,17 @@ class _Server:
 
     def _run(self, conn: socket.socket) -> None:
         try:
-            why = serve_connection(conn, self.cfg, lambda: self._stopping)
+            why = serve_connection(conn, self.cfg, lambda: self._stopping, self._gate)
             if why.startswith("internal error"):
                 self.internal_errors += 1
         finally:
+            self._gate.passed(conn)
             with self._lock:
                 self._conns.pop(threading.current_thread(), None)
 
     def close(self, timeout: float = 10.0) -> None:
         self._stopping = True
+        self._gate.close()
         for s in [self.sock] + self._shutdown_all():
             wake(s)  # wakes accept()/recv() blocked in other threads
         self._acceptor.join(timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -106,3 +107,33 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | N
     if len(devices) > 1:
         raise UsageError(f"{who}: tensors on several devices {sorted(devices)}")
     return layout, live, devices.pop()
+
+
+def commit_pairs(plan: Any, layout: Any, live: Mapping[str, Any], private: Any, device: str) -> list[tuple[Any, Any]]:
+    """Staged mode: (live slice, private slice) views of every mapped byte range, built once per plan."""
+    if len(plan) == 0:
+        return []
+    offs = np.concatenate([s.dst_offset for s in plan.sources])
+    lens = np.concatenate([s.nbytes for s in plan.sources])
+    order = np.argsort(offs, kind="stable")
+    offs, lens = offs[order], lens[order]
+    ends = offs + lens
+    # merge touching ranges
+    starts_new = np.ones(len(offs), dtype=bool)
+    starts_new[1:] = offs[1:] != ends[:-1]
+    idx = np.flatnonzero(starts_new)
+    m_off = offs[idx]
+    m_end = np.maximum.reduceat(ends, idx)
+    out = []
+    tensors = sorted((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors)
+    bounds = np.array([t[0] for t in tensors])
+    views = {name: byte_view(t) for name, t in live.items()}
+    for a, b in zip(m_off.tolist(), m_end.tolist()):
+        while a < b:
+            k = int(np.searchsorted(bounds, a, side="right")) - 1
+            lo, hi, name = tensors[k]
+            n = min(b, hi) - a
+            dst, src = views[name][a - lo : a - lo + n], private[a : a + n]
+            out.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
+            a += n
+    return out

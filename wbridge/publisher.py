@@ -49,7 +49,7 @@ import numpy as np
 import transports as _transports
 from planner.layout import Declaration, RankLayout
 
-from . import _generation
+from . import _generation, _validate
 from ._lifecycle import Closeable, log, quietly
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from ._tensors import FLOATING, address, alloc_bytes, build_layout, byte_view, describe, dtype_name
@@ -143,17 +143,22 @@ class Publisher(Closeable):
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode == "async" and (max_staleness is None or max_staleness < 0):
+        if mode == "async" and max_staleness is None:
             raise UsageError("mode='async' needs max_staleness=k >= 0")
-        if not 0 <= rank < world_size:
+        if max_staleness is not None:
+            max_staleness = _validate.integer(max_staleness, "max_staleness")
+        rank = _validate.integer(rank, "rank")
+        world_size = _validate.integer(world_size, "world_size", minimum=1)
+        if rank >= world_size:
             raise UsageError(f"rank {rank} outside world_size {world_size}")
-        if slots < 1:
-            raise UsageError("slots must be >= 1")
+        slots = _validate.integer(slots, "slots", minimum=1)
+        connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
+        token = _validate.token(token)
         self.channel, self.rank, self.world_size = channel, rank, world_size
         self.mode, self.max_staleness = mode, max_staleness
         self.slots = 1 if zero_copy else slots
         self.zero_copy, self.host, self.checksums = zero_copy, host, checksums
-        self.token = token.encode() if isinstance(token, str) else token
+        self.token = token
         self._base_keys = self.keys = Keys(channel)
         self._gen: str | None = None  # the store generation registered in (see _generation)
         self._pending_epoch: tuple[str, int] | None = None  # counted by a register() that failed later
@@ -210,8 +215,7 @@ class Publisher(Closeable):
         register again together (a new epoch) when a layout changes or a rank was restarted.
         """
         self._check_open()
-        if not tensors:
-            raise UsageError(f"publisher rank {self.rank}: register() needs at least one tensor")
+        _validate.tensors(tensors, f"publisher rank {self.rank}")
         cast = None
         if dtype is not None:
             cast = dtype_name(dtype)
@@ -346,7 +350,7 @@ class Publisher(Closeable):
         """Snapshots the live tensors as the next version; see the class docstring for who waits.
 
         Waits first for a ``publish_async()`` still in flight; ``timeout`` bounds both."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _validate.timeout(timeout, "publish() timeout")
         with self._start_lock:
             ready = self._begin(deadline, "publish()")
         return self._publish(deadline, ready, background=False)
@@ -364,7 +368,7 @@ class Publisher(Closeable):
         On CUDA the copy waits for the work queued so far on the caller's current stream and runs
         on a stream of its own.
         """
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + _validate.timeout(timeout, "publish_async() timeout")
         with self._start_lock:
             ready = self._begin(deadline, "publish_async()")
             if self._worker is None:
@@ -472,7 +476,9 @@ class Publisher(Closeable):
     def wait_acked(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until every live subscriber acked ``version`` or later."""
         self._check_open()
-        self._wait_acked(version, time.monotonic() + timeout, f"acks of version {version}")
+        version = _validate.integer(version, "wait_acked() version")
+        deadline = time.monotonic() + _validate.timeout(timeout, "wait_acked() timeout")
+        self._wait_acked(version, deadline, f"acks of version {version}")
 
     def live_subscribers(self) -> int:
         return len(self._tracker.live())

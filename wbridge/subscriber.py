@@ -34,14 +34,15 @@ import numpy as np
 import transports as _transports
 from planner.builder import build_plan
 from planner.layout import Declaration, RankLayout
-from planner.plan import Plan
 from transports import select as _select
 from transports.base import ReadBatch
 
-from . import _generation
+from . import _generation, _validate
 from ._lifecycle import Closeable, quietly
+from ._membership import NEW_GENERATION, STILL, Membership
 from ._selection import candidates
-from ._tensors import address, alloc_bytes, build_layout, byte_view
+from ._session import Session, Source, SourcesFailed, failed_sources, replan
+from ._tensors import address, alloc_bytes, build_layout, byte_view, commit_pairs
 from ._tracker import state_bytes
 from .errors import (
     AuthError,
@@ -55,7 +56,7 @@ from .errors import (
 )
 from .protocol import checksum as _checksum
 from .protocol.keys import Keys
-from .protocol.records import open_sealed, seal
+from .protocol.records import open_sealed
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
@@ -92,31 +93,6 @@ class SubscriberStats:
         return self.pulls[-1] if self.pulls else None
 
 
-@dataclass
-class _Source:
-    rank: int
-    transport: str
-    endpoint: bytes
-    regions: list[list[bytes]]  # slot -> region descriptors
-    batch: ReadBatch
-    peer: Any = None
-    prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared read
-    stamp: Any = None  # where the slot's stamp is read to
-    stamp_region: Any = None
-    stamp_prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared stamp read
-
-
-@dataclass
-class _Session:
-    """Everything planned for one publisher epoch; replayed by every pull of that epoch."""
-
-    epoch: int
-    world_size: int
-    plan: Plan
-    sources: list[_Source]
-    layouts: list[RankLayout]
-
-
 class Subscriber(Closeable):
     """A rollout worker's side of a channel; see the module docstring for the call protocol.
 
@@ -148,13 +124,13 @@ class Subscriber(Closeable):
         host: str = "127.0.0.1",
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
+        lease_ttl = _validate.timeout(lease_ttl, "lease_ttl", positive=True)
+        connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         self.channel, self.staged, self.verify = channel, staged, verify
         self.preference, self.host, self.lease_ttl = transport, host, lease_ttl
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.token = token.encode() if isinstance(token, str) else token
-        self._base_keys = self.keys = Keys(channel)
-        self._gen: str | None = None  # the store generation joined (see _generation)
-        self._left: set[str] = set()  # generations left behind: never gone back to
+        self.token = _validate.token(token)
+        keys = Keys(channel)
         self.version: int | None = None
         self.stats = SubscriberStats()
         self._closed = False
@@ -165,37 +141,39 @@ class Subscriber(Closeable):
         self._wrapper: Callable[[_transports.Transport], _transports.Transport] | None = None
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
         self._commit: list[tuple[Any, Any]] = []  # staged: (live slice, private slice) views
-        self._id: int | None = None
-        self._lease = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._newest = 0  # the newest version number seen; records older than it are refused
-        self._acked = 0  # the last version applied (what the state key says was acked)
         self._nslots = 1  # fences read along with the version record: slots 0 .. _nslots - 1
         # nccl joins process groups, so auto picks it only where the publisher opted in by serving
         # it (Publisher(transport=[..., "nccl"])); this side accepts it wherever it is installed
         self._caps = _select.capabilities(nccl=True)
         self._store = open_store(store, connect_timeout=connect_timeout)
+        self._member = Membership(self._store, keys, self.token, self.name, lease_ttl)
 
     # ------------------------------------------------------------------------------------------
     @property
     def id(self) -> int | None:
         """This subscriber's id in the channel (assigned by ``register``)."""
-        return self._id
+        return self._member.id
+
+    @property
+    def keys(self) -> Keys:
+        """The channel's store keys in the store generation joined."""
+        return self._member.keys
 
     def register(self, tensors: Mapping[str, tuple[Any, Declaration]]) -> None:
         """Declares the tensors to fill; joins the channel as a live subscriber."""
         self._check_open()
-        if not tensors:
-            raise UsageError("subscriber register() needs at least one tensor")
-        if self._gen is None:
-            self._join(_generation.join(self._store, self._base_keys, self.token))
-        layout, live, device = build_layout(self._id, tensors, pack=self.staged, who=f"subscriber {self.name}")
+        _validate.tensors(tensors, f"subscriber {self.name}")
+        if self._member.gen is None:
+            self._member.join()
+        layout, live, device = build_layout(self._member.id, tensors, pack=self.staged, who=f"subscriber {self.name}")
         self._drop_session()
         self._deregister_local()
         self._layout, self._live = layout, live
@@ -206,40 +184,16 @@ class Subscriber(Closeable):
         self._device = device
         self.version = None
 
-    def _join(self, gen: str) -> None:
-        """Joins store generation ``gen`` as a new live subscriber (a new id there)."""
-        keys = self._base_keys.at(gen)
-        sub_id = self._store.add(keys.subs, 1)
-        # the lease and state first: publishers only look at subscribers whose record exists,
-        # and a record without a live lease would read as a dead subscriber
-        lease = self._store.lease(keys.sub(sub_id, "live"), self.lease_ttl)
-        try:
-            self._store.set(keys.sub(sub_id, "state"), state_bytes(self._acked, 0))
-            key = keys.sub(sub_id)
-            record = {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()}
-            self._store.set(key, seal(self.token, key, record))
-        except BaseException:
-            quietly(lease.revoke)
-            raise
-        old, self._lease = self._lease, lease
-        if old is not None:
-            quietly(old.revoke)
-        if self._gen is not None and self._gen != gen:
-            self._left.add(self._gen)
-        self._gen, self.keys, self._id = gen, keys, sub_id
-
-    def _check_generation(self) -> bool:
-        """Whether the store is still in the generation joined; if not (the store was lost and came
-        back empty), forgets what it knew there and joins the new one. The tensors keep their bytes
-        but ``version`` is None: they hold no version of the new generation until a pull."""
-        gen = _generation.current(self._store, self._base_keys, self.token)
-        if gen == self._gen or gen in self._left:
-            return True  # a generation left behind coming back is a replay: wait for a new one
-        log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
-        self._drop_session()
-        self.version, self._newest = None, 0
-        self._join(gen if gen is not None else _generation.join(self._store, self._base_keys, self.token))
-        return False
+    def _check_membership(self) -> bool:
+        """Whether the membership stands; if the store was found in a new generation (it was lost
+        and came back empty), forgets what it knew: the tensors keep their bytes but ``version`` is
+        None (no version of the new generation) until a pull. A lapsed lease is joined again, and
+        the version held is acked under the new id."""
+        found = self._member.check()
+        if found == NEW_GENERATION:
+            self._drop_session()
+            self.version, self._newest = None, 0
+        return found == STILL
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
@@ -251,11 +205,12 @@ class Subscriber(Closeable):
         """The version record of the generation joined, or for a watcher (never registered) of the
         store's current generation."""
         keys = self.keys
-        if self._gen is None:
-            gen = _generation.current(self._store, self._base_keys, self.token)
+        if self._member.gen is None:
+            base = self._member.base
+            gen = _generation.current(self._store, base, self.token)
             if gen is None:
                 return None
-            keys = self._base_keys.at(gen)
+            keys = base.at(gen)
         return VersionRecord.read(self._store, keys, self.token)
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
@@ -295,11 +250,19 @@ class Subscriber(Closeable):
 
     async def pull_async(self, min_version: int | None = None, timeout: float = 60.0) -> int:
         """``pull`` for asyncio loops: runs in a worker thread, the event loop stays free."""
+        self._check_args(min_version, timeout)  # bad arguments raise here, not in the thread
         return await asyncio.to_thread(self.pull, min_version, timeout)
+
+    @staticmethod
+    def _check_args(min_version: int | None, timeout: float) -> float:
+        if min_version is not None:
+            _validate.integer(min_version, "pull() min_version")
+        return _validate.timeout(timeout, "pull() timeout")
 
     def pull(self, min_version: int | None = None, timeout: float = 60.0) -> int:
         """Applies the newest committed version (at least ``min_version``) and returns it."""
         self._check_open()
+        timeout = self._check_args(min_version, timeout)
         if self._layout is None:
             raise UsageError(f"subscriber {self.name}: pull() before register()")
         deadline = time.monotonic() + timeout
@@ -310,7 +273,7 @@ class Subscriber(Closeable):
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
         want = max(1, min_version or 1)
         retries = 0
-        self._check_generation()
+        self._check_membership()
         while True:
             try:
                 rec, fence = self._wait_version(want, deadline, timeout)
@@ -341,7 +304,7 @@ class Subscriber(Closeable):
         want = max(want, self._newest)
         while True:
             rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots)
-            if rec is None and not self._check_generation():
+            if rec is None and not self._check_membership():
                 raise _GenerationChanged
             if rec is not None and rec.slot >= self._nslots:
                 self._nslots = min(rec.slot + 1, 64)
@@ -350,7 +313,7 @@ class Subscriber(Closeable):
                 if rec.v == self.version or not rec.zero_copy or fence == rec.fence:
                     self._newest = max(self._newest, rec.v)
                     return rec, fence
-            elif rec is not None and rec.mode == "sync" and rec.v != self.version and self._lease is not None:
+            elif rec is not None and rec.mode == "sync" and rec.v != self.version and self._member.lease is not None:
                 raise UsageError(
                     f"subscriber {self.name}: channel {self.channel!r} is in sync mode and version {rec.v} "
                     f"waits for this subscriber's ack, so version {want} cannot come until it pulls "
@@ -377,14 +340,19 @@ class Subscriber(Closeable):
         session = self._session
         if session is None or session.epoch != rec.epoch:
             session = self._setup(rec, deadline)
-        state_key = self.keys.sub(self._id, "state")
-        self._store.set(state_key, state_bytes(self._acked, rec.v))
+        state_key = self.keys.sub(self._member.id, "state")
+        self._store.set(state_key, state_bytes(self._member.acked, rec.v))
         try:
             if fence != rec.fence:
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
-            self._read_all(session, rec.slot, deadline)
+            while True:
+                try:
+                    self._read_all(session, rec.slot, deadline)
+                    break
+                except SourcesFailed as failed:  # a source died: its replicas stand in, if any
+                    session = self._failover(session, failed, deadline)
             if self.verify and rec.checksums:
                 try:
                     self._verify(session, rec, deadline)
@@ -396,19 +364,19 @@ class Subscriber(Closeable):
             # best effort, briefly even past the pull's deadline: keep the original error, and do
             # not leave a reading mark that would make publishers wait for this slot
             with self._store.deadline(time.monotonic() + 1.0):
-                quietly(self._store.set, state_key, state_bytes(self._acked, 0))
+                quietly(self._store.set, state_key, state_bytes(self._member.acked, 0))
             raise
         for dst, src in self._commit:  # staged: every read succeeded, now commit
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, src)
             else:
                 dst.copy_(src)
-        self.version = self._acked = rec.v
+        self.version = self._member.acked = rec.v
         self._store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
         return session.plan.total_bytes, len(session.plan)
 
-    def _read_all(self, session: _Session, slot: int, deadline: float) -> None:
-        def one(src: _Source) -> None:
+    def _read_all(self, session: Session, slot: int, deadline: float) -> None:
+        def one(src: Source) -> None:
             prep = src.prepared.get(slot)
             t = self._transports[src.transport]
             if prep is None:
@@ -420,26 +388,32 @@ class Subscriber(Closeable):
             t.read(prep, timeout=left)
 
         work = [s for s in session.sources if len(s.batch)]
-        if len(work) == 1:
-            one(work[0])
+        if len(work) == 1:  # no thread hop
+            try:
+                one(work[0])
+            except BaseException as e:  # noqa: BLE001 - classified, then raised
+                err = failed_sources([(work[0].rank, e)])
+                if err is e:
+                    raise
+                raise err from e
             return
-        futures = [self._pool.submit(one, s) for s in work]
+        futures = [(s.rank, self._pool.submit(one, s)) for s in work]
         errors = []
-        for f in futures:
+        for rank, f in futures:
             try:
                 f.result()
-            except BaseException as e:  # noqa: BLE001 - collect, then raise the first
-                errors.append(e)
+            except BaseException as e:  # noqa: BLE001 - collect, then raise
+                errors.append((rank, e))
         if errors:
-            raise errors[0]
+            raise failed_sources(errors)
 
-    def _check_stamps(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
+    def _check_stamps(self, session: Session, rec: VersionRecord, deadline: float) -> None:
         """Reads every source's slot stamp after the data: unless each still says "version v,
         stable", the slot changed under the reads (the seqlock check; the store's fence is only a
         hint, since the store is not trusted)."""
         want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
 
-        def one(src: _Source) -> None:
+        def one(src: Source) -> None:
             t = self._transports[src.transport]
             prep = src.stamp_prepared.get(rec.slot)
             if prep is None:
@@ -463,7 +437,7 @@ class Subscriber(Closeable):
             f.result()
 
     # ------------------------------------------------------------------------------------------
-    def _setup(self, rec: VersionRecord, deadline: float) -> _Session:
+    def _setup(self, rec: VersionRecord, deadline: float) -> Session:
         """Fetches the epoch's publisher records, plans, chooses transports and connects."""
         self._drop_session()
         keys = [self.keys.rank(rec.epoch, r) for r in range(rec.world_size)]
@@ -479,20 +453,43 @@ class Subscriber(Closeable):
             records.append(open_sealed(self.token, key, raw))
         self._nslots = min(64, max(int(d.get("slots", 1)) for d in records))
         layouts = [RankLayout.from_dict(d["layout"]) for d in records]
-        plan = build_plan(layouts, self._layout)
+        session = Session(rec.epoch, rec.world_size, build_plan(layouts, self._layout), [], layouts, records)
+        return self._connect_all(session, deadline)
+
+    def _failover(self, session: Session, failed: SourcesFailed, deadline: float) -> Session:
+        """Plans again over the ranks still alive (replicas hold the same bytes) and connects;
+        ``failed.error`` if some byte has no replica left."""
+        plan, dead = replan(session, self._layout, failed)
+        log.warning("subscriber %s: publisher ranks %s failed; reading from replicas", self.name, sorted(dead))
+        self._drop_session()
+        new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead)
+        return self._connect_all(new, deadline)
+
+    def _connect_all(self, session: Session, deadline: float) -> Session:
+        """Connects to every source of ``session.plan`` (planning around ranks that cannot be
+        reached); the session becomes the current one."""
+        plan = session.plan
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
-        sources: list[_Source] = []
+        sources = session.sources
         try:
             for src_ops in plan.sources:
-                d = records[src_ops.src_rank]
+                d = session.records[src_ops.src_rank]
                 batch = ReadBatch(
                     src_ops.src_region, src_ops.src_offset, src_ops.dst_region, src_ops.dst_offset, src_ops.nbytes
                 )
-                sources.append(self._connect(src_ops.src_rank, d, batch, deadline))
-        except BaseException:
+                try:
+                    sources.append(self._connect(src_ops.src_rank, d, batch, deadline))
+                except TransportError as e:  # unreachable (dead?): its replicas may stand in
+                    err = failed_sources([(src_ops.src_rank, e)])
+                    if err is e:
+                        raise
+                    raise err from e
+        except BaseException as e:
             for src in sources:
                 quietly(self._transports[src.transport].disconnect, src.peer)
+            if isinstance(e, SourcesFailed):
+                return self._failover(session, e, deadline)
             raise
         if self._pool_size < len(sources):
             if self._pool is not None:
@@ -500,11 +497,11 @@ class Subscriber(Closeable):
             self._pool_size = max(1, len(sources))
             self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="wbridge-pull")
         if self.staged:
-            self._commit = _commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
-        self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
-        return self._session
+            self._commit = commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
+        self._session = session
+        return session
 
-    def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> _Source:
+    def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> Source:
         """Connects to one publisher rank over the best transport that works; ``auto`` falls back
         to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
         tried = []
@@ -514,7 +511,7 @@ class Subscriber(Closeable):
         options = candidates(self.preference, self._caps, remote)
         for i, (name, reason) in enumerate(options):
             served = record["transports"][name]
-            src = _Source(
+            src = Source(
                 rank=rank,
                 transport=name,
                 endpoint=_unb64(served["endpoint"]),
@@ -559,7 +556,7 @@ class Subscriber(Closeable):
             ]
         return t
 
-    def _verify(self, session: _Session, rec: VersionRecord, deadline: float) -> None:
+    def _verify(self, session: Session, rec: VersionRecord, deadline: float) -> None:
         """Checks every chunk the plan read from each source against the publisher's sums."""
         keys = [self.keys.sums(rec.v, src.rank) for src in session.sources]
         for src, key, raw in zip(session.sources, keys, self._store.get_many(keys)):
@@ -578,7 +575,7 @@ class Subscriber(Closeable):
                 where=f"publisher rank {src.rank}, version {rec.v}",
             )
 
-    def _fetch_chunk(self, src: _Source, slot: int, deadline: float):
+    def _fetch_chunk(self, src: Source, slot: int, deadline: float):
         t = self._transports[src.transport]
 
         def fetch(region: int, offset: int, n: int) -> np.ndarray:
@@ -631,9 +628,7 @@ class Subscriber(Closeable):
             if self._closed:
                 return
             self._closed = True
-        if self._lease is not None:
-            self._lease.revoke()
-            self._lease = None
+        self._member.leave()
         self._drop_session()
         self._deregister_local()
         if self._pool is not None:
@@ -646,45 +641,13 @@ class Subscriber(Closeable):
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("registered" if self._layout else "new")
         return (
-            f"Subscriber({self.channel!r}, id={self._id}, version={self.version}, "
+            f"Subscriber({self.channel!r}, id={self._member.id}, version={self.version}, "
             f"staged={self.staged}, transports={sorted({n for n, _ in self.stats.transports.values()})}, {state})"
         )
 
 
 class _GenerationChanged(Exception):
     """Internal: the store was found in a new generation while waiting; wait again there."""
-
-
-def _commit_pairs(
-    plan: Plan, layout: RankLayout, live: Mapping[str, Any], private: Any, device: str
-) -> list[tuple[Any, Any]]:
-    """Staged mode: (live slice, private slice) views of every mapped byte range, built once per plan."""
-    if len(plan) == 0:
-        return []
-    offs = np.concatenate([s.dst_offset for s in plan.sources])
-    lens = np.concatenate([s.nbytes for s in plan.sources])
-    order = np.argsort(offs, kind="stable")
-    offs, lens = offs[order], lens[order]
-    ends = offs + lens
-    # merge touching ranges
-    starts_new = np.ones(len(offs), dtype=bool)
-    starts_new[1:] = offs[1:] != ends[:-1]
-    idx = np.flatnonzero(starts_new)
-    m_off = offs[idx]
-    m_end = np.maximum.reduceat(ends, idx)
-    out = []
-    tensors = sorted((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors)
-    bounds = np.array([t[0] for t in tensors])
-    views = {name: byte_view(t) for name, t in live.items()}
-    for a, b in zip(m_off.tolist(), m_end.tolist()):
-        while a < b:
-            k = int(np.searchsorted(bounds, a, side="right")) - 1
-            lo, hi, name = tensors[k]
-            n = min(b, hi) - a
-            dst, src = views[name][a - lo : a - lo + n], private[a : a + n]
-            out.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
-            a += n
-    return out
 
 
 def _unb64(s: str) -> bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -100,3 +102,112 @@ def test_pull_async_and_good_path(pub) -> None:
     assert torch.equal(dst, torch.arange(48, dtype=torch.bfloat16).reshape(G))
     assert "version=1" in repr(sub) and "registered" in repr(pub)
     sub.close()
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _bad_calls(pub: Publisher, sub: Subscriber, url: str) -> dict[str, Callable[[], object]]:
+    """Every public entry point with bad arguments; each must raise a ``WBridgeError``."""
+    import asyncio
+
+    from wbridge import Flat, Fused, Stack, open_store
+
+    w = torch.zeros(G, dtype=torch.bfloat16)
+    ok = Shard("w", G)
+    return {
+        "Publisher(channel='')": lambda: Publisher("", url),
+        "Publisher(channel='a/b')": lambda: Publisher("a/b", url),
+        "Publisher(channel=3)": lambda: Publisher(3, url),
+        "Publisher(rank='0')": lambda: Publisher("x", url, rank="0"),
+        "Publisher(world_size=0)": lambda: Publisher("x", url, world_size=0),
+        "Publisher(slots=1.5)": lambda: Publisher("x", url, slots=1.5),
+        "Publisher(connect_timeout=nan)": lambda: Publisher("x", url, connect_timeout=NAN),
+        "Publisher(connect_timeout=-1)": lambda: Publisher("x", url, connect_timeout=-1),
+        "Publisher(max_staleness='2')": lambda: Publisher("x", url, mode="async", max_staleness="2"),
+        "Publisher(token=5)": lambda: Publisher("x", url, token=5),
+        "Publisher(store=5)": lambda: Publisher("x", 5),
+        "Subscriber(channel='')": lambda: Subscriber("", url),
+        "Subscriber(lease_ttl=0)": lambda: Subscriber("x", url, lease_ttl=0),
+        "Subscriber(lease_ttl=nan)": lambda: Subscriber("x", url, lease_ttl=NAN),
+        "Subscriber(connect_timeout='3')": lambda: Subscriber("x", url, connect_timeout="3"),
+        "Subscriber(token=5)": lambda: Subscriber("x", url, token=5),
+        "open_store(5)": lambda: open_store(5),
+        "open_store(port='x')": lambda: open_store("tcp://127.0.0.1:notaport"),
+        "open_store(connect_timeout=-1)": lambda: open_store(url, connect_timeout=-1),
+        "Shard(offsets=(-1, 0))": lambda: Shard("w", G, (-1, 0)),
+        "Shard(offsets=(1.5, 0))": lambda: Shard("w", G, (1.5, 0)),
+        "Shard(global_shape='ab')": lambda: Shard("w", "ab"),
+        "Shard(name=5)": lambda: Shard(5, G),
+        "Fused(dim='x')": lambda: Fused("x", (ok,)),
+        "Fused(parts=5)": lambda: Fused(0, 5),
+        "Stack(parts=5)": lambda: Stack(5),
+        "Flat(segments=5)": lambda: Flat(5),
+        "Flat(start='x')": lambda: Flat((("w", G, "x", 1),)),
+        "register('abc')": lambda: pub.register("abc"),
+        "register(None)": lambda: pub.register(None),
+        "register({w: tensor})": lambda: pub.register({"w": w}),
+        "register({w: (5, Shard)})": lambda: pub.register({"w": (5, ok)}),
+        "sub.register([])": lambda: sub.register([]),
+        "publish(timeout=nan)": lambda: pub.publish(timeout=NAN),
+        "publish(timeout=-1)": lambda: pub.publish(timeout=-1),
+        "publish(timeout=inf)": lambda: pub.publish(timeout=INF),
+        "publish(timeout='3')": lambda: pub.publish(timeout="3"),
+        "publish_async(timeout=nan)": lambda: pub.publish_async(timeout=NAN),
+        "wait_acked('1')": lambda: pub.wait_acked("1"),
+        "wait_acked(timeout=nan)": lambda: pub.wait_acked(1, timeout=NAN),
+        "pull(min_version='3')": lambda: sub.pull(min_version="3"),
+        "pull(min_version=1.5)": lambda: sub.pull(min_version=1.5),
+        "pull(min_version=-1)": lambda: sub.pull(min_version=-1),
+        "pull(timeout=nan)": lambda: sub.pull(timeout=NAN),
+        "pull(timeout=-1)": lambda: sub.pull(timeout=-1),
+        "pull_async(min_version='3')": lambda: asyncio.run(sub.pull_async(min_version="3")),
+        "pull_async(timeout=nan)": lambda: asyncio.run(sub.pull_async(timeout=NAN)),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_every_entry_point_types_its_errors(pub) -> None:
+    dst = torch.zeros(G, dtype=torch.bfloat16)
+    sub = subscriber(pub, {"w": (dst, Shard("w", G))})
+    wrong = {}
+    try:
+        for what, call in _bad_calls(pub, sub, pub.store_url).items():
+            try:
+                got = call()
+            except WBridgeError:
+                continue
+            except BaseException as e:  # noqa: BLE001 - the point: anything else is a finding
+                wrong[what] = f"{type(e).__name__}: {e}"[:120]
+                continue
+            if hasattr(got, "close"):
+                got.close()
+            wrong[what] = f"no error (returned {got!r:.60})"
+        assert wrong == {}, "\n".join(f"{k}: {v}" for k, v in wrong.items())
+        # a huge but finite timeout is a valid one (it overflowed a lock's timeout before)
+        assert sub.pull(timeout=1e12) == 1 and pub.wait_acked(1, timeout=1e12) is None
+        assert pub.publish(timeout=1e12) == 2
+    finally:
+        sub.close()
+
+
+@pytest.mark.timeout(60)
+def test_deeply_nested_store_record_is_store_error(pub) -> None:
+    from wbridge import StoreError, open_store
+    from wbridge import _generation as generation
+    from wbridge.protocol.keys import Keys
+
+    dst = torch.zeros(G, dtype=torch.bfloat16)
+    sub = subscriber(pub, {"w": (dst, Shard("w", G))})
+    store = open_store(pub.store_url)
+    try:
+        keys = Keys("bad", generation.current(store, Keys("bad"), b"t"))
+        good = store.get(keys.version)
+        store.set(keys.version, b"[" * 100_000 + b"]" * 100_000)
+        with pytest.raises(StoreError, match="malformed"):
+            sub.pull(timeout=5)
+        store.set(keys.version, good)
+        assert sub.pull(timeout=5) == 1
+    finally:
+        store.close()
+        sub.close()

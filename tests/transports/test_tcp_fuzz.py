@@ -199,17 +199,22 @@ def test_wrong_token_dropped_without_data(served):
 
 
 def test_connection_limit():
-    with TcpTransport(token=TOKEN, max_connections=2, handshake_timeout=5.0) as t:
+    """``max_connections`` caps authenticated connections; unauthenticated ones never count."""
+    with (
+        TcpTransport(token=TOKEN, max_connections=1, handshake_timeout=5.0) as t,
+        TcpTransport(token=TOKEN, streams=1) as client,
+    ):
         ep = json.loads(t.endpoint())
         addr = (ep["host"], ep["port"])
-        held = [_connect(addr) for _ in range(2)]
+        silent = _connect(addr)  # in its handshake: takes no authenticated slot
+        peer = client.connect(t.endpoint(), timeout=10)  # one authenticated stream: the cap
         deadline = time.monotonic() + 5
         while t.num_connections < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         with _connect(addr) as extra:
             assert _closed_within(extra, 3.0) < 2.0  # refused at once, not after the handshake timeout
-        for s in held:
-            s.close()
+        client.disconnect(peer)
+        silent.close()
 
 
 def test_binds_only_to_the_given_host():

@@ -33,11 +33,11 @@ def open_sealed(token: bytes | None, key: str, raw: bytes) -> Any:
         mac = outer["mac"]
         if outer.get("w") != _VERSION or not isinstance(mac, str):
             raise ValueError("unknown record version")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise StoreError(f"malformed record at store key {key!r}: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise StoreError(f"malformed record at store key {key!r}: {type(e).__name__}: {e}") from None
     if not hmac.compare_digest(mac, _mac(token, key, body)):
         raise AuthError(f"record at store key {key!r} has a bad signature (wrong token or forged record)")
     try:
         return json.loads(body)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise StoreError(f"malformed record body at store key {key!r}: {e}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
+from .. import _validate
 from ..errors import StoreError
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 from .tcp import TcpStore
@@ -20,9 +21,16 @@ def open_store(url: str, *, host_store: bool = False, connect_timeout: float = D
     """Opens (or, with ``host_store=True``, hosts) the store at ``url``."""
     if isinstance(url, Store):
         return url
+    if not isinstance(url, str):
+        raise StoreError(f"store must be a url (tcp://host:port, etcd://host:port) or a Store, got {url!r:.80}")
+    connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
     parsed = urlparse(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
     if parsed.scheme == "tcp":
-        if not parsed.hostname or parsed.port is None:
+        if not parsed.hostname or port is None:
             raise StoreError(f"store url {url!r} needs tcp://host:port")
         return TcpStore(parsed.hostname, parsed.port, is_host=host_store, connect_timeout=connect_timeout)
     if parsed.scheme == "etcd":

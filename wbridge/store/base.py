@@ -26,23 +26,35 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 
 
 class Lease:
-    """A liveness record kept fresh by a background thread until ``revoke()``."""
+    """A liveness record kept fresh by a background thread until ``revoke()``. ``lapsed`` tells
+    its holder that it went unrefreshed for longer than ``ttl`` (the process was frozen, the store
+    unreachable) at least once: others may have counted it dead meanwhile."""
 
     def __init__(self, key: str, ttl: float, refresh: Callable[[], None], revoke: Callable[[], None]) -> None:
         self.key = key
         self.ttl = ttl
         self._refresh = refresh
         self._revoke = revoke
+        self._last_ok = time.monotonic()  # the clock runs on while the process is stopped
+        self._lapsed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"wbridge-lease:{key}", daemon=True)
         self._thread.start()
+
+    @property
+    def lapsed(self) -> bool:
+        return self._lapsed or time.monotonic() - self._last_ok > self.ttl
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl / 4):
             try:
                 self._refresh()
             except Exception:  # noqa: BLE001 - a store hiccup must not kill the lease thread
-                pass
+                continue
+            now = time.monotonic()
+            if now - self._last_ok > self.ttl:
+                self._lapsed = True
+            self._last_ok = now
 
     def revoke(self) -> None:
         if self._stop.is_set():

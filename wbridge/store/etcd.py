@@ -248,8 +248,8 @@ class EtcdStore(Store):
                 if not idempotent:
                     raise StoreError(f"store {self.url}: connection lost during {what}; outcome unknown: {e}") from e
                 last = e
-            except (KeyError, ValueError, TypeError) as e:
-                raise StoreError(f"store {self.url}: malformed answer to {what}: {e}") from e
+            except (KeyError, ValueError, TypeError, RecursionError) as e:
+                raise StoreError(f"store {self.url}: malformed answer to {what}: {type(e).__name__}") from e
             # Next endpoint (another thread may already have moved on).
             with self._lock:
                 if self._current == index:
@@ -438,7 +438,7 @@ class EtcdStore(Store):
                                 return True, value
                     if time.monotonic() >= deadline:
                         return False, None
-        except (requests.exceptions.RequestException, ValueError, OSError):
+        except (requests.exceptions.RequestException, ValueError, OSError, RecursionError):
             # Read timeout at the deadline, or the stream broke: the caller re-reads and decides.
             if time.monotonic() < deadline:
                 time.sleep(min(RETRY_PAUSE, max(0.0, deadline - time.monotonic())))

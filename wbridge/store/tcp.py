@@ -319,8 +319,14 @@ class TcpStore(Store):
 
     def lease(self, key: str, ttl: float) -> Lease:
         # Its own connection: a refresh stuck on a dead link must not hold up this client's calls.
-        own = TcpStore(self.host, self.port, is_host=False, connect_timeout=min(self._connect_timeout, ttl))
+        # It connects within connect_timeout (a slow connect is no reason to fail a register());
+        # each refresh is bounded by ttl (a later one retries).
+        own = TcpStore(self.host, self.port, is_host=False, connect_timeout=self._connect_timeout)
         own.add(key, 1)
+
+        def refresh() -> None:
+            with own.deadline(time.monotonic() + ttl):
+                own.add(key, 1)
 
         def revoke() -> None:
             try:
@@ -328,7 +334,7 @@ class TcpStore(Store):
             finally:
                 own.close()
 
-        return Lease(key, ttl, refresh=lambda: own.add(key, 1), revoke=revoke)
+        return Lease(key, ttl, refresh=refresh, revoke=revoke)
 
     def judge_alive(self, key: str, value: bytes | None, ttl: float) -> bool:
         # TCPStore has no server-side expiry: a lease is a counter that its holder bumps; it is

@@ -1,0 +1,87 @@
+"""A subscriber's place in a channel: the store generation it joined, its id there, its lease.
+
+Two things end a membership without the subscriber leaving. The store is lost and comes back
+empty, in a new generation (see ``_generation``): the subscriber joins that one. Or its lease
+lapsed (the process was frozen, say, longer than ``lease_ttl``): publishers then counted it dead
+for good and stopped waiting for it, so it joins again under a new id and they wait for it again.
+Both are noticed at the subscriber's next pull (``check()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from . import _generation
+from ._lifecycle import quietly
+from ._tracker import state_bytes
+from .protocol.keys import Keys
+from .protocol.records import seal
+from .store import Lease, Store
+
+log = logging.getLogger("wbridge")
+
+STILL, REJOINED, NEW_GENERATION = 0, 1, 2  # what check() found
+
+
+class Membership:
+    """``store``, ``keys`` (the channel's, without a generation), ``token``, ``name`` (recorded for
+    publishers to show), ``ttl`` (the lease's)."""
+
+    def __init__(self, store: Store, keys: Keys, token: bytes | None, name: str, ttl: float) -> None:
+        self.store, self.base, self.token, self.name, self.ttl = store, keys, token, name, ttl
+        self.gen: str | None = None
+        self.acked = 0  # the version the subscriber holds, for its state key when it joins again
+        self.keys = keys
+        self.id: int | None = None
+        self.lease: Lease | None = None
+        self._left: set[str] = set()  # generations left behind: a replay of one is never followed
+
+    def join(self, gen: str | None = None, acked: int = 0) -> None:
+        """Joins generation ``gen`` (default: the store's, created if it has none) under a new id,
+        its state saying it holds version ``acked`` (0: none)."""
+        if gen is None:
+            gen = _generation.join(self.store, self.base, self.token)
+        keys = self.base.at(gen)
+        sub_id = self.store.add(keys.subs, 1)
+        # the lease and state first: publishers only look at subscribers whose record exists, and
+        # a record without a live lease would read as a dead subscriber
+        lease = self.store.lease(keys.sub(sub_id, "live"), self.ttl)
+        try:
+            self.store.set(keys.sub(sub_id, "state"), state_bytes(acked, 0))
+            key = keys.sub(sub_id)
+            record = {"name": self.name, "ttl": self.ttl, "host": socket.gethostname(), "pid": os.getpid()}
+            self.store.set(key, seal(self.token, key, record))
+        except BaseException:
+            quietly(lease.revoke)
+            raise
+        old, self.lease = self.lease, lease
+        if old is not None:
+            quietly(old.revoke)
+        if self.gen is not None and self.gen != gen:
+            self._left.add(self.gen)
+        self.gen, self.keys, self.id = gen, keys, sub_id
+
+    def check(self) -> int:
+        """``NEW_GENERATION`` (joined the store's new one: what was known of the old is void),
+        ``REJOINED`` (the lease had lapsed: joined again under a new id) or ``STILL``."""
+        gen = _generation.current(self.store, self.base, self.token)
+        if gen != self.gen and gen not in self._left:
+            log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
+            self.acked = 0  # nothing of the new generation is held
+            self.join(gen)
+            return NEW_GENERATION
+        if self.lease is not None and self.lease.lapsed:
+            log.warning("subscriber %s: its lease lapsed (frozen > %.1fs?); joining again", self.name, self.ttl)
+            self.join(self.gen, self.acked)
+            return REJOINED
+        return STILL
+
+    def leave(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.revoke()
+
+
+__all__ = ["Membership", "NEW_GENERATION", "REJOINED", "STILL"]

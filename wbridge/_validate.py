@@ -1,0 +1,54 @@
+"""Argument checks of the public entry points: bad input is a ``UsageError`` naming the argument,
+never a ``TypeError`` from deep inside, a silent truncation or a hang (a NaN timeout)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import UsageError
+
+# Longer timeouts wait "forever" (31 years); beyond threading's limit they would overflow.
+MAX_TIMEOUT = 1e9
+
+
+def timeout(value: Any, what: str, *, positive: bool = False) -> float:
+    """A finite, non-negative (``positive``: > 0) number of seconds, capped at ``MAX_TIMEOUT``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{what} must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+        raise UsageError(f"{what} must be a finite {'positive' if positive else 'non-negative'} number, got {value!r}")
+    return min(seconds, MAX_TIMEOUT)
+
+
+def integer(value: Any, what: str, minimum: int = 0) -> int:
+    """An integer >= ``minimum`` (a float, even 1.0, is refused rather than truncated)."""
+    if isinstance(value, bool):
+        raise UsageError(f"{what} must be an integer, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise UsageError(f"{what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise UsageError(f"{what} must be >= {minimum}, got {n}")
+    return n
+
+
+def token(value: Any) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise UsageError(f"token must be str, bytes or None, got {type(value).__name__}")
+
+
+def tensors(value: Any, who: str) -> Mapping:
+    if not isinstance(value, Mapping) or not value:
+        raise UsageError(f"{who}: register() needs a non-empty mapping name -> (tensor, declaration)")
+    return value
+
+
+__all__ = ["MAX_TIMEOUT", "integer", "tensors", "timeout", "token"]
