@@ -19,6 +19,7 @@ class SubscriberView:
     ttl: float
     name: str = ""
     dead: bool = False
+    layout: str = ""  # hash of its announced layout (``_packing.announce``)
 
 
 @dataclass
@@ -47,7 +48,9 @@ class SubscriberTracker:
                 continue
             try:
                 d = open_sealed(self.token, self.keys.sub(i), raw)
-                self.known[i] = SubscriberView(i, float(d["ttl"]), str(d.get("name", "")))
+                self.known[i] = SubscriberView(
+                    i, float(d["ttl"]), str(d.get("name", "")), layout=str(d.get("layout", ""))
+                )
             except Exception:  # noqa: BLE001 - an unsigned or forged subscriber is ignored
                 self.known[i] = SubscriberView(i, 0.0, "<rejected>", dead=True)
         out = []

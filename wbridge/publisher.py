@@ -50,6 +50,7 @@ import transports as _transports
 from planner.layout import Declaration, RankLayout
 
 from ._lifecycle import Closeable, log, quietly
+from ._packing import SlotPacker, copy_packed, packing_gens
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from ._tensors import address, alloc_bytes, build_layout, byte_view
 from ._tracker import SubscriberTracker, now
@@ -98,6 +99,7 @@ class _Registration:
     epoch: int = 0
     device: str = "cpu"
     copy_stream: Any = None  # CUDA: the snapshot copy's own stream
+    packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
 
 
 class Publisher(Closeable):
@@ -205,6 +207,7 @@ class Publisher(Closeable):
             reg.copy_stream = torch.cuda.Stream(device=device)
         if not self.zero_copy:
             reg.copies = [_copy_pairs(slot[0], live.values(), layout, device) for slot in slots]
+            reg.packer = SlotPacker(self._store, self.keys, self.token, layout, int(slots[0][0].numel()))
         # Each slot's last region is its stamp: the version it holds and whether it is being
         # written. Readers check it after their reads (a seqlock in the data plane), so a store
         # that lies about fences cannot make them commit a slot that changed under them.
@@ -333,18 +336,24 @@ class Publisher(Closeable):
         v = self._next_version
         slot = v % self.slots
         self._wait_before_snapshot(v, slot, deadline)
+        gen, packed = 0, None
+        if reg.packer is not None:  # pack for the readers known now; later ones from the next version
+            hashes = [s.layout for s in self._tracker.live() if s.layout]
+            gen, packed = reg.packer.choose(reg.epoch, self.rank, hashes)
         t1 = time.perf_counter()
         self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
         stamp = reg.stamps[slot].numpy().view(np.uint64)
         with self._snap_lock:  # close() releases the slots only between snapshots
             self._check_stopped(v)
             stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
-            sums = self._snapshot(reg, slot, ready)
+            sums = self._snapshot(reg, slot, ready, packed)
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t2 = time.perf_counter()
         if sums is not None:
             key = self.keys.sums(v, self.rank)
             self._store.set(key, seal(self.token, key, sums))
+        if reg.packer is not None:
+            reg.packer.record(v, self.rank, gen)
         if self._store.add(self.keys.snap(v, reg.epoch), 1) == self.world_size:
             VersionRecord(
                 v=v,
@@ -355,6 +364,9 @@ class Publisher(Closeable):
                 zero_copy=self.zero_copy,
                 checksums=self.checksums,
                 committed_at=now(),
+                packing=()
+                if reg.packer is None
+                else packing_gens(self._store, self.keys, self.token, v, self.world_size),
             ).write(self._store, self.keys, self.token)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:
@@ -418,7 +430,7 @@ class Publisher(Closeable):
             what = f"publisher rank {self.rank}: readers of slot {slot}"
             self._wait_subscribers(free, deadline, what)
 
-    def _snapshot(self, reg: _Registration, slot: int, ready: Any) -> list | None:
+    def _snapshot(self, reg: _Registration, slot: int, ready: Any, packed: Any = None) -> list | None:
         """Copies the live tensors into ``slot``; returns its checksums (None: not enabled). On
         CUDA the copy waits for ``ready`` (the caller's writes) on its own stream, and returns only
         when the bytes have landed: the stamp is about to say "stable"."""
@@ -428,9 +440,13 @@ class Publisher(Closeable):
             with torch.cuda.stream(reg.copy_stream):
                 if ready is not None:
                     reg.copy_stream.wait_event(ready)
-                for dst, src in [] if self.zero_copy else reg.copies[slot]:
+                if packed is not None:
+                    copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
+                for dst, src in [] if self.zero_copy or packed is not None else reg.copies[slot]:
                     dst.copy_(src, non_blocking=True)
             reg.copy_stream.synchronize()
+        elif packed is not None:  # reader-ordered: one strided copy per cell (wbridge._packing)
+            copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
         elif not self.zero_copy:
             for dst, src in reg.copies[slot]:
                 np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here

@@ -39,6 +39,7 @@ from transports import select as _select
 from transports.base import ReadBatch
 
 from ._lifecycle import Closeable, quietly
+from ._packing import announce, packed_layout
 from ._selection import candidates
 from ._tensors import address, alloc_bytes, build_layout, byte_view
 from .errors import (
@@ -109,6 +110,7 @@ class _Session:
     plan: Plan
     sources: list[_Source]
     layouts: list[RankLayout]
+    gens: tuple[int, ...] = ()  # packing generation of each rank's slot (wbridge._packing)
 
 
 class Subscriber(Closeable):
@@ -184,14 +186,9 @@ class Subscriber(Closeable):
             # record without a live lease would read as a dead subscriber
             self._lease = self._store.lease(self.keys.sub(self._id, "live"), self.lease_ttl)
             key = self.keys.sub(self._id)
-            self._store.set(
-                key,
-                seal(
-                    self.token,
-                    key,
-                    {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()},
-                ),
-            )
+            record = {"name": self.name, "ttl": self.lease_ttl, "host": socket.gethostname(), "pid": os.getpid()}
+            record["layout"] = announce(self._store, self.keys, self.token, layout)  # publishers pack for it
+            self._store.set(key, seal(self.token, key, record))
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
@@ -264,8 +261,9 @@ class Subscriber(Closeable):
 
     def _apply(self, rec: VersionRecord, deadline: float) -> tuple[int, int]:
         session = self._session
-        if session is None or session.epoch != rec.epoch:
-            session = self._setup(rec, deadline)
+        gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
+        if session is None or session.epoch != rec.epoch or session.gens != gens:
+            session = self._setup(rec, deadline, gens)
         fence_key = self.keys.fence(rec.slot)
         reading_key = self.keys.sub(self._id, "reading")
         self._store.set(reading_key, str(rec.v).encode())
@@ -356,7 +354,7 @@ class Subscriber(Closeable):
             f.result()
 
     # ------------------------------------------------------------------------------------------
-    def _setup(self, rec: VersionRecord, deadline: float) -> _Session:
+    def _setup(self, rec: VersionRecord, deadline: float, gens: tuple[int, ...]) -> _Session:
         """Fetches the epoch's publisher records, plans, chooses transports and connects."""
         self._drop_session()
         records = []
@@ -369,7 +367,12 @@ class Subscriber(Closeable):
                     f"subscriber {self.name}: publisher rank {r} of epoch {rec.epoch} never registered"
                 ) from None
             records.append(open_sealed(self.token, key, raw))
-        layouts = [RankLayout.from_dict(d["layout"]) for d in records]
+        layouts = [
+            packed_layout(self._store, self.keys, self.token, rec.epoch, r, g)
+            if g
+            else RankLayout.from_dict(d["layout"])
+            for r, (d, g) in enumerate(zip(records, gens))
+        ]
         plan = build_plan(layouts, self._layout)
         self.stats.plans += 1
         self.stats.bytes_per_source = plan.bytes_per_source()
@@ -392,7 +395,7 @@ class Subscriber(Closeable):
             self._pool = ThreadPoolExecutor(max_workers=self._pool_size, thread_name_prefix="wbridge-pull")
         if self.staged:
             self._commit = _commit_pairs(plan, self._layout, self._live, self._dest[0], self._device)
-        self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts)
+        self._session = _Session(rec.epoch, rec.world_size, plan, sources, layouts, gens)
         return self._session
 
     def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> _Source:
