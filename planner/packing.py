@@ -348,7 +348,9 @@ class PackedPlan:
     scatter: StridedCopies
 
 
-def _receive_layout(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, str]):
+def _receive_layout(
+    index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, str]
+) -> tuple[RankLayout, StridedCopies] | None:
     """``(receiving layout, scatter)`` of ``dest``: ``dest`` with the chunks that are contiguous in
     a slot but strided in ``dest`` moved to a dense receive region; None if ``dest`` has errors."""
     missing: dict[str, list[int]] = {}
