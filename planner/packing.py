@@ -120,6 +120,20 @@ class StridedCopies:
     def total_bytes(self) -> int:
         return int((self.run * self.shape.prod(axis=1)).sum())
 
+    def rows(self):
+        """``(src_region, src_offset, dst_region, dst_offset, run, shape, src_strides, dst_strides)``
+        per copy as Python values, for an executor's one call per box."""
+        return zip(
+            self.src_region.tolist(),
+            self.src_offset.tolist(),
+            self.dst_region.tolist(),
+            self.dst_offset.tolist(),
+            self.run.tolist(),
+            self.shape.tolist(),
+            self.src_strides.tolist(),
+            self.dst_strides.tolist(),
+        )
+
     def extents(self) -> tuple[np.ndarray, np.ndarray]:
         """One past the last byte each copy touches, on the source and on the destination side."""
         top = np.maximum(self.shape - 1, 0)
@@ -147,17 +161,7 @@ def copy_boxes(copies: StridedCopies, src: Sequence[np.ndarray], dst: Sequence[n
             f"{int(s_end[i])}, destination buffer {int(copies.dst_region[i])} bytes {int(copies.dst_offset[i])}:"
             f"{int(d_end[i])}) runs outside its buffers"
         )
-    cols = zip(
-        copies.src_region.tolist(),
-        copies.src_offset.tolist(),
-        copies.dst_region.tolist(),
-        copies.dst_offset.tolist(),
-        copies.run.tolist(),
-        copies.shape.tolist(),
-        copies.src_strides.tolist(),
-        copies.dst_strides.tolist(),
-    )
-    for sr, so, dr, do, run, shape, ss, ds in cols:
+    for sr, so, dr, do, run, shape, ss, ds in copies.rows():
         s = as_strided(src[sr][so:], shape=(*shape, run), strides=(*ss, 1), writeable=False)
         d = as_strided(dst[dr][do:], shape=(*shape, run), strides=(*ds, 1))
         np.copyto(d, s)
@@ -344,7 +348,9 @@ class PackedPlan:
     scatter: StridedCopies
 
 
-def _receive_layout(index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, str]):
+def _receive_layout(
+    index: _SourceIndex, dest: RankLayout, transforms: Mapping[str, str]
+) -> tuple[RankLayout, StridedCopies] | None:
     """``(receiving layout, scatter)`` of ``dest``: ``dest`` with the chunks that are contiguous in
     a slot but strided in ``dest`` moved to a dense receive region; None if ``dest`` has errors."""
     missing: dict[str, list[int]] = {}

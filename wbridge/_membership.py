@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Any
 
 from . import _generation
 from ._lifecycle import quietly
+from ._packing import announce
 from ._tracker import state_bytes
 from .protocol.keys import Keys
 from .protocol.records import seal
@@ -33,14 +35,16 @@ class Membership:
         self.store, self.base, self.token, self.name, self.ttl = store, keys, token, name, ttl
         self.gen: str | None = None
         self.acked = 0  # the version the subscriber holds, for its state key when it joins again
+        self.layout: Any = None  # the RankLayout it reads, announced with its record
         self.keys = keys
         self.id: int | None = None
         self.lease: Lease | None = None
         self._left: set[str] = set()  # generations left behind: a replay of one is never followed
 
-    def join(self, gen: str | None = None, acked: int = 0) -> None:
+    def join(self, gen: str | None = None, acked: int = 0, record: bool = True) -> None:
         """Joins generation ``gen`` (default: the store's, created if it has none) under a new id,
-        its state saying it holds version ``acked`` (0: none)."""
+        its state saying it holds version ``acked`` (0: none). ``record=False`` leaves the record
+        (what publishers look for) to ``announce``: a first join does not know its layout yet."""
         if gen is None:
             gen = _generation.join(self.store, self.base, self.token)
         keys = self.base.at(gen)
@@ -50,9 +54,8 @@ class Membership:
         lease = self.store.lease(keys.sub(sub_id, "live"), self.ttl)
         try:
             self.store.set(keys.sub(sub_id, "state"), state_bytes(acked, 0))
-            key = keys.sub(sub_id)
-            record = {"name": self.name, "ttl": self.ttl, "host": socket.gethostname(), "pid": os.getpid()}
-            self.store.set(key, seal(self.token, key, record))
+            if record:
+                self._write_record(keys, sub_id)
         except BaseException:
             quietly(lease.revoke)
             raise
@@ -62,6 +65,18 @@ class Membership:
         if self.gen is not None and self.gen != gen:
             self._left.add(self.gen)
         self.gen, self.keys, self.id = gen, keys, sub_id
+
+    def _write_record(self, keys: Keys, sub_id: int) -> None:
+        record = {"name": self.name, "ttl": self.ttl, "host": socket.gethostname(), "pid": os.getpid()}
+        if self.layout is not None:  # publishers pack their staging slots for it (``_packing``)
+            record["layout"] = announce(self.store, keys, self.token, self.layout)
+        key = keys.sub(sub_id)
+        self.store.set(key, seal(self.token, key, record))
+
+    def announce(self, layout: Any) -> None:
+        """Tells publishers which layout this subscriber reads (kept across re-joins)."""
+        self.layout = layout
+        self._write_record(self.keys, self.id)
 
     def check(self) -> int:
         """``NEW_GENERATION`` (joined the store's new one: what was known of the old is void),

@@ -39,6 +39,7 @@ class Session:
     layouts: list[RankLayout]
     records: list[dict]  # the publisher ranks' records, by rank
     dead: frozenset[int] = frozenset()  # ranks that failed mid-read: planned around
+    gens: tuple[int, ...] = ()  # packing generation of each rank's slot (wbridge._packing)
 
 
 class SourcesFailed(Exception):

@@ -39,6 +39,7 @@ class SubscriberView:
     dead: bool = False
     acked: int = 0
     reading: int = 0
+    layout: str = ""  # hash of its announced layout (``_packing.announce``)
 
 
 def state_bytes(acked: int, reading: int) -> bytes:
@@ -107,7 +108,9 @@ class SubscriberTracker:
             del self.pending[i]
             try:
                 d = open_sealed(self.token, self.keys.sub(i), raw)
-                fresh.append(SubscriberView(i, float(d["ttl"]), str(d.get("name", ""))))
+                fresh.append(
+                    SubscriberView(i, float(d["ttl"]), str(d.get("name", "")), layout=str(d.get("layout", "")))
+                )
             except Exception:  # noqa: BLE001 - an unsigned or forged subscriber is ignored
                 pass
         out = self._judge(views, values[1 : 1 + 2 * len(views)])

@@ -51,6 +51,7 @@ from planner.layout import Declaration, RankLayout
 
 from . import _generation, _validate
 from ._lifecycle import Closeable, log, quietly
+from ._packing import SlotPacker, copy_packed, packing_gens
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
 from ._tensors import FLOATING, address, alloc_bytes, build_layout, byte_view, describe, dtype_name
 from ._tracker import SubscriberTracker, now
@@ -101,6 +102,8 @@ class _Registration:
     device: str = "cpu"
     zero_copy: bool = False
     copy_stream: Any = None  # CUDA: the snapshot copy's own stream
+    packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
+    cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
 
 
 class Publisher(Closeable):
@@ -238,9 +241,12 @@ class Publisher(Closeable):
         )
         old = self._reg
         reg = self._build(layout, live, dict(tensors), device, old)
+        reg.cast = cast
         try:
             gen = _generation.join(self._store, self._base_keys, self.token)
             keys = self._base_keys.at(gen)
+            if not self.zero_copy:  # packs slots for the readers of this generation
+                reg.packer = SlotPacker(self._store, keys, self.token, layout, int(reg.slots[0][0].numel()))
             if self._pending_epoch is not None and self._pending_epoch[0] == gen:
                 reg.epoch = self._pending_epoch[1]  # a retry: this rank was already counted
             else:
@@ -421,24 +427,30 @@ class Publisher(Closeable):
         if _generation.current(self._store, self._base_keys, self.token) != self._gen:
             # The store was lost (its host restarted, etcd wiped): what it counted is gone, so
             # register again in its new generation; versions count from its newest again.
-            self._register(reg.decls)
+            self._register(reg.decls, reg.cast)
             reg = self._reg
         t0 = time.perf_counter()
         v = self._next_version
         slot = v % self.slots
         self._wait_before_snapshot(v, slot, deadline)
+        gen, packed = 0, None
+        if reg.packer is not None:  # pack for the readers known now; later ones from the next version
+            hashes = [s.layout for s in self._tracker.live() if s.layout]
+            gen, packed = reg.packer.choose(reg.epoch, self.rank, hashes)
         t1 = time.perf_counter()
         self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
         stamp = reg.stamps[slot].numpy().view(np.uint64)
         with self._snap_lock:  # close() releases the slots only between snapshots
             self._check_stopped(v)
             stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
-            sums = self._snapshot(reg, slot, ready)
+            sums = self._snapshot(reg, slot, ready, packed)
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t2 = time.perf_counter()
         if sums is not None:
             key = self.keys.sums(v, self.rank)
             self._store.set(key, seal(self.token, key, sums))
+        if reg.packer is not None:
+            reg.packer.record(v, self.rank, gen)
         if self._store.add(self.keys.snap(v, reg.epoch), 1) == self.world_size:
             VersionRecord(
                 v=v,
@@ -450,6 +462,9 @@ class Publisher(Closeable):
                 checksums=self.checksums,
                 committed_at=now(),
                 mode=self.mode,
+                packing=()
+                if reg.packer is None
+                else packing_gens(self._store, self.keys, self.token, v, self.world_size),
             ).write(self._store, self.keys, self.token)
             self._store.set(self.keys.ready(v), b"1")  # wakes the subscribers blocked on it
             self._collect(v, reg.epoch)
@@ -542,7 +557,7 @@ class Publisher(Closeable):
             what = f"publisher rank {self.rank}: readers of slot {slot}"
             self._wait_subscribers(self.keys.free(v), free, deadline, what)
 
-    def _snapshot(self, reg: _Registration, slot: int, ready: Any) -> list | None:
+    def _snapshot(self, reg: _Registration, slot: int, ready: Any, packed: Any = None) -> list | None:
         """Copies the live tensors into ``slot``; returns its checksums (None: not enabled). On
         CUDA the copy waits for ``ready`` (the caller's writes) on its own stream, and returns only
         when the bytes have landed: the stamp is about to say "stable"."""
@@ -552,9 +567,13 @@ class Publisher(Closeable):
             with torch.cuda.stream(reg.copy_stream):
                 if ready is not None:
                     reg.copy_stream.wait_event(ready)
-                for dst, src in [] if self.zero_copy else reg.copies[slot]:
+                if packed is not None:
+                    copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
+                for dst, src in [] if self.zero_copy or packed is not None else reg.copies[slot]:
                     dst.copy_(src, non_blocking=True)
             reg.copy_stream.synchronize()
+        elif packed is not None:  # reader-ordered: one strided copy per cell (wbridge._packing)
+            copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
         elif not self.zero_copy:
             for dst, src in reg.copies[slot]:
                 if isinstance(dst, np.ndarray):

@@ -40,6 +40,7 @@ from transports.base import ReadBatch
 from . import _generation, _validate
 from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, STILL, Membership
+from ._packing import packed_layout
 from ._selection import candidates
 from ._session import Session, Source, SourcesFailed, failed_sources, replan
 from ._tensors import address, alloc_bytes, build_layout, byte_view, commit_pairs
@@ -172,11 +173,12 @@ class Subscriber(Closeable):
         self._check_open()
         _validate.tensors(tensors, f"subscriber {self.name}")
         if self._member.gen is None:
-            self._member.join()
+            self._member.join(record=False)  # the record, with the layout, follows
         layout, live, device = build_layout(self._member.id, tensors, pack=self.staged, who=f"subscriber {self.name}")
         self._drop_session()
         self._deregister_local()
         self._layout, self._live = layout, live
+        self._member.announce(layout)  # publishers pack their slots for the layouts they are told
         if self.staged:
             self._dest = [alloc_bytes(layout.region_sizes[0] if layout.region_sizes else 0, device)]
         else:
@@ -338,8 +340,9 @@ class Subscriber(Closeable):
         data, are what proves the slot did not change (the store is untrusted, so its fence is only
         a hint)."""
         session = self._session
-        if session is None or session.epoch != rec.epoch:
-            session = self._setup(rec, deadline)
+        gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
+        if session is None or session.epoch != rec.epoch or session.gens != gens:
+            session = self._setup(rec, deadline, gens)
         state_key = self.keys.sub(self._member.id, "state")
         self._store.set(state_key, state_bytes(self._member.acked, rec.v))
         try:
@@ -437,7 +440,7 @@ class Subscriber(Closeable):
             f.result()
 
     # ------------------------------------------------------------------------------------------
-    def _setup(self, rec: VersionRecord, deadline: float) -> Session:
+    def _setup(self, rec: VersionRecord, deadline: float, gens: tuple[int, ...]) -> Session:
         """Fetches the epoch's publisher records, plans, chooses transports and connects."""
         self._drop_session()
         keys = [self.keys.rank(rec.epoch, r) for r in range(rec.world_size)]
@@ -452,8 +455,14 @@ class Subscriber(Closeable):
                     ) from None
             records.append(open_sealed(self.token, key, raw))
         self._nslots = min(64, max(int(d.get("slots", 1)) for d in records))
-        layouts = [RankLayout.from_dict(d["layout"]) for d in records]
-        session = Session(rec.epoch, rec.world_size, build_plan(layouts, self._layout), [], layouts, records)
+        layouts = [
+            packed_layout(self._store, self.keys, self.token, rec.epoch, r, g)
+            if g
+            else RankLayout.from_dict(d["layout"])
+            for r, (d, g) in enumerate(zip(records, gens))
+        ]
+        plan = build_plan(layouts, self._layout)
+        session = Session(rec.epoch, rec.world_size, plan, [], layouts, records, gens=gens)
         return self._connect_all(session, deadline)
 
     def _failover(self, session: Session, failed: SourcesFailed, deadline: float) -> Session:
@@ -462,7 +471,7 @@ class Subscriber(Closeable):
         plan, dead = replan(session, self._layout, failed)
         log.warning("subscriber %s: publisher ranks %s failed; reading from replicas", self.name, sorted(dead))
         self._drop_session()
-        new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead)
+        new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead, session.gens)
         return self._connect_all(new, deadline)
 
     def _connect_all(self, session: Session, deadline: float) -> Session:

@@ -97,3 +97,9 @@ def test_stall_tiny_prints_summary_line() -> None:
     ), last
     for mode in ("gather-bcast", "sync", "one_step_off", "async"):
         assert re.search(rf"^\s*{mode}\s+[0-9.]+\s", "\n".join(lines), re.M), lines
+
+
+@pytest.mark.timeout(150)
+def test_pack_copy_prints_summary_line() -> None:
+    lines = run_benchmark("pack_copy.py", "--repeat", "1", timeout=140)
+    assert re.fullmatch(rf"pack_copy: packed_vs_plain={RATIO}", lines[-1]), lines[-1]

@@ -119,6 +119,7 @@ class SubActor:
             "bytes_per_source": dict(self.sub.stats.bytes_per_source),
             "transports": dict(self.sub.stats.transports),
             "retries": self.sub.stats.last.retries if self.sub.stats.last else 0,
+            "ops": self.sub.stats.last.ops if self.sub.stats.last else 0,
         }
 
     def try_pull(self, timeout: float = 10.0) -> dict:

@@ -7,13 +7,16 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
                                     find the store without one (a fresh or wiped store)
     wb/c/g/<g>/reg                  registration counter; epoch = (count - 1) // world_size + 1
     wb/c/g/<g>/e/<e>/r/<rank>       publisher rank record: layout, world size, host, transports
+    wb/c/g/<g>/e/<e>/r/<rank>/packed/<k>  slot layout of packing generation k of that rank
     wb/c/g/<g>/version              the newest committed version's record (v, epoch, slot, fence)
     wb/c/g/<g>/v/<v>/e/<e>/snap     how many publisher ranks of epoch e snapshotted v
     wb/c/g/<g>/v/<v>/sum/<rank>     per-rank chunk checksums of v (when enabled)
+    wb/c/g/<g>/v/<v>/pack/<rank>    the packing generation of rank's slot holding v (staged modes)
     wb/c/g/<g>/v/<v>/ready          written once v is committed: subscribers block on it appearing
     wb/c/g/<g>/v/<v>/acked          written once every live subscriber acked v or later
     wb/c/g/<g>/v/<v>/free           written once no live subscriber reads (an older version in)
                                     the slot that v is about to overwrite
+    wb/c/g/<g>/layout/<hash>        a subscriber layout, announced once per distinct layout
     wb/c/g/<g>/slot/<s>/fence       bumped by every rank before it overwrites slot s
     wb/c/g/<g>/subs                 subscriber counter; subscriber ids are 1, 2, ...
     wb/c/g/<g>/sub/<i>              subscriber record
@@ -78,11 +81,21 @@ class Keys:
     def version_keys(self, v: int, epoch: int, world_size: int, checksums: bool) -> list[str]:
         """Every per-version key of ``v`` (snap counters of this epoch and the one before)."""
         keys = [self.snap(v, epoch), self.ready(v), self.acked(v), self.free(v)]
+        keys += [self.packing(v, r) for r in range(world_size)]
         if epoch > 1:
             keys.append(self.snap(v, epoch - 1))
         if checksums:
             keys += [self.sums(v, r) for r in range(world_size)]
         return keys
+
+    def packed(self, epoch: int, rank: int, gen: int) -> str:
+        return f"{self.rank(epoch, rank)}/packed/{gen}"
+
+    def packing(self, v: int, rank: int) -> str:
+        return f"{self.p}v/{v}/pack/{rank}"
+
+    def reader_layout(self, h: str) -> str:
+        return f"{self.p}layout/{h}"
 
     def fence(self, slot: int) -> str:
         return f"{self.p}slot/{slot}/fence"

@@ -21,6 +21,13 @@ class VersionRecord:
     checksums: bool
     committed_at: float
     mode: str = "one_step_off"  # the publishers' sync mode (subscribers refuse pulls that would deadlock)
+    packing: tuple[int, ...] = ()  # per rank: packing generation of its slot (empty: all plain)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "packing", tuple(int(g) for g in self.packing))
+        except (TypeError, ValueError) as e:
+            raise StoreError(f"malformed version record: packing {self.packing!r}: {e}") from None
 
     @classmethod
     def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:

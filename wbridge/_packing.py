@@ -1,0 +1,138 @@
+"""Reader-ordered staging slots (``planner.packing``) in the runtime.
+
+Subscribers announce their layout once per distinct layout: the layout is stored under a key named
+by its hash (``Keys.reader_layout``) and the subscriber record carries only the hash. At each
+snapshot a staged publisher rank packs its slot for the distinct layouts of the live subscribers
+(``SlotPacker.choose``): a new set of layouts gets a new *packing generation*, whose slot layout is
+stored under ``Keys.packed(epoch, rank, gen)``; generation 0 is the plain slot. Each rank records
+the generation every version was copied with (``Keys.packing(v, rank)``) before it counts its
+snapshot, and the rank that commits ``v`` copies them into the version record, so a subscriber
+reading version ``v`` plans against exactly the layouts of ``v``'s slots, and re-plans only when a
+generation changes. A subscriber that joins later is packed for
+from the next snapshot on; until then it plans ordinary reads against the current slot layout,
+which holds every mapped byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from planner.layout import RankLayout
+from planner.packing import ALIGN, PackedStaging, copy_boxes, pack_staging
+
+from ._tensors import byte_view
+from .errors import StoreError
+from .protocol.keys import Keys
+from .protocol.records import open_sealed, seal
+from .store import Store
+
+
+def layout_hash(layout: RankLayout) -> str:
+    """A content hash of a layout, its rank aside: identical layouts hash alike."""
+    d = layout.to_dict()
+    d["rank"] = 0
+    return hashlib.sha256(json.dumps(d, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def announce(store: Store, keys: Keys, token: bytes | None, layout: RankLayout) -> str:
+    """Stores ``layout`` under its hash unless already there; returns the hash."""
+    h = layout_hash(layout)
+    key = keys.reader_layout(h)
+    if store.get(key) is None:
+        store.set(key, seal(token, key, layout.to_dict()))
+    return h
+
+
+class SlotPacker:
+    """Publisher side: the packed slot layout for each set of reader layouts, one generation each.
+
+    ``store``, ``keys``, ``token``: the channel's store, keys and signing token.
+    ``layout``: the publisher rank's plain (packed-in-order) staging layout.
+    ``slot_bytes``: the size of each staging slot; a packing that does not fit is not used.
+    """
+
+    def __init__(self, store: Store, keys: Keys, token: bytes | None, layout: RankLayout, slot_bytes: int) -> None:
+        self.store, self.keys, self.token = store, keys, token
+        self.layout = layout
+        self.slot_bytes = slot_bytes
+        self.gen = 0
+        self._by_readers: dict[tuple[str, ...], tuple[int, PackedStaging | None]] = {(): (0, None)}
+        self._readers: dict[str, RankLayout | None] = {}
+
+    def _reader(self, h: str) -> RankLayout | None:
+        if h not in self._readers:
+            key = self.keys.reader_layout(h)
+            raw = self.store.get(key)
+            try:
+                lay = RankLayout.from_dict(open_sealed(self.token, key, raw)) if raw is not None else None
+            except Exception:  # noqa: BLE001 - a forged or malformed announcement packs nothing
+                lay = None
+            self._readers[h] = lay if lay is not None and layout_hash(lay) == h else None
+        return self._readers[h]
+
+    def choose(self, epoch: int, rank: int, hashes: list[str]) -> tuple[int, PackedStaging | None]:
+        """The generation and packing for the reader layouts ``hashes`` (``(0, None)``: plain)."""
+        key = tuple(sorted(set(hashes)))
+        got = self._by_readers.get(key)
+        if got is not None:
+            return got
+        readers = [r for r in (self._reader(h) for h in key) if r is not None]
+        got = (0, None)
+        if readers:
+            for align in (ALIGN, 1):
+                ps = pack_staging(self.layout, readers, align=align)
+                if ps.identity:
+                    break
+                if (ps.layout.region_sizes[0] if ps.layout.region_sizes else 0) <= self.slot_bytes:
+                    self.gen += 1
+                    rec_key = self.keys.packed(epoch, rank, self.gen)
+                    self.store.set(rec_key, seal(self.token, rec_key, ps.layout.to_dict()))
+                    got = (self.gen, ps)
+                    break
+        self._by_readers[key] = got
+        return got
+
+    def record(self, v: int, rank: int, gen: int) -> None:
+        """Says which generation version ``v``'s slot of this rank holds (before it commits)."""
+        key = self.keys.packing(v, rank)
+        self.store.set(key, seal(self.token, key, {"gen": gen}))
+
+
+def copy_packed(ps: PackedStaging, live: list[Any], slot: Any) -> None:
+    """The snapshot copy of a packed slot: one strided copy per cell (numpy on CPU, torch views
+    on a GPU, queued on the current stream)."""
+    if slot.device.type == "cpu":
+        copy_boxes(ps.copies, [byte_view(t).numpy() for t in live], [slot.numpy()])
+    else:
+        copy_torch(ps, [byte_view(t) for t in live], slot)
+
+
+def copy_torch(ps: PackedStaging, srcs: list[Any], slot: Any) -> None:
+    """``copy_packed`` with torch strided views (any device): ``srcs`` are flat uint8 tensors."""
+    for sr, so, _, do, run, shape, ss, ds in ps.copies.rows():
+        src = srcs[sr]
+        # as_strided offsets count from the storage's start, not the view's
+        dst = slot.as_strided((*shape, run), (*ds, 1), slot.storage_offset() + do)
+        dst.copy_(src.as_strided((*shape, run), (*ss, 1), src.storage_offset() + so), non_blocking=True)
+
+
+def packing_gens(store: Store, keys: Keys, token: bytes | None, v: int, world_size: int) -> tuple[int, ...]:
+    """The packing generation of every publisher rank's slot for version ``v`` (0 where a rank
+    recorded none), read by the rank that commits ``v`` into its version record."""
+    gens = []
+    for r in range(world_size):
+        key = keys.packing(v, r)
+        raw = store.get(key)
+        gens.append(int(open_sealed(token, key, raw)["gen"]) if raw is not None else 0)
+    return tuple(gens)
+
+
+def packed_layout(store: Store, keys: Keys, token: bytes | None, epoch: int, rank: int, gen: int) -> RankLayout:
+    """The slot layout of packing generation ``gen`` of publisher rank ``rank``."""
+    key = keys.packed(epoch, rank, gen)
+    raw = store.get(key)
+    if raw is None:
+        raise StoreError(f"publisher rank {rank}: packed slot layout {gen} of epoch {epoch} is missing")
+    return RankLayout.from_dict(open_sealed(token, key, raw))
