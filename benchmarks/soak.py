@@ -20,14 +20,28 @@ readers: a ``StaleVersionError`` retry inside the pull (counted as "stale-versio
 torn read (the slot stamps read from the publishers' memory after the data catch it, and a reuse
 during verification is staleness too, not an ``IntegrityError``).
 
+Faults beyond the subscriber kills, spread evenly over the run:
+- ``--store-restarts`` times the store is lost and comes back empty at a version boundary (the
+  driver closes the TCPStore it hosts and hosts a fresh one on the same port; with ``--store etcd``
+  etcd is killed, its data directory wiped, and it restarts). Calls in flight fail with
+  ``StoreError`` and are retried; publishers and subscribers find the new store generation, join
+  it, and version numbers start again at 1 there (a pull in flight across the loss that asked for
+  a version number of the old store may wait for it and time out: a counted failure, not stale).
+- ``--replica-deaths`` times a publisher rank (never rank 0) is SIGKILLed right after a commit, while
+  subscribers pull that version: they read the dead rank's bytes from its DP replica. Once they
+  hold it, the rank is restarted and every rank registers again (a new epoch).
+- ``--slowloris`` connections per publisher rank trickle a byte a second into its tcp server and
+  never authenticate (reconnecting when closed), for the whole run.
+
 Counted:
 - ``pulls``: pulls that returned a version; ``torn``: those whose bytes do not match the version
-  they returned (must be 0);
+  they returned (must be 0); ``stale``: those that returned a version without writing a byte of
+  it (the tensors still hold the garbage fill: stale weights reported as success; must be 0);
 - ``hangs``: calls (publish or pull) with no answer within their timeout plus a grace (must be 0);
 - ``restarts``: subscribers killed and restarted. Pulls that raised are listed by error type.
 
-Last line: ``soak: versions=<n> pulls=<n> torn=<n> hangs=<n> restarts=<n>``; exit status 1 unless
-torn=0 and hangs=0.
+Last line: ``soak: versions=<n> pulls=<n> torn=<n> hangs=<n> stale=<n> restarts=<n>``; exit status
+1 unless torn=0, hangs=0 and stale=0.
 """
 
 from __future__ import annotations
@@ -45,8 +59,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tests.runtime.actors import PubActor, SubActor  # noqa: E402
-from tests.runtime.harness import Worker, WorkerError, free_port  # noqa: E402
+from benchmarks._faults import Slowloris, lose_store  # noqa: E402
+from tests.faults.actors import FaultPub  # noqa: E402
+from tests.runtime.actors import SubActor  # noqa: E402
+from tests.runtime.harness import Worker, WorkerError, call_all, free_port  # noqa: E402
 
 TP, DP = 2, 2
 SUBSCRIBERS = (
@@ -70,7 +86,10 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.url = f"tcp://127.0.0.1:{free_port()}"
-        self.versions = self.pulls = self.torn = self.hangs = self.restarts = 0
+        self.versions = self.pulls = self.torn = self.hangs = self.restarts = self.stale = 0
+        self.store_restarts = self.replica_deaths = 0
+        self.etcd = None
+        self.slowloris: Slowloris | None = None
         self.stale_retries = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.torn_examples: list[str] = []
@@ -86,27 +105,35 @@ class Soak:
     def start(self) -> None:
         from wbridge import open_store
 
-        self.store = open_store(self.url, host_store=True)
-        a = self.args
-        self.pubs = [
-            Worker(
-                f"pub{r}",
-                PubActor,
-                self.url,
-                r,
-                TP * DP,
-                TP,
-                model_kind=a.model,
-                checksums=True,
-                mode="async",
-                max_staleness=a.max_staleness,
-                slots=2,
-                transport=["tcp", "local"],
-            )
-            for r in range(TP * DP)
-        ]
+        if self.args.store == "etcd":
+            from tests.etcd_fixture import EtcdServer
+
+            self.etcd = EtcdServer().start()
+            self.url, self.store = self.etcd.url + "/soak/", None
+        else:
+            self.store = open_store(self.url, host_store=True)
+        self.pubs = [self.start_pub(r) for r in range(TP * DP)]
         for i in range(len(SUBSCRIBERS)):
             self.start_sub(i)
+        if self.args.slowloris:
+            self.slowloris = Slowloris(self.url, TP * DP, self.args.slowloris)
+
+    def start_pub(self, r: int) -> Worker:
+        a = self.args
+        return Worker(
+            f"pub{r}",
+            FaultPub,
+            self.url,
+            r,
+            TP * DP,
+            TP,
+            model_kind=a.model,
+            checksums=True,
+            mode="async",
+            max_staleness=a.max_staleness,
+            slots=2,
+            transport=["tcp", "local"],
+        )
 
     def start_sub(self, i: int) -> None:
         spec = SUBSCRIBERS[i]
@@ -135,12 +162,16 @@ class Soak:
         self.start_sub(i)
 
     def stop(self) -> None:
+        if self.slowloris is not None:
+            self.slowloris.close()
         for w in [*self.subs, *reversed(self.pubs)]:
             if w is not None:
                 w.stop()
         store = getattr(self, "store", None)
         if store is not None:
             store.close()
+        if self.etcd is not None:
+            self.etcd.close()
 
     # -- the event loop ----------------------------------------------------------------------------
     def send(self, w: Worker, method: str, timeout: float, *args: Any, **kwargs: Any) -> None:
@@ -167,7 +198,10 @@ class Soak:
             return
         self.pulls += 1
         self.stale_retries += r["retries"]
-        if r["bad"]:
+        if r["untouched"]:
+            self.stale += 1
+            print(f"soak: STALE sub{i} reported v{r['v']} without writing it", file=sys.stderr, flush=True)
+        elif r["bad"]:
             self.torn += 1
             if len(self.torn_examples) < 5:
                 self.torn_examples.append(f"sub{i} v{r['v']}: {r['bad'][:3]}")
@@ -200,15 +234,28 @@ class Soak:
                     raise RuntimeError(f"publisher {w.name} hung in {c.method}")
 
     def publish_all(self, v: int) -> None:
-        self.done_pubs: dict[Worker, Worker] = {}
-        for p in self.pubs:
-            self.send(p, "publish", self.args.timeout, v)
-        while len(self.done_pubs) < len(self.pubs):
-            self.feed_subscribers()
-            self.step(time.monotonic() + 1.0)
-        got = [p.result(0)["v"] for p in self.pubs]
-        if got != [v] * len(self.pubs):
-            raise RuntimeError(f"publishers returned versions {got} for {v}")
+        """Every rank publishes ``v``; a rank that meets a store still coming back retries."""
+        got: dict[Worker, int] = {}
+        deadline = time.monotonic() + self.args.timeout
+        while len(got) < len(self.pubs):
+            self.done_pubs: dict[Worker, Worker] = {}
+            todo = [p for p in self.pubs if p not in got]
+            for p in todo:
+                self.send(p, "publish", self.args.timeout, v)
+            while len(self.done_pubs) < len(todo):
+                self.feed_subscribers()
+                self.step(time.monotonic() + 1.0)
+            for p in todo:
+                try:
+                    got[p] = p.result(0)["v"]
+                except WorkerError as e:
+                    if e.exc_type != "StoreError" or time.monotonic() > deadline:
+                        raise
+                    self.errors[f"publish {e.exc_type}"] += 1
+            if len(got) < len(self.pubs):
+                time.sleep(0.2)
+        if list(got.values()) != [v] * len(self.pubs):
+            raise RuntimeError(f"publishers returned versions {list(got.values())} for {v}")
         self.committed = v
         self.versions += 1
 
@@ -220,13 +267,41 @@ class Soak:
             self.kill_at.clear()  # no more kills: the run ends with everyone on the last version
             self.step(min(deadline, time.monotonic() + 1.0))
 
+    def lose_store(self) -> None:
+        """The store comes back empty: a new generation, where versions count from 1 again."""
+        self.store = lose_store(self.url, self.store, self.etcd)
+        self.store_restarts += 1
+        self.committed, self.have = 0, [0] * len(SUBSCRIBERS)
+
+    def kill_replica(self) -> None:
+        """A publisher rank dies while subscribers pull the version just committed; once they hold
+        it (from its replica), it restarts and every rank registers again."""
+        victim = 1 + self.replica_deaths % (TP * DP - 1)  # never rank 0
+        self.calls.pop(self.pubs[victim], None)
+        self.pubs[victim].kill()
+        self.replica_deaths += 1
+        self.drain()
+        self.pubs[victim] = self.start_pub(victim)  # registers
+        call_all([p for r, p in enumerate(self.pubs) if r != victim], "reregister", call_timeout=self.args.timeout)
+
     def run(self) -> None:
         t0 = time.monotonic()
-        for v in range(1, self.args.versions + 1):
+        n, a = self.args.versions, self.args
+        losses = {n * (k + 1) // (a.store_restarts + 1) for k in range(a.store_restarts)}
+        deaths = {n * (2 * k + 1) // (2 * a.replica_deaths + 2) for k in range(a.replica_deaths)} - losses
+        v = 0
+        for step in range(1, n + 1):
+            v += 1
             self.publish_all(v)
-            if v % 20 == 0:
+            if step in deaths:
+                self.kill_replica()
+            if step in losses:
+                self.lose_store()
+                v = 0
+            if step % 20 == 0:
                 print(
-                    f"soak: v{v} pulls={self.pulls} restarts={self.restarts} ({time.monotonic() - t0:.0f}s)",
+                    f"soak: {step} versions, pulls={self.pulls} restarts={self.restarts} "
+                    f"({time.monotonic() - t0:.0f}s)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -248,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=["tiny", "small"], default="tiny")
     p.add_argument("--timeout", type=float, default=60.0, help="timeout of every publish and pull")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store", choices=["tcp", "etcd"], default="tcp", help="etcd: a throwaway local etcd")
+    p.add_argument("--store-restarts", type=int, default=2, help="times the store is lost (comes back empty)")
+    p.add_argument("--replica-deaths", type=int, default=2, help="publisher ranks killed mid-pull, then restarted")
+    p.add_argument("--slowloris", type=int, default=64, help="unauthenticated trickling connections per rank")
     args = p.parse_args(argv)
     soak = Soak(args)
     try:
@@ -257,18 +336,19 @@ def main(argv: list[str] | None = None) -> int:
         soak.stop()
     behind = [f"sub{i}:v{h}" for i, h in enumerate(soak.have) if h < soak.committed]
     print(
-        f"soak: {soak.seconds:.1f}s, {args.model} model, stale-version retries inside pulls: "
-        f"{soak.stale_retries}, failed pulls: {dict(soak.errors) or 'none'}"
+        f"soak: {soak.seconds:.1f}s, {args.model} model, {args.store} store lost {soak.store_restarts}x, "
+        f"replicas killed {soak.replica_deaths}x, slowloris {args.slowloris}/rank, stale-version retries "
+        f"inside pulls: {soak.stale_retries}, failed calls: {dict(soak.errors) or 'none'}"
         + (f", behind at the end: {behind}" if behind else "")
     )
     for line in soak.torn_examples:
         print(f"soak: TORN {line}")
     print(
         f"soak: versions={soak.versions} pulls={soak.pulls} torn={soak.torn} hangs={soak.hangs} "
-        f"restarts={soak.restarts}",
+        f"stale={soak.stale} restarts={soak.restarts}",
         flush=True,
     )
-    return 0 if soak.torn == 0 and soak.hangs == 0 and not behind else 1
+    return 0 if soak.torn == 0 and soak.hangs == 0 and soak.stale == 0 and not behind else 1
 
 
 if __name__ == "__main__":

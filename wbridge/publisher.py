@@ -10,7 +10,10 @@ Call protocol (every publisher rank of the channel, ``world_size`` of them)::
     pub.close()                            # idempotent; also a context manager
 
 ``publish()`` copies the live tensors into the next staging slot (the trainer's stall in the
-asynchronous modes), waits as the sync mode says, and the last rank to finish commits ``v``.
+asynchronous modes), waits as the sync mode says, and the last rank to finish commits ``v``. If it
+finds the store lost (its host restarted, etcd wiped: a new store generation, see ``_generation``)
+it first registers again there; versions then count from that store's newest (1) again. Every
+store call of a publish is bounded by its ``timeout``.
 
 ``publish_async()`` runs that same work on the publisher's one background thread and returns a
 ``concurrent.futures.Future`` of ``v``, so the snapshot overlaps the next step's compute::

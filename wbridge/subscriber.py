@@ -12,7 +12,9 @@ A pull plans once per publisher epoch (layouts change only when publishers re-re
 replays the plan: one batch of one-sided reads per publisher rank, all ranks in parallel. Reads land
 straight in the registered tensors, or with ``staged=True`` in a private buffer that is copied in
 only after every read succeeded. A failed pull leaves ``version`` as ``None`` (live tensors hold no
-complete version) unless staged, where the live tensors keep the last complete version.
+complete version) unless staged, where the live tensors keep the last complete version. A source
+rank that dies is read around (its DP replicas hold the same bytes). A pull that finds the store
+lost (a new store generation) or its own lease lapsed first joins the channel again, under a new id.
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class Subscriber(Closeable):
     # ------------------------------------------------------------------------------------------
     @property
     def id(self) -> int | None:
-        """This subscriber's id in the channel (assigned by ``register``)."""
+        """This subscriber's id in the channel (assigned by ``register``; a new one when it joins
+        again after the store was lost or its lease lapsed)."""
         return self._member.id
 
     @property

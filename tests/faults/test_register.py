@@ -77,3 +77,18 @@ def test_register_that_fails_at_the_store_keeps_the_old_registration() -> None:
         store.close()
         sub.stop()
         pub.stop()
+
+
+def test_close_frees_the_registration() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("pub", FaultPub, url, 0, 1, 1, **PUB)
+    try:
+        pub.call("reregister")
+        pub.call("publish", 1)
+        open_ = pub.call("held")
+        pub.call("close")
+        closed = pub.call("held")
+        assert open_["shm"] > 0 and closed["shm"] == 0, (open_, closed)
+        assert closed["fds"] < open_["fds"], (open_, closed)
+    finally:
+        pub.stop()

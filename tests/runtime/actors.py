@@ -95,6 +95,12 @@ class SubActor:
         for t, _ in self.tensors.values():
             t.view(-1).view(__import__("torch").uint8).fill_(byte)
 
+    def untouched(self, byte: int) -> bool:
+        """Whether every byte of every tensor still holds ``byte`` (the garbage fill)."""
+        import torch
+
+        return all(bool((t.view(-1).view(torch.uint8) == byte).all()) for t, _ in self.tensors.values())
+
     def digest(self) -> str:
         h = hashlib.sha256()
         for t, _ in self.tensors.values():
@@ -113,6 +119,7 @@ class SubActor:
         t1 = time.time()
         return {
             "v": v,
+            "untouched": garbage is not None and self.untouched(garbage),  # nothing was written
             "t_start": t0,
             "t_ack": t1,
             "bad": mismatches(self.tensors, v),
