@@ -6,7 +6,7 @@ the aggregator (rank 0), reads every subscriber's lease and state in one batched
 key (``Keys.acked(v)``: every live subscriber acked v or later; ``Keys.free(v)``: no live subscriber
 reads the slot that v is about to overwrite). The other ranks block on the key appearing (a TCPStore
 wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggregator died, or is
-not waiting for the same thing) scans by itself, once per ``FALLBACK_S``, and writes the key too.
+not waiting for the same thing) scans by itself, at doubling intervals, and writes the key too.
 
 A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted
 (a subscriber that comes back registers under a new id).
@@ -24,9 +24,11 @@ from .protocol.keys import Keys
 from .protocol.records import open_sealed
 from .store import Store
 
-FALLBACK_S = 1.0  # a non-aggregating rank scans by itself after waiting this long for a key
+FALLBACK_S = 2.0  # a non-aggregating rank scans by itself after waiting this long for a key, then
+# after twice as long again each time (a long wait on slow subscribers costs O(log) scans per rank)
 PENDING_GRACE_S = 10.0  # an id whose record never appears (collected, or its owner died) is dropped
-MAX_POLL_S = 0.02  # the aggregator's poll backoff cap
+MAX_POLL_S = 0.02  # the aggregator's poll backoff cap; a tenth of the time waited so far if longer
+# (up to FALLBACK_S)
 
 
 @dataclass
@@ -64,7 +66,8 @@ class SubscriberTracker:
     keys: the channel's key layout
     token: the channel token (subscriber records are sealed with it)
     aggregator: whether this rank scans while it waits (True) or blocks on the keys another
-        rank's scans write, scanning by itself only every ``FALLBACK_S`` (False)
+        rank's scans write, scanning by itself only after ``FALLBACK_S``, then at doubling
+        intervals (False)
 
     Thread-safe: a background publish and the caller's ``subscribers()``/``wait_acked()`` may scan
     at once, and a scan updates ``known`` and the store's lease clock, so one scan at a time."""
@@ -150,7 +153,7 @@ class SubscriberTracker:
         """Returns once ``pred(view)`` held for every live subscriber in one scan (this rank's or
         another's: then ``key`` exists); ``check_stop`` may raise to give up. ``WaitTimeout`` at
         ``deadline`` (``time.monotonic()``)."""
-        poll = 0.0005
+        poll, started, fallback = 0.0005, time.monotonic(), FALLBACK_S
         next_scan = time.monotonic() + (0.0 if self.aggregator else FALLBACK_S)
         while True:
             check_stop()
@@ -160,9 +163,11 @@ class SubscriberTracker:
                     self.store.set(key, b"1")
                     return
                 if self.aggregator:
-                    next_scan, poll = now + poll, min(poll * 2, MAX_POLL_S)
+                    # a long wait (slow subscribers) costs O(log) scans, a short one stays prompt
+                    grown = min(max(MAX_POLL_S, (now - started) / 10), FALLBACK_S)
+                    next_scan, poll = now + poll, min(poll * 2, grown)
                 else:
-                    next_scan = now + FALLBACK_S
+                    next_scan, fallback = now + fallback, fallback * 2
             now = time.monotonic()
             if now >= deadline:
                 raise WaitTimeout(f"timed out waiting for {what}")
@@ -170,8 +175,8 @@ class SubscriberTracker:
             if self.aggregator:
                 time.sleep(pause)
                 continue
-            try:
-                self.store.wait(key, max(pause, 0.001))
+            try:  # in slices of at most FALLBACK_S: close() stops a wait that soon
+                self.store.wait(key, max(min(pause, FALLBACK_S), 0.001))
                 return
             except (WaitTimeout, StoreError):
                 pass  # a store down for the slice: the next scan retries it within its own timeout

@@ -67,8 +67,9 @@ from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 log = logging.getLogger("wbridge")
 
 # A pull waiting for a version blocks on its ``ready`` key in slices this long, re-reading the version
-# record in between (a key collected before the wait began, or a zero-copy version fenced off).
-VERSION_WAIT_SLICE_S = 5.0
+# record in between (a zero-copy version fenced off, or a key collected before the wait began: that
+# takes slots + 2 commits within one round trip).
+VERSION_WAIT_SLICE_S = 30.0
 
 
 @dataclass

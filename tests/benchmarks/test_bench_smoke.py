@@ -103,3 +103,35 @@ def test_stall_tiny_prints_summary_line() -> None:
 def test_pack_copy_prints_summary_line() -> None:
     lines = run_benchmark("pack_copy.py", "--repeat", "1", timeout=140)
     assert re.fullmatch(rf"pack_copy: packed_vs_plain={RATIO}", lines[-1]), lines[-1]
+
+
+@pytest.mark.timeout(200)
+def test_control_plane_tiny_prints_summary_lines() -> None:
+    lines = run_benchmark(
+        "control_plane.py",
+        "--publishers",
+        "2",
+        "--subscribers",
+        "4",
+        "--procs",
+        "2",
+        "--versions",
+        "3",
+        "--warmup",
+        "1",
+        "--gc-publishers",
+        "2",
+        "--gc-versions",
+        "1000",
+        "--churn-every",
+        "500",
+        "--stores",
+        "tcp",  # etcd's 1000 versions take minutes here; the full run covers it
+        timeout=190,
+    )
+    num = r"[0-9]+(?:\.[0-9]+)?"
+    assert re.fullmatch(
+        rf"control_plane: store=tcp P=2 S=4 requests_per_version={num} per_party={num} "
+        rf"publish_ms={num} keys_after_10=[0-9]+ keys_after_1000=[0-9]+",
+        lines[-1],
+    ), lines[-1]

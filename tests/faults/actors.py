@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tests.runtime.actors import TOKEN, PubActor, SubActor
-from wbridge import Subscriber, WaitTimeout
+from wbridge import StoreError, Subscriber, WaitTimeout
 from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
 
 CLONE_NEWNET = 0x40000000
@@ -96,14 +96,14 @@ def release(release_path: str) -> None:
 
 class Churn:
     """Subscribers that come and go: ``lifetimes`` of them on ``threads`` threads of this process,
-    each joining (own store connection), pulling 1-3 versions (every byte checked) and leaving
+    each joining (own store connection), pulling 1-2 versions (every byte checked) and leaving
     (``close``), or, with ``forever=True``, pulling until the process dies."""
 
     def __init__(
         self, url: str, seed: int, lifetimes: int, threads: int, *, ttl: float = 2.0, forever: bool = False
     ) -> None:
         self.url, self.seed, self.ttl, self.forever = url, seed, ttl, forever
-        self.stats = {"joined": 0, "left": 0, "pulls": 0, "torn": 0, "hangs": 0, "errors": {}}
+        self.stats = {"joined": 0, "join_retries": 0, "left": 0, "pulls": 0, "torn": 0, "hangs": 0, "errors": {}}
         self._lock = threading.Lock()
         share = [list(range(t, lifetimes, threads)) for t in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(ids,), daemon=True) for ids in share]
@@ -121,6 +121,22 @@ class Churn:
             t.join(max(0.0, deadline - time.monotonic()))
         return dict(self.stats, running=sum(t.is_alive() for t in self._threads))
 
+    def _join(self, i: int, tensors: dict) -> Subscriber:
+        """A subscriber that registered; a join that failed on the store (a connect timing out on
+        an overloaded machine) is retried, as a rollout worker would, and counted."""
+        for attempt in range(5):
+            sub = Subscriber("t", self.url, token=TOKEN, transport="tcp", lease_ttl=self.ttl, name=f"churn{i}")
+            try:
+                sub.register(tensors)
+                self._count("joined")
+                return sub
+            except StoreError:
+                sub.close()
+                if attempt == 4:
+                    raise
+                self._count("join_retries")
+        raise AssertionError("unreachable")
+
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self.stats[what] += n
@@ -130,11 +146,9 @@ class Churn:
             rng = random.Random(self.seed * 100003 + i)
             tp = rng.choice((1, 2))
             tensors = make_tensors(ModelConfig.tiny(), tp, rng.randrange(tp), fused=rng.random() < 0.5, version=None)
-            sub = Subscriber("t", self.url, token=TOKEN, transport="tcp", lease_ttl=self.ttl, name=f"churn{i}")
+            sub = self._join(i, tensors)
             try:
-                sub.register(tensors)
-                self._count("joined")
-                last, pulls = 0, (1 << 30) if self.forever else rng.randint(1, 3)
+                last, pulls = 0, (1 << 30) if self.forever else rng.randint(1, 2)
                 for _ in range(pulls):
                     for t, _ in tensors.values():
                         t.view(-1).view(torch.uint8).fill_(0xA5)

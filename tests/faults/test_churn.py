@@ -1,5 +1,5 @@
 """Subscribers joining and leaving at random while a sync publisher group publishes 100 versions:
-195 come and go cleanly (a few at a time, each pulling 1-3 versions), 5 more die at once (SIGKILL
+195 come and go cleanly (a few at a time, each pulling 1-2 versions), 5 more die at once (SIGKILL
 of their process) half-way. No pull is torn, no publish or pull hangs, and afterwards no record of
 any of the 200 is left in the store (dead subscribers are collected)."""
 
@@ -16,7 +16,7 @@ from wbridge.protocol.keys import Keys
 from .actors import TOKEN, Churn, FaultPub
 
 VERSIONS = 100
-TTL = 2.0
+TTL = 4.0  # the lease connection's connect timeout too: generous on a loaded machine
 
 
 @pytest.mark.slow
@@ -25,7 +25,7 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
     store = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
     kw = dict(model_kind="tiny", mode="sync", transport="tcp")
     pubs = [Worker(f"pub{r}", FaultPub, store.url, r, 2, 2, **kw) for r in range(2)]
-    churn = [Worker(f"churn{k}", Churn, store.url, k, 65, 2, ttl=TTL) for k in range(3)]
+    churn = [Worker(f"churn{k}", Churn, store.url, k, 65, 3, ttl=TTL) for k in range(3)]
     victims = Worker("victims", Churn, store.url, 99, 5, 5, ttl=TTL, forever=True)
     hangs, slowest = 0, 0.0
     try:
@@ -61,7 +61,7 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
         base = Keys("t")
         keys = base.at(_generation.current(store, base, TOKEN.encode()))
         n = store.get_int(keys.subs)
-        assert n == 200
+        assert n == 200 + sum(s["join_retries"] for s in stats)  # a failed join used up an id too
         left = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "live"), keys.sub(i, "state"))]
         found = [k for k, val in zip(left, store.get_many(left)) if val is not None]
         assert found == [], f"{len(found)} keys of departed subscribers are still in the store: {found[:6]}"
