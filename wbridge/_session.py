@@ -3,8 +3,13 @@ source rank the connection and prepared reads. Also which ranks it gave up on (f
 
 from __future__ import annotations
 
+import base64
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from planner.builder import build_plan
 from planner.errors import PlanError
@@ -12,6 +17,13 @@ from planner.layout import RankLayout
 from planner.plan import Plan
 from transports.base import ReadBatch
 from transports.errors import AuthError, TransportError
+
+from ._tensors import address, alloc_bytes
+from .errors import IntegrityError, StoreError
+from .protocol import checksum as _checksum
+from .protocol.stamps import STAMP_BYTES
+
+log = logging.getLogger("wbridge")
 
 
 @dataclass
@@ -70,3 +82,72 @@ def replan(session: Session, dest: RankLayout, failed: SourcesFailed) -> tuple[P
 
 
 __all__ = ["Session", "Source", "SourcesFailed", "failed_sources", "replan"]
+
+
+def fetch_chunk(t: Any, src: Source, slot: int, deadline: float) -> Any:
+    """A ``fetch(region, offset, n)`` that reads ``n`` bytes of ``src``'s slot into fresh memory
+    (for re-reading one chunk when verifying a pull)."""
+
+    def fetch(region: int, offset: int, n: int) -> np.ndarray:
+        scratch = alloc_bytes(n, "cpu")
+        local = t.register(address(scratch), n)
+        try:
+            prep = t.prepare(src.peer, src.regions[slot], [local], ReadBatch.of([(region, offset, 0, 0, n)]))
+            try:
+                t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+            finally:
+                t.release(prep)
+        finally:
+            t.deregister(local)
+        return scratch.numpy()
+
+    return fetch
+
+
+def verify_source(src: Source, rec: Any, sums: dict, dest: list[Any], fetch: Any) -> None:
+    """Checks every chunk the plan read from ``src`` against its publisher rank's ``sums``."""
+    if sums.get("algo") != _checksum.ALGO:
+        raise IntegrityError(
+            f"publisher rank {src.rank} uses checksum {sums.get('algo')}, this subscriber {_checksum.ALGO}"
+        )
+    _checksum.verify_reads(src.batch, sums, dest, fetch, where=f"publisher rank {src.rank}, version {rec.v}")
+
+
+def unb64(s: str) -> bytes:
+    try:
+        return base64.b64decode(s, validate=True)
+    except (ValueError, TypeError) as e:
+        raise StoreError(f"malformed descriptor in publisher record: {e}") from None
+
+
+def connect_source(
+    rank: int, record: dict, batch: ReadBatch, options: list, transport: Any, deadline: float, who: str
+) -> tuple[Source, str]:
+    """Connects to publisher rank ``rank`` over the first of ``options`` (``(name, reason)``, best
+    first) that connects; ``transport(name)`` opens the local side. Returns the source and why
+    that transport (with the ones that failed first)."""
+    tried = []
+    for i, (name, reason) in enumerate(options):
+        served = record["transports"][name]
+        src = Source(
+            rank=rank,
+            transport=name,
+            endpoint=unb64(served["endpoint"]),
+            regions=[[unb64(x) for x in slot] for slot in served["regions"]],
+            batch=batch,
+        )
+        try:
+            t = transport(name)
+            src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
+            src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
+            src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
+        except TransportError as e:
+            if isinstance(e, AuthError) or i == len(options) - 1:
+                raise
+            tried.append(f"{name}: {e}")
+            log.warning(
+                "subscriber %s: %s to publisher rank %d failed (%s); trying %s", who, name, rank, e, options[i + 1][0]
+            )
+            continue
+        return src, (f"{reason}; after {'; '.join(tried)}" if tried else reason)
+    raise TransportError(f"publisher rank {rank}: no transport to try")

@@ -44,7 +44,6 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,12 +53,13 @@ from planner.layout import Declaration, RankLayout
 
 from . import _generation, _validate
 from ._lifecycle import Closeable, log, quietly
-from ._packing import SlotPacker, copy_packed, packing_gens
+from ._packing import SlotPacker, packing_gens
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
-from ._tensors import FLOATING, address, alloc_bytes, build_layout, byte_view, describe, dtype_name
+from ._staging import Registration, copy_pairs, snapshot, staging_buffer
+from ._stats import PublishStats
+from ._tensors import FLOATING, address, build_layout, byte_view, dtype_name
 from ._tracker import SubscriberTracker, now
 from .errors import UsageError, WaitTimeout, WBridgeError
-from .protocol import checksum as _checksum
 from .protocol.keys import Keys
 from .protocol.records import seal
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
@@ -80,33 +80,6 @@ def served_transports(transport: str | Sequence[str]) -> list[str]:
         wanted = {"tcp", "local"} | (set(RDMA_FIRST) if rdma_present() else set())
         return [t for t in _transports.available() if t in wanted]
     return list(transport)
-
-
-@dataclass
-class PublishStats:
-    version: int
-    stall_s: float  # snapshot copy: the time the trainer's own memory was busy
-    wait_s: float  # time blocked on subscribers (mode semantics and slot leases)
-    total_s: float
-    nbytes: int
-    background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
-
-
-@dataclass
-class _Registration:
-    layout: RankLayout
-    tensors: dict[str, Any]
-    decls: Mapping[str, tuple[Any, Declaration]]  # what register() was given (to register again)
-    slots: list[Any]  # staging buffers (torch uint8), or live tensors (zero copy)
-    regions: dict[str, list[list[Any]]] = field(default_factory=dict)  # transport -> slot -> regions
-    copies: list[list[tuple[Any, Any]]] = field(default_factory=list)  # slot -> (dst, src) views
-    stamps: list[Any] = field(default_factory=list)  # slot -> stamp buffer
-    epoch: int = 0
-    device: str = "cpu"
-    zero_copy: bool = False
-    copy_stream: Any = None  # CUDA: the snapshot copy's own stream
-    packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
-    cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
 
 
 class Publisher(Closeable):
@@ -170,7 +143,7 @@ class Publisher(Closeable):
         self._pending_epoch: tuple[str, int] | None = None  # counted by a register() that failed later
         self._closed = False
         self._lock = threading.Lock()
-        self._reg: _Registration | None = None
+        self._reg: Registration | None = None
         self.stats: list[PublishStats] = []
         self._connect_timeout = connect_timeout
         # publish_async(): one worker thread, at most one publish in flight, and a stop signal
@@ -276,8 +249,8 @@ class Publisher(Closeable):
         return reg.epoch
 
     def _build(
-        self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: _Registration | None
-    ) -> _Registration:
+        self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None
+    ) -> Registration:
         """The staging slots (or live views) of a registration, registered with every transport."""
         if self.zero_copy:
             slots = [[byte_view(t) for t in live.values()]]
@@ -287,21 +260,21 @@ class Publisher(Closeable):
             if same and all(int(s[0].numel()) == size for s in old.slots) and len(old.slots) == self.slots:
                 slots = old.slots  # re-registration: no new shared memory per call
             else:
-                slots = [[self._staging_buffer(size, device)] for _ in range(self.slots)]
-        reg = _Registration(layout, live, decls, slots, device=device, zero_copy=self.zero_copy)
+                slots = [[staging_buffer(self._transports, size, device)] for _ in range(self.slots)]
+        reg = Registration(layout, live, decls, slots, device=device, zero_copy=self.zero_copy)
         if device != "cpu":
             import torch
 
             reg.copy_stream = torch.cuda.Stream(device=device)
         if not self.zero_copy:
-            reg.copies = [_copy_pairs(slot[0], live.values(), layout, device) for slot in slots]
+            reg.copies = [copy_pairs(slot[0], live.values(), layout, device) for slot in slots]
         # Each slot's last region is its stamp: the version it holds and whether it is being
         # written. Readers check it after their reads (a seqlock in the data plane), so a store
         # that lies about fences cannot make them commit a slot that changed under them.
         if old is not None and len(old.stamps) == len(slots):
             reg.stamps = old.stamps  # their content stays right: each snapshot rewrites its stamp
         else:
-            reg.stamps = [self._staging_buffer(STAMP_BYTES, "cpu") for _ in slots]
+            reg.stamps = [staging_buffer(self._transports, STAMP_BYTES, "cpu") for _ in slots]
             for stamp in reg.stamps:
                 stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
         try:
@@ -318,7 +291,7 @@ class Publisher(Closeable):
             raise
         return reg
 
-    def _record(self, reg: _Registration) -> dict:
+    def _record(self, reg: Registration) -> dict:
         return {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -338,21 +311,6 @@ class Publisher(Closeable):
                 for name, t in self._transports.items()
             },
         }
-
-    def _staging_buffer(self, size: int, device: str):
-        buf = None
-        if device == "cpu" and size:
-            import torch
-
-            for t in self._transports.values():
-                host = t.host_buffer(size)
-                if host is not None:
-                    buf = torch.frombuffer(host, dtype=torch.uint8, count=size)
-                    break
-        if buf is None:
-            buf = alloc_bytes(size, device)
-        buf.zero_()  # fault the pages in now, not inside the first publish() stall
-        return buf
 
     # ------------------------------------------------------------------------------------------
     def publish(self, timeout: float = 60.0) -> int:
@@ -446,7 +404,7 @@ class Publisher(Closeable):
         with self._snap_lock:  # close() releases the slots only between snapshots
             self._check_stopped(v)
             stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
-            sums = self._snapshot(reg, slot, ready, packed)
+            sums = snapshot(reg, slot, ready, packed, self.checksums)
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t2 = time.perf_counter()
         if sums is not None:
@@ -560,40 +518,13 @@ class Publisher(Closeable):
             what = f"publisher rank {self.rank}: readers of slot {slot}"
             self._wait_subscribers(self.keys.free(v), free, deadline, what)
 
-    def _snapshot(self, reg: _Registration, slot: int, ready: Any, packed: Any = None) -> list | None:
-        """Copies the live tensors into ``slot``; returns its checksums (None: not enabled). On
-        CUDA the copy waits for ``ready`` (the caller's writes) on its own stream, and returns only
-        when the bytes have landed: the stamp is about to say "stable"."""
-        if reg.device != "cpu":
-            import torch
-
-            with torch.cuda.stream(reg.copy_stream):
-                if ready is not None:
-                    reg.copy_stream.wait_event(ready)
-                if packed is not None:
-                    copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
-                for dst, src in [] if self.zero_copy or packed is not None else reg.copies[slot]:
-                    dst.copy_(src, non_blocking=True)
-            reg.copy_stream.synchronize()
-        elif packed is not None:  # reader-ordered: one strided copy per cell (wbridge._packing)
-            copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
-        elif not self.zero_copy:
-            for dst, src in reg.copies[slot]:
-                if isinstance(dst, np.ndarray):
-                    np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here
-                else:
-                    dst.copy_(src)  # a cast (register(dtype=...)): one vectorised op per tensor
-        if not self.checksums:
-            return None
-        return _checksum.chunk_sums(reg.slots[0] if self.zero_copy else reg.slots[slot])
-
     # ------------------------------------------------------------------------------------------
     def _release_registration(self) -> None:
         reg, self._reg = self._reg, None
         if reg is not None:
             self._release_regions(reg)
 
-    def _release_regions(self, reg: _Registration) -> None:
+    def _release_regions(self, reg: Registration) -> None:
         """Stops serving ``reg``'s regions (its buffers may live on in a newer registration)."""
         regions, reg.regions = reg.regions, {}
         for name, per_slot in regions.items():
@@ -644,23 +575,6 @@ class Publisher(Closeable):
             f"Publisher({self.channel!r}, rank={self.rank}/{self.world_size}, mode={self.mode}, "
             f"version={self.version}, transports={list(getattr(self, '_transports', {}))}, {state})"
         )
-
-
-def _copy_pairs(buf: Any, tensors: Any, layout: RankLayout, device: str) -> list[tuple[Any, Any]]:
-    """(staging slice, live tensor) views for the snapshot copy, built once per registration: raw
-    bytes where the published dtype is the live one, typed torch views where the copy casts."""
-    import torch
-
-    pairs = []
-    for t, lt in zip(tensors, layout.tensors):
-        dst = buf[lt.offset : lt.offset + lt.nbytes]
-        if describe(lt.name, t)[1] != lt.dtype:
-            live = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            pairs.append((dst.view(getattr(torch, lt.dtype)).view(live.shape), live))
-            continue
-        src = byte_view(t)
-        pairs.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
-    return pairs
 
 
 def _b64(b: bytes) -> str:

@@ -20,7 +20,6 @@ lost (a new store generation) or its own lease lapsed first joins the channel ag
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import socket
@@ -28,7 +27,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -44,11 +42,20 @@ from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, STILL, Membership
 from ._packing import packed_layout
 from ._selection import candidates
-from ._session import Session, Source, SourcesFailed, failed_sources, replan
+from ._session import (
+    Session,
+    Source,
+    SourcesFailed,
+    connect_source,
+    failed_sources,
+    fetch_chunk,
+    replan,
+    verify_source,
+)
+from ._stats import PullStats, SubscriberStats
 from ._tensors import address, alloc_bytes, build_layout, byte_view, commit_pairs
 from ._tracker import state_bytes
 from .errors import (
-    AuthError,
     IntegrityError,
     StaleVersionError,
     StoreError,
@@ -57,7 +64,6 @@ from .errors import (
     WaitTimeout,
     WBridgeError,
 )
-from .protocol import checksum as _checksum
 from .protocol.keys import Keys
 from .protocol.records import open_sealed
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
@@ -70,31 +76,6 @@ log = logging.getLogger("wbridge")
 # record in between (a zero-copy version fenced off, or a key collected before the wait began: that
 # takes slots + 2 commits within one round trip).
 VERSION_WAIT_SLICE_S = 30.0
-
-
-@dataclass
-class PullStats:
-    version: int
-    seconds: float
-    nbytes: int
-    ops: int
-    retries: int
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class SubscriberStats:
-    transports: dict[int, tuple[str, str]] = field(default_factory=dict)  # src rank -> (name, reason)
-    bytes_per_source: dict[int, int] = field(default_factory=dict)  # of the current plan
-    pulls: list[PullStats] = field(default_factory=list)
-    plans: int = 0
-
-    @property
-    def last(self) -> PullStats | None:
-        return self.pulls[-1] if self.pulls else None
 
 
 class Subscriber(Closeable):
@@ -517,44 +498,14 @@ class Subscriber(Closeable):
     def _connect(self, rank: int, record: dict, batch: ReadBatch, deadline: float) -> Source:
         """Connects to one publisher rank over the best transport that works; ``auto`` falls back
         to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
-        tried = []
         remote = record.get("caps")
         if not isinstance(remote, dict):
             raise StoreError(f"publisher rank {rank}: record lacks its capabilities")
         options = candidates(self.preference, self._caps, remote)
-        for i, (name, reason) in enumerate(options):
-            served = record["transports"][name]
-            src = Source(
-                rank=rank,
-                transport=name,
-                endpoint=_unb64(served["endpoint"]),
-                regions=[[_unb64(x) for x in slot] for slot in served["regions"]],
-                batch=batch,
-            )
-            try:
-                t = self._transport(name)
-                src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
-                src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
-                src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
-            except TransportError as e:
-                if isinstance(e, AuthError) or i == len(options) - 1:
-                    raise
-                tried.append(f"{name}: {e}")
-                log.warning(
-                    "subscriber %s: %s to publisher rank %d failed (%s); trying %s",
-                    self.name,
-                    name,
-                    rank,
-                    e,
-                    options[i + 1][0],
-                )
-                continue
-            if tried:
-                reason = f"{reason}; after {'; '.join(tried)}"
-            self.stats.transports[rank] = (name, reason)
-            log.info("subscriber %s reads publisher rank %d over %s (%s)", self.name, rank, name, reason)
-            return src
-        raise TransportError(f"publisher rank {rank}: no transport connected")  # unreachable
+        src, reason = connect_source(rank, record, batch, options, self._transport, deadline, self.name)
+        self.stats.transports[rank] = (src.transport, reason)
+        log.info("subscriber %s reads publisher rank %d over %s (%s)", self.name, rank, src.transport, reason)
+        return src
 
     def _transport(self, name: str) -> _transports.Transport:
         t = self._transports.get(name)
@@ -575,36 +526,10 @@ class Subscriber(Closeable):
         for src, key, raw in zip(session.sources, keys, self._store.get_many(keys)):
             if raw is None:  # written before the commit: collected since, so the slot was reused
                 raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
-            sums = open_sealed(self.token, key, raw)
-            if sums.get("algo") != _checksum.ALGO:
-                raise IntegrityError(
-                    f"publisher rank {src.rank} uses checksum {sums.get('algo')}, this subscriber {_checksum.ALGO}"
-                )
-            _checksum.verify_reads(
-                src.batch,
-                sums,
-                self._dest,
-                self._fetch_chunk(src, rec.slot, deadline),
-                where=f"publisher rank {src.rank}, version {rec.v}",
+            t = self._transports[src.transport]
+            verify_source(
+                src, rec, open_sealed(self.token, key, raw), self._dest, fetch_chunk(t, src, rec.slot, deadline)
             )
-
-    def _fetch_chunk(self, src: Source, slot: int, deadline: float):
-        t = self._transports[src.transport]
-
-        def fetch(region: int, offset: int, n: int) -> np.ndarray:
-            scratch = alloc_bytes(n, "cpu")
-            local = t.register(address(scratch), n)
-            try:
-                prep = t.prepare(src.peer, src.regions[slot], [local], ReadBatch.of([(region, offset, 0, 0, n)]))
-                try:
-                    t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
-                finally:
-                    t.release(prep)
-            finally:
-                t.deregister(local)
-            return scratch.numpy()
-
-        return fetch
 
     # ------------------------------------------------------------------------------------------
     def _drop_session(self) -> None:
@@ -661,13 +586,6 @@ class Subscriber(Closeable):
 
 class _GenerationChanged(Exception):
     """Internal: the store was found in a new generation while waiting; wait again there."""
-
-
-def _unb64(s: str) -> bytes:
-    try:
-        return base64.b64decode(s, validate=True)
-    except (ValueError, TypeError) as e:
-        raise StoreError(f"malformed descriptor in publisher record: {e}") from None
 
 
 __all__ = ["Subscriber", "SubscriberStats", "PullStats", "WBridgeError", "TransportError"]

@@ -1,0 +1,40 @@
+"""What publishers and subscribers record about each publish and pull (``pub.stats``, ``sub.stats``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PublishStats:
+    version: int
+    stall_s: float  # snapshot copy: the time the trainer's own memory was busy
+    wait_s: float  # time blocked on subscribers (mode semantics and slot leases)
+    total_s: float
+    nbytes: int
+    background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
+
+
+@dataclass
+class PullStats:
+    version: int
+    seconds: float
+    nbytes: int
+    ops: int
+    retries: int
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class SubscriberStats:
+    transports: dict[int, tuple[str, str]] = field(default_factory=dict)  # src rank -> (name, reason)
+    bytes_per_source: dict[int, int] = field(default_factory=dict)  # of the current plan
+    pulls: list[PullStats] = field(default_factory=list)
+    plans: int = 0
+
+    @property
+    def last(self) -> PullStats | None:
+        return self.pulls[-1] if self.pulls else None
