@@ -197,7 +197,11 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="compare greedy tokens with a fresh engine")
     ap.add_argument("--out", default=None, help="write result.json here")
     args = ap.parse_args()
-    work = args.out or tempfile.mkdtemp(prefix="wbridge-ray-")
+    with tempfile.TemporaryDirectory(prefix="wbridge-ray-") as tmp:
+        run(args, args.out or tmp)
+
+
+def run(args: argparse.Namespace, work: str) -> None:
     ckpt, final = os.path.join(work, "initial"), os.path.join(work, "final")
     make_checkpoint(ckpt)
     cluster = start_cluster()
