@@ -97,3 +97,8 @@ def copy_pairs(buf: Any, tensors: Any, layout: RankLayout, device: str) -> list[
         src = byte_view(t)
         pairs.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
     return pairs
+
+
+def casts(layout: RankLayout, live: Mapping[str, Any]) -> bool:
+    """Whether any live tensor is published in another dtype than its own (``register(dtype=)``)."""
+    return any(describe(lt.name, t)[1] != lt.dtype for t, lt in zip(live.values(), layout.tensors))

@@ -55,7 +55,7 @@ from . import _generation, _validate
 from ._lifecycle import Closeable, log, quietly
 from ._packing import SlotPacker, packing_gens
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
-from ._staging import Registration, copy_pairs, snapshot, staging_buffer
+from ._staging import Registration, casts, copy_pairs, snapshot, staging_buffer
 from ._stats import PublishStats
 from ._tensors import FLOATING, address, build_layout, byte_view, dtype_name
 from ._tracker import SubscriberTracker, now
@@ -221,7 +221,9 @@ class Publisher(Closeable):
         try:
             gen = _generation.join(self._store, self._base_keys, self.token)
             keys = self._base_keys.at(gen)
-            if not self.zero_copy:  # packs slots for the readers of this generation
+            # packs slots for the readers of this generation; the packed copy moves bytes as they
+            # are, so a registration that casts (register(dtype=)) keeps the plain slot layout
+            if not self.zero_copy and not casts(layout, live):
                 reg.packer = SlotPacker(self._store, keys, self.token, layout, int(reg.slots[0][0].numel()))
             if self._pending_epoch is not None and self._pending_epoch[0] == gen:
                 reg.epoch = self._pending_epoch[1]  # a retry: this rank was already counted

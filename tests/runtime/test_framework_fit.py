@@ -49,6 +49,26 @@ def test_fp32_trainer_publishes_low_precision_bit_exact(dtype) -> None:
         pub.stop()
 
 
+@pytest.mark.timeout(90)
+def test_cast_to_a_column_sliced_reader_stays_bit_exact() -> None:
+    """A reader whose layout differs from the trainer's (columns of ``w``), over several versions:
+    publishers pack their slots for such readers, and a cast must not be packed as raw bytes."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("trainer", Fp32Trainer, url, dtype=torch.bfloat16, transport="tcp")
+    try:
+        sub = Subscriber("fit", url, token=TOKEN, transport="tcp")
+        cols = torch.full((64, 24), float("nan"), dtype=torch.bfloat16)
+        with sub:
+            sub.register({"w": (cols, Shard("w", (64, 48), (0, 24)))})
+            for v in (1, 2, 3):
+                assert pub.call("publish", v) == v
+                assert sub.pull(min_version=v, timeout=30) == v
+                want = master(v)["w"].to(torch.bfloat16)[:, 24:]
+                assert torch.equal(cols.view(torch.int16), want.contiguous().view(torch.int16)), v
+    finally:
+        pub.stop()
+
+
 @pytest.mark.timeout(60)
 def test_cast_with_zero_copy_is_a_usage_error() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
