@@ -111,6 +111,28 @@ class Model:
     def p(self, i: int) -> str:
         return f"model.layers.{i}."
 
+    def _dense_and_shared_mlp(self, b: LayoutBuilder, i: int, k: int, tp: int, local: tuple, dense: str = "") -> bool:
+        """Layer ``i``'s dense MLP (returns False: nothing else in it) or its router and shared
+        experts (returns True: its routed experts follow), split ``k`` ways, as ``local`` names
+        (fused gate/up, down) under the layer's prefix plus ``dense`` (dense) or ``shared_experts.``."""
+        p, h, c = self.p(i), self.h, self.c
+        parts = []
+        if i < self.dense:
+            parts.append((p + "mlp.", p + dense, c["intermediate_size"]))
+        else:
+            full(b, p + "mlp.gate.weight", (self.experts, h))
+            if self.mla:
+                full(b, p + "mlp.gate.e_score_correction_bias", (self.experts,))
+            if self.shared:
+                q = p + "mlp.shared_experts."
+                parts.append((q, q, self.shared))
+        for canon, at, inter in parts:
+            lc, decl = fused_rows([canon + "gate_proj.weight", canon + "up_proj.weight"], (inter, h), k, tp)
+            b.add(at + local[0], lc, DT, decl)
+            lc, decl = cols(canon + "down_proj.weight", (h, inter), k, tp)
+            b.add(at + local[1], lc, DT, decl)
+        return i >= self.dense
+
     # -------------------------------------------------------------- trainer (Megatron-style)
     def trainer_rank(self, t: Trainer, pp: int, tp: int, dp: int, rank: int) -> LayoutBuilder:
         b = LayoutBuilder(rank)
@@ -125,22 +147,8 @@ class Model:
             full(b, p + "input_layernorm.weight", (h,))
             full(b, p + "post_attention_layernorm.weight", (h,))
             self._trainer_attn(b, p, t.tp, tp)
-            if i < self.dense:
-                shape = (c["intermediate_size"], h)
-                local, decl = fused_rows([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], shape, t.tp, tp)
-                b.add(p + "linear_fc1", local, DT, decl)
-                local, decl = cols(p + "mlp.down_proj.weight", (h, shape[0]), t.tp, tp)
-                b.add(p + "linear_fc2", local, DT, decl)
+            if not self._dense_and_shared_mlp(b, i, t.tp, tp, ("linear_fc1", "linear_fc2")):
                 continue
-            full(b, p + "mlp.gate.weight", (self.experts, h))
-            if self.mla:
-                full(b, p + "mlp.gate.e_score_correction_bias", (self.experts,))
-            if self.shared:
-                q = p + "mlp.shared_experts."
-                local, decl = fused_rows([q + "gate_proj.weight", q + "up_proj.weight"], (self.shared, h), t.tp, tp)
-                b.add(q + "linear_fc1", local, DT, decl)
-                local, decl = cols(q + "down_proj.weight", (h, self.shared), t.tp, tp)
-                b.add(q + "linear_fc2", local, DT, decl)
             for e in range(e_lo, e_lo + e_n):
                 q = f"{p}mlp.experts.{e}."
                 b.add(
@@ -211,22 +219,8 @@ class Model:
             full(b, p + "input_layernorm.weight", (h,))
             full(b, p + "post_attention_layernorm.weight", (h,))
             self._rollout_attn(b, p, k, tp)
-            if i < self.dense:
-                shape = (c["intermediate_size"], h)
-                local, decl = fused_rows([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], shape, k, tp)
-                b.add(p + "mlp.gate_up_proj", local, DT, decl)
-                local, decl = cols(p + "mlp.down_proj.weight", (h, shape[0]), k, tp)
-                b.add(p + "mlp.down_proj", local, DT, decl)
+            if not self._dense_and_shared_mlp(b, i, k, tp, ("gate_up_proj", "down_proj"), "mlp."):
                 continue
-            full(b, p + "mlp.gate.weight", (self.experts, h))
-            if self.mla:
-                full(b, p + "mlp.gate.e_score_correction_bias", (self.experts,))
-            if self.shared:
-                q = p + "mlp.shared_experts."
-                local, decl = fused_rows([q + "gate_proj.weight", q + "up_proj.weight"], (self.shared, h), k, tp)
-                b.add(q + "gate_up_proj", local, DT, decl)
-                local, decl = cols(q + "down_proj.weight", (h, self.shared), k, tp)
-                b.add(q + "down_proj", local, DT, decl)
             ex = [f"{p}mlp.experts.{e}." for e in range(e_lo, e_lo + e_n)]
             b.add(
                 p + "mlp.experts.w13_weight",
