@@ -34,6 +34,7 @@ def run_benchmark(script: str, *args: str, timeout: float) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_update_e2e_tiny_prints_summary_line(tmp_path) -> None:
     committed = os.path.join(ROOT, "benchmarks", "results", "update_e2e.json")
@@ -73,6 +74,7 @@ def test_update_e2e_tiny_prints_summary_line(tmp_path) -> None:
         assert re.search(rf"^\s*{method}\s+[0-9.]+\s", table, re.M), table
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_stall_tiny_prints_summary_line() -> None:
     lines = run_benchmark(
@@ -99,12 +101,14 @@ def test_stall_tiny_prints_summary_line() -> None:
         assert re.search(rf"^\s*{mode}\s+[0-9.]+\s", "\n".join(lines), re.M), lines
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_pack_copy_prints_summary_line() -> None:
     lines = run_benchmark("pack_copy.py", "--repeat", "1", timeout=140)
     assert re.fullmatch(rf"pack_copy: packed_vs_plain={RATIO}", lines[-1]), lines[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_control_plane_tiny_prints_summary_lines() -> None:
     lines = run_benchmark(

@@ -50,6 +50,7 @@ def _to_traced_rollout(ranks):
     assert_like_loaded(models, QWEN2, full)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_dtensor_trainer_to_traced_rollout(dumps):
     _to_traced_rollout(_load(dumps, "fsdp_tp"))

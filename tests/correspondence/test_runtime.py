@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_megatron_publishers_to_traced_vllm_style_subscribers(tmp_path):
     port, world, versions = free_port(), 2, 2

@@ -21,6 +21,7 @@ pytestmark = [
 DOWN_FOR = 1.0  # seconds etcd stays down: longer than a poll, shorter than the lease TTL
 
 
+@pytest.mark.slow
 def test_etcd_restart_while_publishing_and_pulling(tmp_path) -> None:
     server = EtcdServer()
     fault, paused, go = pause_fault(tmp_path, on_reads=(3, 4))  # the pull of version 2

@@ -20,6 +20,7 @@ PULL_TIMEOUT = 4.0
 SLACK = 6.0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)")
 def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
     net = network(3)
@@ -87,6 +88,7 @@ def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
         server.close()
 
 
+@pytest.mark.slow
 def test_subscriber_cut_off_with_its_store_errors_within_its_timeout(network, tmp_path) -> None:
     """The subscriber's own link goes down mid-pull: publisher and store (tcp://, hosted by the
     publisher) become unreachable together. The pull must still fail within its timeout."""

@@ -67,6 +67,7 @@ def test_publisher_killed_mid_pull_then_restarted(store_url: str, staged: bool, 
             p.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["tcp", "etcd"])
 def test_subscriber_killed_mid_pull_sync_publisher_stops_waiting(kind: str, tmp_path, request) -> None:

@@ -79,6 +79,7 @@ class StallingProxy:
         self.listener.close()
 
 
+@pytest.mark.slow
 def test_lease_connects_within_connect_timeout_not_lease_ttl() -> None:
     port = free_port()
     pub = Worker(

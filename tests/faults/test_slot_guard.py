@@ -19,6 +19,7 @@ TTL = 3.0
 SLACK = 6.0  # a loaded 2-core machine: process wake-ups and store round trips
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["tcp", "etcd"])
 def test_reader_blocks_overwrite_of_its_slot_until_its_lease_lapses(kind: str, tmp_path, request) -> None:

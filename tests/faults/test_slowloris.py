@@ -36,6 +36,7 @@ def tcp_endpoint(url: str) -> tuple[str, int]:
     return d["host"], int(d["port"])
 
 
+@pytest.mark.slow
 def test_unauthenticated_trickle_cannot_lock_out_subscribers() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     opts = {"tcp": {"max_connections": CAP, "handshake_timeout": HANDSHAKE}}

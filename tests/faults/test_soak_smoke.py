@@ -22,6 +22,7 @@ def load_soak():
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_soak_smoke(capsys) -> None:
     status = load_soak().main(

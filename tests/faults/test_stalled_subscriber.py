@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 TTL = 2.0
 
 
+@pytest.mark.slow
 def test_revived_subscriber_is_waited_for_again() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     pub = Worker("pub", FaultPub, url, 0, 1, 1, host_store=True, model_kind="tiny", transport="tcp", mode="sync")

@@ -29,6 +29,7 @@ def timed_failure(w: Worker, method: str, *args, **kwargs) -> tuple[str, float]:
     return err.value.exc_type, time.monotonic() - t0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["tcp", "etcd"])
 def test_calls_end_by_their_timeout_when_the_store_hangs(store: str) -> None:
     if store == "etcd" and etcd_binary() is None:

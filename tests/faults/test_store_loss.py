@@ -48,6 +48,7 @@ def retried(w: Worker, method: str, *args, within: float = 60.0, **kwargs):
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["tcp", "etcd"])
 def test_store_loss_never_reports_a_version_not_pulled(store: str) -> None:
     if store == "etcd" and etcd_binary() is None:

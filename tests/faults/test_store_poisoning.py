@@ -229,6 +229,7 @@ def test_checksums_replayed_from_an_older_version(channel) -> None:
 # -- rollback ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_old_version_record_replayed_does_not_roll_a_subscriber_back(channel) -> None:
     """v1's genuine version record, saved when it was current and written back after v2: the
     signature is valid (same key, same token), so only the subscriber's own memory can refuse it."""

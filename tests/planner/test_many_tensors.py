@@ -22,6 +22,7 @@ def _experts(rank: int, n: int = N) -> LayoutBuilder:
     return b
 
 
+@pytest.mark.slow
 def test_fifty_thousand_tensors_register_and_plan():
     src = _experts(0).build()
     assert len(src.tensors) == N and len(src.specs) == N

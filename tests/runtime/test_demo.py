@@ -23,6 +23,7 @@ def demo(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_passes_and_its_check_can_fail() -> None:
     ok = demo()

@@ -25,6 +25,7 @@ def stop(workers: list[Worker]) -> None:
         w.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", E2E_TRANSPORTS)
 def test_three_versions_bit_exact_and_late_joiner(transport: str) -> None:

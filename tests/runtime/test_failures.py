@@ -54,6 +54,7 @@ def test_unknown_tensor_is_plan_error_naming_it(store) -> None:
         sub.stop(), pub.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_no_publisher_times_out(store) -> None:
     sub = Worker("sub", SubActor, store.url, 1, 0, fused=False, model_kind="tiny")

@@ -67,6 +67,7 @@ def test_bit_flipped_in_flight_is_integrity_error(staged: bool) -> None:
         [p.stop() for p in reversed(pubs)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_slot_reused_under_a_slow_reader_is_never_torn() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"

@@ -69,6 +69,7 @@ def test_async_blocks_only_past_max_staleness(k: int) -> None:
         sub.stop(), pub.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_sync_publisher_stops_waiting_for_a_dead_subscriber() -> None:
     pub, sub = pair("sync")
@@ -85,6 +86,7 @@ def test_sync_publisher_stops_waiting_for_a_dead_subscriber() -> None:
         pub.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_zero_copy_serves_live_tensors_until_every_ack() -> None:
     pub, sub = pair("one_step_off", zero_copy=True)

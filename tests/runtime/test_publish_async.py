@@ -97,6 +97,7 @@ def _stop(*workers: Worker) -> None:
         w.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_publish_async_returns_at_once_and_subscribers_get_every_version_bit_exact() -> None:
     """sync mode makes the point sharpest: publish_async returns before the ack it must wait for,
@@ -127,6 +128,7 @@ def test_publish_async_returns_at_once_and_subscribers_get_every_version_bit_exa
         _stop(*subs, *pubs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_errors_come_through_the_future_as_publish_raises_them() -> None:
     url, pubs = _channel("sync", 1, 1)

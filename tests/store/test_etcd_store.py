@@ -30,6 +30,7 @@ def own_etcd():
         server.close()
 
 
+@pytest.mark.slow
 def test_restart_mid_use_clients_reconnect_and_continue(own_etcd):
     url, ttl = own_etcd.url, 3.0
     s = open_store(url, connect_timeout=20)
@@ -78,6 +79,7 @@ def test_restart_mid_use_clients_reconnect_and_continue(own_etcd):
     s.close()
 
 
+@pytest.mark.slow
 def test_calls_while_etcd_is_down_are_bounded(own_etcd):
     s = open_store(own_etcd.url, connect_timeout=20)
     s.set("k", b"v")

@@ -46,6 +46,7 @@ def exercise_cut_and_restore(net, client, op_timeout: float) -> None:
     assert ok(client.request({"op": "add", "key": "n", "delta": 2}, op_timeout + 30)) == 2
 
 
+@pytest.mark.slow
 def test_tcp_store_across_hosts_link_cut_and_restored(network):
     net = network(2)
     a, b = net.hosts
@@ -56,6 +57,7 @@ def test_tcp_store_across_hosts_link_cut_and_restored(network):
     exercise_cut_and_restore(net, client, op_timeout=3.0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)")
 def test_etcd_store_across_hosts_link_cut_and_restored(network):
     net = network(2)
@@ -69,6 +71,7 @@ def test_etcd_store_across_hosts_link_cut_and_restored(network):
         server.close()
 
 
+@pytest.mark.slow
 def test_hosts_are_isolated(network):
     """Each host reaches the others over the bridge; a cut host reaches no one and no one reaches it."""
     net = network(3)
@@ -101,6 +104,7 @@ print(json.dumps(out), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_store_on_a_cut_host_is_unreachable_within_connect_timeout(network):
     """Packets to a cut host vanish (no refusal comes back): opening still fails within its timeout."""
     net = network(2)

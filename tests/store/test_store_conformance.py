@@ -212,6 +212,7 @@ def test_wait_change_wakes_promptly(store_env):
     assert got["t"] - t_set["t"] < 5.0
 
 
+@pytest.mark.slow
 def test_lease_alive_then_lapses_after_sigkill(store_env):
     ttl = 2.0
     s = store_env.open()

@@ -293,6 +293,7 @@ def test_wrong_token(variant, server, reader_factory, expected):
     assert np.array_equal(good.dst, expected[0][:64])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_dead_peer_raises_within_timeout(variant, reader_factory, how):
     """SIGKILL (or SIGSTOP: a hung peer) the serving process while reads are running."""
@@ -377,6 +378,7 @@ def _threads() -> set:
     return {t.ident for t in threading.enumerate()}
 
 
+@pytest.mark.slow
 def test_no_leaks_over_100_cycles(variant, server, expected):
     """open, connect, prepare, read, release, disconnect, close: 100 times, nothing left behind."""
     applies(variant, "leaks")
@@ -426,6 +428,7 @@ def _settled(server: Peer) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_client_process_exits_zero(variant, server):
     """A reading process and the serving process are separate OS processes; both exit with status 0."""
     applies(variant, "process")

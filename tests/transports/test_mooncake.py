@@ -31,6 +31,7 @@ def test_endpoint_is_the_engine_session():
         assert "authenticated=False" in repr(t)
 
 
+@pytest.mark.slow
 def test_many_ops_span_engine_calls():
     """More reads than one engine call takes (the tcp lanes' queue): chunked, every byte right."""
     size = 1 << 20
@@ -79,6 +80,7 @@ def test_listeners_are_the_engines_known_limitation():
         assert server.stop() == 0
 
 
+@pytest.mark.slow
 def test_no_leaks_over_10_cycles():
     open_read_close_cycles("mooncake", 10)
 

@@ -308,6 +308,7 @@ class _Relay:
         self._accept.join(5)
 
 
+@pytest.mark.slow
 def test_atheris_run(tmp_path):
     """A short coverage-guided run of the server's connection handler (skipped where atheris is missing)."""
     pytest.importorskip("atheris")
