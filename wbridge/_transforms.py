@@ -80,18 +80,26 @@ def fp8_block128_layout(name: str, shape: tuple[int, ...], decl: Declaration, wh
     ]
 
 
-def _spans(n: int) -> list[tuple[int, int, int, int]]:
-    """``(start, stop, blocks, block size)``: the whole blocks of ``n``, then its partial edge block."""
+def _spans(n: int, step: int = 0) -> list[tuple[int, int, int, int]]:
+    """``(start, stop, blocks, block size)``: the whole blocks of ``n`` (``step`` elements at most
+    per span, a multiple of ``BLOCK``; 0: one span), then its partial edge block."""
     full = n // BLOCK * BLOCK
-    spans = [(0, full, full // BLOCK, BLOCK)] if full else []
+    step = step or full
+    spans = [(a, min(a + step, full), (min(a + step, full) - a) // BLOCK, BLOCK) for a in range(0, full, step)]
     if n > full:
         spans.append((full, n, 1, n - full))
     return spans
 
 
+#: Bytes of float32 temporaries one step of the quantising copy works on: on the host a strip that
+#: stays in cache (and out of fresh ``mmap`` pages); on a GPU the whole tensor up to 256 MiB.
+STRIP_BYTES = {"cpu": 1 << 20, "cuda": 1 << 28}
+
+
 class Fp8Block128:
     """The snapshot target of one ``fp8_block128`` weight: ``copy_(src)`` quantises ``src`` into the
-    staged fp8 weight and scales with a few vectorised ops per (at most four) block grids.
+    staged fp8 weight and scales, vectorised over whole strips of block rows (a few ops per strip;
+    edge blocks are their own strips, no padding).
 
     - ``weight``: the staged ``float8_e4m3fn`` view, the live tensor's shape.
     - ``scale_inv``: the staged float32 view, ``[ceil(rows/128), ceil(cols/128)]``.
@@ -99,13 +107,19 @@ class Fp8Block128:
 
     def __init__(self, weight: Any, scale_inv: Any) -> None:
         self.weight, self.scale_inv = weight, scale_inv
+        rows, cols = weight.shape
+        budget = STRIP_BYTES["cpu" if weight.device.type == "cpu" else "cuda"]
+        self.row_spans = _spans(rows, max(1, budget // max(1, 4 * cols * BLOCK)) * BLOCK)
+        self.col_spans = _spans(cols)
 
     def copy_(self, src: Any, non_blocking: bool = False) -> None:
-        rows, cols = src.shape
-        for r0, r1, nr, br in _spans(rows):
-            for c0, c1, nc, bc in _spans(cols):
+        import torch
+
+        for r0, r1, nr, br in self.row_spans:
+            for c0, c1, nc, bc in self.col_spans:
                 x = src[r0:r1, c0:c1].view(nr, br, nc, bc).float()
-                s = x.abs().amax(dim=(1, 3)) / E4M3_MAX
+                # amax|x| without a |x| temporary: max(amax(x), -amin(x)) is the same value
+                s = torch.maximum(x.amax(dim=(1, 3)), x.amin(dim=(1, 3)).neg_()).div_(E4M3_MAX)
                 s = s.masked_fill_(s == 0, 1.0)
                 self.scale_inv[r0 // BLOCK : r0 // BLOCK + nr, c0 // BLOCK : c0 // BLOCK + nc].copy_(s)
                 self.weight[r0:r1, c0:c1].view(nr, br, nc, bc).copy_(x / s[:, None, :, None])

@@ -23,7 +23,7 @@ def master(version: int) -> dict[str, torch.Tensor]:
         mag = torch.exp(torch.randn(shape[0], 1, generator=g) * 4)
         out[n] = torch.randn(shape, generator=g) * mag
     out["a.weight"][128:256, 0:128] = 0.0  # amax 0: scale_inv 1.0, the block stays 0
-    out["bias"] = torch.randn(48, generator=g)  # not transformed: published as fp32
+    out["bias"] = torch.randn(48, generator=g)  # not transformed: published as fp32 or register(dtype=)
     return out
 
 
@@ -31,7 +31,7 @@ class Fp8Trainer:
     """Rank ``rank`` of ``world_size`` (1 or 2): rank 0 holds a.weight, b.weight and bias whole;
     each rank holds its row half of tp.weight (128-aligned)."""
 
-    def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, **kwargs: Any) -> None:
+    def __init__(self, url: str, *, rank: int = 0, world_size: int = 1, dtype: Any = None, **kwargs: Any) -> None:
         self.rank, self.rows = rank, SHAPES["tp.weight"][0] // world_size
         self.tensors = self._mine(master(0))
         self.pub = Publisher("fp8", url, rank=rank, world_size=world_size, host_store=rank == 0, token=TOKEN, **kwargs)
@@ -39,6 +39,7 @@ class Fp8Trainer:
         decls["tp.weight"] = Shard("tp.weight", SHAPES["tp.weight"], (self.rows * rank, 0))
         self.pub.register(
             {n: (t, decls[n]) for n, t in self.tensors.items()},
+            dtype=dtype,  # for the tensors not transformed (bias)
             transforms={n: "fp8_block128" for n in self.tensors if n != "bias"},
         )
 

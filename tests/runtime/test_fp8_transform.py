@@ -44,12 +44,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
-def test_fp8_block128_two_tp_ranks_bitwise_against_reference() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block128_two_tp_ranks_bitwise_against_reference(dtype) -> None:
+    """``dtype``: what ``register(dtype=)`` publishes the untransformed bias in, next to the fp8 weights."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    ranks = [Worker(f"trainer{r}", Fp8Trainer, url, rank=r, world_size=2, transport="tcp") for r in (0, 1)]
+    ranks = [Worker(f"trainer{r}", Fp8Trainer, url, rank=r, world_size=2, dtype=dtype, transport="tcp") for r in (0, 1)]
     try:
         sub = Subscriber("fp8", url, token=TOKEN, transport="tcp")
-        held: dict[str, torch.Tensor] = {"bias": torch.full((48,), float("nan"))}
+        held: dict[str, torch.Tensor] = {"bias": torch.full((48,), float("nan"), dtype=dtype)}
         decls = {"bias": Shard("bias", (48,))}
         for n, (r, c) in SHAPES.items():
             held[n] = torch.full((r, c), float("nan"), dtype=FP8)
@@ -64,7 +66,7 @@ def test_fp8_block128_two_tp_ranks_bitwise_against_reference() -> None:
                 assert [w.result(30) for w in ranks] == [v, v]
                 assert sub.pull(min_version=v, timeout=30) == v
                 want = master(v)
-                assert torch.equal(held["bias"], want["bias"])
+                assert torch.equal(_bits(held["bias"]), _bits(want["bias"].to(dtype)))
                 for n in SHAPES:
                     q, s = reference(want[n])
                     assert torch.equal(_bits(held[n]), _bits(q)), (v, n)
@@ -94,3 +96,19 @@ def test_fp8_block128_usage_errors() -> None:
     with Publisher("fp8", url, host_store=True, token=TOKEN, zero_copy=True, transport="tcp") as pub:
         with pytest.raises(UsageError, match="zero_copy"):
             pub.register({"w": (torch.zeros(256, 256), Shard("w", (256, 256)))}, transforms=fp8)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_block128_strips_match_reference(src_dtype) -> None:
+    """The snapshot's quantising copy on its own, on a weight wide enough that it works in several
+    strips of block rows (plus edge blocks both ways), from fp32 and bf16 masters."""
+    from wbridge._transforms import Fp8Block128
+
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(1100, 2100, generator=g) * torch.exp(torch.randn(1100, 1, generator=g) * 4)).to(src_dtype)
+    q, s = torch.empty(1100, 2100, dtype=FP8), torch.empty(9, 17)
+    target = Fp8Block128(q, s)
+    assert len(target.row_spans) > 2
+    target.copy_(w)
+    want_q, want_s = reference(w)
+    assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(_bits(s), _bits(want_s))
