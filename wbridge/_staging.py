@@ -34,6 +34,7 @@ class Registration:
     copy_stream: Any = None  # CUDA: the snapshot copy's own stream
     packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
     cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
+    transforms: dict[str, str] = field(default_factory=dict)  # register(transforms=): name -> transform
 
 
 def staging_buffer(transports: Mapping[str, Any], size: int, device: str) -> Any:
@@ -76,29 +77,46 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
             if isinstance(dst, np.ndarray):
                 np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here
             else:
-                dst.copy_(src)  # a cast (register(dtype=...)): one vectorised op per tensor
+                dst.copy_(src)  # a cast or transform (register(dtype=, transforms=)): vectorised per tensor
     if not checksums:
         return None
     return _checksum.chunk_sums(reg.slots[0] if reg.zero_copy else reg.slots[slot])
 
 
-def copy_pairs(buf: Any, tensors: Any, layout: RankLayout, device: str) -> list[tuple[Any, Any]]:
-    """(staging slice, live tensor) views for the snapshot copy, built once per registration: raw
-    bytes where the published dtype is the live one, typed torch views where the copy casts."""
+def copy_pairs(
+    buf: Any, live: Mapping[str, Any], layout: RankLayout, device: str, transforms: Mapping[str, str]
+) -> list[tuple[Any, Any]]:
+    """(staging target, live tensor) pairs for the snapshot copy, built once per registration: raw
+    bytes where the published dtype is the live one, typed torch views where the copy casts, and a
+    quantising target (``wbridge._transforms``) for a transformed tensor."""
     import torch
 
+    from ._transforms import SCALE_SUFFIX, Fp8Block128
+
+    by_name = {lt.name: lt for lt in layout.tensors}
+
+    def typed(lt: Any, shape: Any) -> Any:
+        return buf[lt.offset : lt.offset + lt.nbytes].view(getattr(torch, lt.dtype)).view(shape)
+
     pairs = []
-    for t, lt in zip(tensors, layout.tensors):
-        dst = buf[lt.offset : lt.offset + lt.nbytes]
-        if describe(lt.name, t)[1] != lt.dtype:
-            live = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
-            pairs.append((dst.view(getattr(torch, lt.dtype)).view(live.shape), live))
+    for name, t in live.items():
+        lt = by_name[name]
+        if describe(name, t)[1] != lt.dtype:
+            src = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+            if name in transforms:  # fp8_block128, the one transform: the weight, then its scales
+                scale = by_name[name + SCALE_SUFFIX]
+                dst = Fp8Block128(typed(lt, src.shape), typed(scale, scale.shape))
+            else:
+                dst = typed(lt, src.shape)
+            pairs.append((dst, src))
             continue
-        src = byte_view(t)
+        dst, src = buf[lt.offset : lt.offset + lt.nbytes], byte_view(t)
         pairs.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
     return pairs
 
 
 def casts(layout: RankLayout, live: Mapping[str, Any]) -> bool:
-    """Whether any live tensor is published in another dtype than its own (``register(dtype=)``)."""
-    return any(describe(lt.name, t)[1] != lt.dtype for t, lt in zip(live.values(), layout.tensors))
+    """Whether any live tensor is published in another dtype than its own (``register(dtype=)``,
+    ``register(transforms=)``)."""
+    by_name = {lt.name: lt for lt in layout.tensors}
+    return any(describe(name, t)[1] != by_name[name].dtype for name, t in live.items())

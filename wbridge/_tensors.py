@@ -81,12 +81,14 @@ def dtype_name(dtype: Any) -> str:
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
 
-def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | None = None):
+def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | None = None, transforms: Any = None):
     """``(layout, live tensors by name, device)`` of ``{name: (tensor, declaration)}``; the one
     place both sides turn registered tensors into a ``RankLayout``. ``cast``: the dtype that the
-    floating tensors are laid out (published) in; other tensors keep theirs."""
+    floating tensors are laid out (published) in; other tensors keep theirs. ``transforms``:
+    ``{name: transform}`` (``wbridge._transforms``), laid out as the transform publishes them."""
     from planner.layout import LayoutBuilder
 
+    from ._transforms import fp8_block128_layout
     from .errors import UsageError
 
     builder = LayoutBuilder(rank, pack=pack)
@@ -98,9 +100,14 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | N
         except (TypeError, ValueError):
             raise UsageError(f"tensor {name!r}: expected (tensor, declaration)") from None
         shape, dtype, device = describe(name, tensor)
-        if cast is not None and dtype in FLOATING:
-            dtype = cast
-        builder.add(name, shape, dtype, decl)
+        if transforms and name in transforms:
+            if dtype not in FLOATING:
+                raise UsageError(f"{who}: tensor {name!r}: {transforms[name]} takes a floating tensor, not {dtype}")
+            entries = fp8_block128_layout(name, shape, decl, who)
+        else:
+            entries = [(name, shape, cast if cast is not None and dtype in FLOATING else dtype, decl)]
+        for entry in entries:
+            builder.add(*entry)
         devices.add(device)
         live[name] = tensor
     layout = builder.build()

@@ -51,7 +51,7 @@ import numpy as np
 import transports as _transports
 from planner.layout import Declaration, RankLayout
 
-from . import _generation, _validate
+from . import _generation, _transforms, _validate
 from ._lifecycle import Closeable, log, quietly
 from ._packing import SlotPacker, packing_gens
 from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
@@ -183,21 +183,27 @@ class Publisher(Closeable):
         """The last version this rank published (0 before the first)."""
         return self._next_version - 1 if self._next_version else 0
 
-    def register(self, tensors: Mapping[str, tuple[Any, Declaration]], dtype: Any = None) -> int:
+    def register(
+        self, tensors: Mapping[str, tuple[Any, Declaration]], dtype: Any = None, transforms: Any = None
+    ) -> int:
         """Registers this rank's live tensors with their declarations; returns the epoch.
 
         ``dtype`` (``torch.bfloat16``, ``torch.float16``...): publish the floating tensors in this
         dtype; the snapshot casts them (one vectorised copy per tensor, on their device), so an fp32
         trainer serves bf16 rollouts from its own memory. Needs a staging copy (not ``zero_copy``).
 
+        ``transforms``: ``{local name: "fp8_block128"}`` publishes a 2-D floating ``Shard(name, ...)``
+        as ``name`` in ``float8_e4m3fn`` plus ``name + "_scale_inv"`` (float32, one inverse scale per
+        128x128 block: DeepSeek-V3's format, defined in ``wbridge._transforms``); staged modes only.
+
         Collective: every rank registers before any rank's ``publish()`` can commit, and all ranks
         register again together (a new epoch) when a layout changes or a rank was restarted.
         """
         self._check_open()
         _validate.tensors(tensors, f"publisher rank {self.rank}")
-        cast = None
-        if dtype is not None:
-            cast = dtype_name(dtype)
+        transforms = _transforms.check(transforms, tensors, f"publisher rank {self.rank}", self.zero_copy)
+        cast = None if dtype is None else dtype_name(dtype)
+        if cast is not None:
             if cast not in FLOATING:
                 raise UsageError(f"publisher rank {self.rank}: dtype must be one of {FLOATING}, got {dtype!r}")
             if self.zero_copy:
@@ -207,22 +213,21 @@ class Publisher(Closeable):
                 )
         with self._start_lock:
             self._settle(self._inflight_deadline + self._connect_timeout, "register()")
-            return self._register(tensors, cast)
+            return self._register(tensors, cast, transforms)
 
-    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None = None) -> int:
+    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None, transforms: Any) -> int:
         """Builds the new registration whole (buffers, regions, store records) before it replaces
         the old one, which stays intact if anything fails; buffers of the same size are reused."""
-        layout, live, device = build_layout(
-            self.rank, tensors, pack=not self.zero_copy, who=f"publisher rank {self.rank}", cast=cast
-        )
+        who, pack = f"publisher rank {self.rank}", not self.zero_copy
+        layout, live, device = build_layout(self.rank, tensors, pack=pack, who=who, cast=cast, transforms=transforms)
         old = self._reg
-        reg = self._build(layout, live, dict(tensors), device, old)
+        reg = self._build(layout, live, dict(tensors), device, old, transforms)
         reg.cast = cast
         try:
             gen = _generation.join(self._store, self._base_keys, self.token)
             keys = self._base_keys.at(gen)
             # packs slots for the readers of this generation; the packed copy moves bytes as they
-            # are, so a registration that casts (register(dtype=)) keeps the plain slot layout
+            # are, so a registration that casts (register(dtype=, transforms=)) keeps the plain layout
             if not self.zero_copy and not casts(layout, live):
                 reg.packer = SlotPacker(self._store, keys, self.token, layout, int(reg.slots[0][0].numel()))
             if self._pending_epoch is not None and self._pending_epoch[0] == gen:
@@ -251,7 +256,7 @@ class Publisher(Closeable):
         return reg.epoch
 
     def _build(
-        self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None
+        self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None, transforms: dict
     ) -> Registration:
         """The staging slots (or live views) of a registration, registered with every transport."""
         if self.zero_copy:
@@ -263,13 +268,13 @@ class Publisher(Closeable):
                 slots = old.slots  # re-registration: no new shared memory per call
             else:
                 slots = [[staging_buffer(self._transports, size, device)] for _ in range(self.slots)]
-        reg = Registration(layout, live, decls, slots, device=device, zero_copy=self.zero_copy)
+        reg = Registration(layout, live, decls, slots, device=device, zero_copy=self.zero_copy, transforms=transforms)
         if device != "cpu":
             import torch
 
             reg.copy_stream = torch.cuda.Stream(device=device)
         if not self.zero_copy:
-            reg.copies = [copy_pairs(slot[0], live.values(), layout, device) for slot in slots]
+            reg.copies = [copy_pairs(slot[0], live, layout, device, transforms) for slot in slots]
         # Each slot's last region is its stamp: the version it holds and whether it is being
         # written. Readers check it after their reads (a seqlock in the data plane), so a store
         # that lies about fences cannot make them commit a slot that changed under them.
@@ -390,7 +395,7 @@ class Publisher(Closeable):
         if _generation.current(self._store, self._base_keys, self.token) != self._gen:
             # The store was lost (its host restarted, etcd wiped): what it counted is gone, so
             # register again in its new generation; versions count from its newest again.
-            self._register(reg.decls, reg.cast)
+            self._register(reg.decls, reg.cast, reg.transforms)
             reg = self._reg
         t0 = time.perf_counter()
         v = self._next_version
