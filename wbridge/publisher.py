@@ -59,7 +59,7 @@ from ._staging import Registration, casts, copy_pairs, snapshot, staging_buffer
 from ._stats import PublishStats
 from ._tensors import FLOATING, address, build_layout, byte_view, dtype_name
 from ._tracker import SubscriberTracker, now
-from .errors import UsageError, WaitTimeout, WBridgeError
+from .errors import UsageError, WaitTimeout
 from .protocol.keys import Keys
 from .protocol.records import seal
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
@@ -595,4 +595,4 @@ def _left(deadline: float, what: str) -> float:
     return left
 
 
-__all__ = ["Publisher", "PublishStats", "WBridgeError"]
+__all__ = ["PublishStats", "Publisher"]

@@ -62,7 +62,6 @@ from .errors import (
     TransportError,
     UsageError,
     WaitTimeout,
-    WBridgeError,
 )
 from .protocol.keys import Keys
 from .protocol.records import open_sealed
@@ -588,4 +587,4 @@ class _GenerationChanged(Exception):
     """Internal: the store was found in a new generation while waiting; wait again there."""
 
 
-__all__ = ["Subscriber", "SubscriberStats", "PullStats", "WBridgeError", "TransportError"]
+__all__ = ["PullStats", "Subscriber", "SubscriberStats"]
