@@ -190,6 +190,12 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
     assert "wbridge backend, rank 0: AuthError:" in eng["errors"]["wrong_token"], eng["errors"]
     assert "wrong token" in eng["errors"]["wrong_token"], eng["errors"]
     assert eng["held"] == eng["version"]
+    assert eng["names"] == ["moe-rollout"], eng["names"]
+    # a healthy init logs no "Failed to load weights" (the trace loads nothing on purpose); a reload
+    # may name RotaryEmbedding (its cos/sin cache is no checkpoint tensor; vLLM puts it back)
+    log = open(logs["engine"], errors="replace").read()
+    assert "wbridge-test: init done" in log
+    assert "Failed to load weights" not in log.split("wbridge-test: init done")[0]
     assert eng["during"] == eng["before"], "generation during the background pull must use the old weights"
     assert eng["after_failed"] == eng["before"]
     assert eng["weight_version"] == str(eng["version"]) and [s["version"] for s in eng["stats"]] == [eng["version"]]

@@ -85,6 +85,7 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
                     "token": token,
                     "transport": "tcp",
                     "cache_dir": os.path.join(out, "cache"),
+                    "subscriber_options": {"name": "moe-rollout", "lease_ttl": 5.0},
                 }
             }
         )
@@ -101,6 +102,7 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
         errors["wrong_token"] = _error(lambda: init("wrong-token"))  # fails at init, not at the first update
         after_failed = _generate(llm)  # a failed init leaves the kernels alone
         init(TOKEN)
+        print("wbridge-test: init done", flush=True)  # the test reads the log up to here
         llm.start_weight_update()
         # background: update_weights returns at once and the engine keeps generating on the old
         # weights while the pull runs; finish_weight_update waits for it and reloads
@@ -111,6 +113,7 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
         staging = llm.collective_rpc("wbridge_staging")[0]
         held = llm.collective_rpc("wbridge_version")[0]
         stats = llm.collective_rpc("wbridge_stats")[0]
+        names = [s["name"] for s in pub.subscribers()]  # init_info's subscriber_options reached it
         llm.shutdown_weight_transfer_engine()
     torch.save(
         {
@@ -121,6 +124,7 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
             "weight_version": llm.get_weight_version(),
             "stats": stats,
             "held": held,
+            "names": names,
             "during": during,
             "errors": errors,
             "staging": staging,

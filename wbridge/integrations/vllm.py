@@ -258,8 +258,7 @@ class WBridgeWorkerExtension:
             store,
             token=token,
             transport=transport,
-            name=f"vllm-rank{self._wbridge_rank()}-{os.getpid()}",
-            **subscriber_kwargs,
+            **{"name": f"vllm-rank{self._wbridge_rank()}-{os.getpid()}", **subscriber_kwargs},
         )
         try:
             sub.register(entries)
