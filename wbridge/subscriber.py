@@ -184,20 +184,20 @@ class Subscriber(Closeable):
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
         self._check_open()
-        rec = self._read_version()
+        rec = self._read_version()[1]
         return rec.v if rec else None
 
-    def _read_version(self) -> VersionRecord | None:
-        """The version record of the generation joined, or for a watcher (never registered) of the
-        store's current generation."""
+    def _read_version(self) -> tuple[Keys | None, VersionRecord | None]:
+        """The keys and version record of the generation joined, or for a watcher (never
+        registered) of the store's current generation (``(None, None)``: the store has none)."""
         keys = self.keys
         if self._member.gen is None:
             base = self._member.base
             gen = _generation.current(self._store, base, self.token)
             if gen is None:
-                return None
+                return None, None
             keys = base.at(gen)
-        return VersionRecord.read(self._store, keys, self.token)
+        return keys, VersionRecord.read(self._store, keys, self.token)
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.
@@ -208,18 +208,26 @@ class Subscriber(Closeable):
         if type(floor) is not int or floor < 0:  # noqa: E721 - bool is no version
             raise UsageError(f"subscriber {self.name}: wait_version(after=) needs an int >= 0, got {after!r}")
 
-        def probe():
-            rec = self._read_version()
-            return rec.v if rec is not None and rec.v > floor else None
-
         deadline = time.monotonic() + timeout
         with self._store.deadline(deadline):
-            try:
-                return Store.wait_until(probe, timeout, f"a version > {floor}", poll=0.002, max_poll=0.05)
-            except WaitTimeout:
-                raise WaitTimeout(
-                    f"subscriber {self.name}: no version > {floor} on channel {self.channel!r} within {timeout:.1f}s"
-                ) from None
+            while True:
+                keys, rec = self._read_version()
+                if rec is not None and rec.v > floor:
+                    return rec.v
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeout(
+                        f"subscriber {self.name}: no version > {floor} on channel {self.channel!r} "
+                        f"within {timeout:.1f}s"
+                    )
+                if keys is None:  # no generation in the store yet: nothing to block on
+                    time.sleep(min(left, 0.05))
+                    continue
+                # block on the commit of the next version, as pulls do, instead of polling
+                try:
+                    self._store.wait(keys.ready(floor + 1), min(left, VERSION_WAIT_SLICE_S))
+                except (WaitTimeout, StoreError):
+                    pass  # timed out (re-checked above) or a store hiccup: read again
 
     async def versions(self, after: int | None = None) -> AsyncIterator[int]:
         """Yields each newly committed version: ``async for v in sub.versions(): ...``. Starts after
