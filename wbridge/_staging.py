@@ -3,6 +3,9 @@ version (plain, cast to the published dtype, or packed for the readers' layouts)
 
 from __future__ import annotations
 
+import base64
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +14,12 @@ import numpy as np
 
 from planner.layout import Declaration, RankLayout
 
+from ._lifecycle import quietly
 from ._packing import SlotPacker, copy_packed
-from ._tensors import alloc_bytes, byte_view, describe
+from ._selection import publisher_capabilities
+from ._tensors import address, alloc_bytes, byte_view, describe
 from .protocol import checksum as _checksum
+from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_WRITING
 
 
 @dataclass
@@ -120,3 +126,93 @@ def casts(layout: RankLayout, live: Mapping[str, Any]) -> bool:
     ``register(transforms=)``)."""
     by_name = {lt.name: lt for lt in layout.tensors}
     return any(describe(name, t)[1] != by_name[name].dtype for name, t in live.items())
+
+
+def build_registration(
+    transports: Mapping[str, Any],
+    layout: RankLayout,
+    live: dict,
+    decls: Mapping,
+    device: str,
+    old: Registration | None,
+    transforms: dict,
+    nslots: int,
+    zero_copy: bool,
+) -> Registration:
+    """The staging slots (or live views) of a registration, registered with every transport;
+    ``old``'s buffers and stamps are reused where they fit (no new shared memory per call)."""
+    if zero_copy:
+        slots = [[byte_view(t) for t in live.values()]]
+    else:
+        size = layout.region_sizes[0] if layout.region_sizes else 0
+        same = old is not None and old.device == device and not old.zero_copy
+        if same and all(int(s[0].numel()) == size for s in old.slots) and len(old.slots) == nslots:
+            slots = old.slots
+        else:
+            slots = [[staging_buffer(transports, size, device)] for _ in range(nslots)]
+    reg = Registration(layout, live, decls, slots, device=device, zero_copy=zero_copy, transforms=transforms)
+    if device != "cpu":
+        import torch
+
+        reg.copy_stream = torch.cuda.Stream(device=device)
+    if not zero_copy:
+        reg.copies = [copy_pairs(slot[0], live, layout, device, transforms) for slot in slots]
+    # Each slot's last region is its stamp: the version it holds and whether it is being
+    # written. Readers check it after their reads (a seqlock in the data plane), so a store
+    # that lies about fences cannot make them commit a slot that changed under them.
+    if old is not None and len(old.stamps) == len(slots):
+        reg.stamps = old.stamps  # their content stays right: each snapshot rewrites its stamp
+    else:
+        reg.stamps = [staging_buffer(transports, STAMP_BYTES, "cpu") for _ in slots]
+        for stamp in reg.stamps:
+            stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
+    try:
+        for name, t in transports.items():
+            reg.regions[name] = per_slot = []
+            for slot, stamp in zip(slots, reg.stamps):
+                regions: list[Any] = []
+                per_slot.append(regions)
+                for buf in slot:
+                    regions.append(t.register(address(buf), int(buf.numel()), device=device))
+                regions.append(t.register(address(stamp), STAMP_BYTES, device="cpu"))
+    except BaseException:
+        release_regions(reg, transports)
+        raise
+    return reg
+
+
+def release_regions(reg: Registration, transports: Mapping[str, Any]) -> None:
+    """Stops serving ``reg``'s regions (its buffers may live on in a newer registration)."""
+    regions, reg.regions = reg.regions, {}
+    for name, per_slot in regions.items():
+        for slot in per_slot:
+            for r in slot:
+                quietly(transports[name].deregister, r)
+
+
+def served_record(reg: Registration, transports: Mapping[str, Any], rank: int, world_size: int, nslots: int) -> dict:
+    """The publisher rank's store record: its layout, capabilities, and per served transport the
+    endpoint and each slot's region descriptors (the stamp last)."""
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "epoch": reg.epoch,
+        "layout": reg.layout.to_dict(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "caps": publisher_capabilities(list(transports)),
+        "slots": nslots,
+        "zero_copy": reg.zero_copy,
+        "device": reg.device,
+        "transports": {
+            name: {
+                "endpoint": b64(t.endpoint()),
+                "regions": [[b64(r.descriptor) for r in slot] for slot in reg.regions[name]],
+            }
+            for name, t in transports.items()
+        },
+    }
+
+
+def b64(b: bytes) -> str:
+    return base64.b64encode(bytes(b)).decode()

@@ -36,9 +36,6 @@ drives a publisher; ``wait_acked()``, ``subscribers()`` and ``close()`` may come
 
 from __future__ import annotations
 
-import base64
-import os
-import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -54,15 +51,15 @@ from planner.layout import Declaration, RankLayout
 from . import _generation, _transforms, _validate
 from ._lifecycle import Closeable, log, quietly
 from ._packing import SlotPacker, packing_gens
-from ._selection import RDMA_FIRST, publisher_capabilities, rdma_present
-from ._staging import Registration, casts, copy_pairs, snapshot, staging_buffer
+from ._selection import RDMA_FIRST, rdma_present
+from ._staging import Registration, build_registration, casts, release_regions, served_record, snapshot
 from ._stats import PublishStats
-from ._tensors import FLOATING, address, build_layout, byte_view, dtype_name
+from ._tensors import FLOATING, build_layout, dtype_name
 from ._tracker import SubscriberTracker, now
 from .errors import UsageError, WaitTimeout
 from .protocol.keys import Keys
 from .protocol.records import seal
-from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
+from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
 from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
@@ -258,66 +255,12 @@ class Publisher(Closeable):
     def _build(
         self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None, transforms: dict
     ) -> Registration:
-        """The staging slots (or live views) of a registration, registered with every transport."""
-        if self.zero_copy:
-            slots = [[byte_view(t) for t in live.values()]]
-        else:
-            size = layout.region_sizes[0] if layout.region_sizes else 0
-            same = old is not None and old.device == device and not old.zero_copy
-            if same and all(int(s[0].numel()) == size for s in old.slots) and len(old.slots) == self.slots:
-                slots = old.slots  # re-registration: no new shared memory per call
-            else:
-                slots = [[staging_buffer(self._transports, size, device)] for _ in range(self.slots)]
-        reg = Registration(layout, live, decls, slots, device=device, zero_copy=self.zero_copy, transforms=transforms)
-        if device != "cpu":
-            import torch
-
-            reg.copy_stream = torch.cuda.Stream(device=device)
-        if not self.zero_copy:
-            reg.copies = [copy_pairs(slot[0], live, layout, device, transforms) for slot in slots]
-        # Each slot's last region is its stamp: the version it holds and whether it is being
-        # written. Readers check it after their reads (a seqlock in the data plane), so a store
-        # that lies about fences cannot make them commit a slot that changed under them.
-        if old is not None and len(old.stamps) == len(slots):
-            reg.stamps = old.stamps  # their content stays right: each snapshot rewrites its stamp
-        else:
-            reg.stamps = [staging_buffer(self._transports, STAMP_BYTES, "cpu") for _ in slots]
-            for stamp in reg.stamps:
-                stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
-        try:
-            for name, t in self._transports.items():
-                reg.regions[name] = per_slot = []
-                for slot, stamp in zip(slots, reg.stamps):
-                    regions: list[Any] = []
-                    per_slot.append(regions)
-                    for buf in slot:
-                        regions.append(t.register(address(buf), int(buf.numel()), device=device))
-                    regions.append(t.register(address(stamp), STAMP_BYTES, device="cpu"))
-        except BaseException:
-            self._release_regions(reg)
-            raise
-        return reg
+        return build_registration(
+            self._transports, layout, live, decls, device, old, transforms, self.slots, self.zero_copy
+        )
 
     def _record(self, reg: Registration) -> dict:
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "epoch": reg.epoch,
-            "layout": reg.layout.to_dict(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "caps": publisher_capabilities(list(self._transports)),
-            "slots": self.slots,
-            "zero_copy": self.zero_copy,
-            "device": reg.device,
-            "transports": {
-                name: {
-                    "endpoint": _b64(t.endpoint()),
-                    "regions": [[_b64(r.descriptor) for r in slot] for slot in reg.regions[name]],
-                }
-                for name, t in self._transports.items()
-            },
-        }
+        return served_record(reg, self._transports, self.rank, self.world_size, self.slots)
 
     # ------------------------------------------------------------------------------------------
     def publish(self, timeout: float = 60.0) -> int:
@@ -532,12 +475,7 @@ class Publisher(Closeable):
             self._release_regions(reg)
 
     def _release_regions(self, reg: Registration) -> None:
-        """Stops serving ``reg``'s regions (its buffers may live on in a newer registration)."""
-        regions, reg.regions = reg.regions, {}
-        for name, per_slot in regions.items():
-            for slot in per_slot:
-                for r in slot:
-                    quietly(self._transports[name].deregister, r)
+        release_regions(reg, self._transports)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -582,10 +520,6 @@ class Publisher(Closeable):
             f"Publisher({self.channel!r}, rank={self.rank}/{self.world_size}, mode={self.mode}, "
             f"version={self.version}, transports={list(getattr(self, '_transports', {}))}, {state})"
         )
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(bytes(b)).decode()
 
 
 def _left(deadline: float, what: str) -> float:

@@ -41,17 +41,9 @@ from . import _generation, _validate
 from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, STILL, Membership
 from ._packing import packed_layout
+from ._reads import check_stamps, read_sources, verify_sources
 from ._selection import candidates
-from ._session import (
-    Session,
-    Source,
-    SourcesFailed,
-    connect_source,
-    failed_sources,
-    fetch_chunk,
-    replan,
-    verify_source,
-)
+from ._session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
 from ._stats import PullStats, SubscriberStats
 from ._tensors import address, alloc_bytes, build_layout, byte_view, commit_pairs
 from ._tracker import state_bytes
@@ -65,7 +57,6 @@ from .errors import (
 )
 from .protocol.keys import Keys
 from .protocol.records import open_sealed
-from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .protocol.version import VersionRecord
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
@@ -371,65 +362,10 @@ class Subscriber(Closeable):
         return session.plan.total_bytes, len(session.plan)
 
     def _read_all(self, session: Session, slot: int, deadline: float) -> None:
-        def one(src: Source) -> None:
-            prep = src.prepared.get(slot)
-            t = self._transports[src.transport]
-            if prep is None:
-                prep = t.prepare(src.peer, src.regions[slot], self._local_regions[src.transport], src.batch)
-                src.prepared[slot] = prep
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WaitTimeout(f"subscriber {self.name}: pull timed out before reading rank {src.rank}")
-            t.read(prep, timeout=left)
-
-        work = [s for s in session.sources if len(s.batch)]
-        if len(work) == 1:  # no thread hop
-            try:
-                one(work[0])
-            except BaseException as e:  # noqa: BLE001 - classified, then raised
-                err = failed_sources([(work[0].rank, e)])
-                if err is e:
-                    raise
-                raise err from e
-            return
-        futures = [(s.rank, self._pool.submit(one, s)) for s in work]
-        errors = []
-        for rank, f in futures:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - collect, then raise
-                errors.append((rank, e))
-        if errors:
-            raise failed_sources(errors)
+        read_sources(self._transports, self._local_regions, self._pool, session.sources, slot, deadline, self.name)
 
     def _check_stamps(self, session: Session, rec: VersionRecord, deadline: float) -> None:
-        """Reads every source's slot stamp after the data: unless each still says "version v,
-        stable", the slot changed under the reads (the seqlock check; the store's fence is only a
-        hint, since the store is not trusted)."""
-        want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
-
-        def one(src: Source) -> None:
-            t = self._transports[src.transport]
-            prep = src.stamp_prepared.get(rec.slot)
-            if prep is None:
-                stamp_index = len(src.regions[rec.slot]) - 1
-                prep = t.prepare(
-                    src.peer,
-                    src.regions[rec.slot],
-                    [src.stamp_region],
-                    ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]),
-                )
-                src.stamp_prepared[rec.slot] = prep
-            t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
-            got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
-            if got != want:
-                raise StaleVersionError(
-                    f"publisher rank {src.rank}: slot {rec.slot} holds version "
-                    f"{got[1]} (state {got[2]}), not version {rec.v}"
-                )
-
-        for f in [self._pool.submit(one, src) for src in session.sources]:
-            f.result()
+        check_stamps(self._transports, self._pool, session.sources, rec, deadline)
 
     # ------------------------------------------------------------------------------------------
     def _setup(self, rec: VersionRecord, deadline: float, gens: tuple[int, ...]) -> Session:
@@ -528,15 +464,7 @@ class Subscriber(Closeable):
         return t
 
     def _verify(self, session: Session, rec: VersionRecord, deadline: float) -> None:
-        """Checks every chunk the plan read from each source against the publisher's sums."""
-        keys = [self.keys.sums(rec.v, src.rank) for src in session.sources]
-        for src, key, raw in zip(session.sources, keys, self._store.get_many(keys)):
-            if raw is None:  # written before the commit: collected since, so the slot was reused
-                raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
-            t = self._transports[src.transport]
-            verify_source(
-                src, rec, open_sealed(self.token, key, raw), self._dest, fetch_chunk(t, src, rec.slot, deadline)
-            )
+        verify_sources(self._store, self.keys, self.token, self._transports, session.sources, rec, self._dest, deadline)
 
     # ------------------------------------------------------------------------------------------
     def _drop_session(self) -> None:

@@ -1,0 +1,118 @@
+"""A subscriber's reads of one version: post every source's prepared batch (all sources in
+parallel), read the slot stamps back after the data (the seqlock check), and verify what was read
+against the publishers' chunk checksums. Sources come from the session (``_session``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from transports.base import ReadBatch
+
+from ._session import Source, failed_sources, fetch_chunk, verify_source
+from .errors import StaleVersionError, WaitTimeout
+from .protocol.keys import Keys
+from .protocol.records import open_sealed
+from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
+
+
+def read_sources(
+    transports: Mapping[str, Any],
+    local_regions: Mapping[str, list[Any]],
+    pool: ThreadPoolExecutor | None,
+    sources: Sequence[Source],
+    slot: int,
+    deadline: float,
+    who: str,
+) -> None:
+    """Posts each source's batch for ``slot`` (prepared once per slot, then replayed); raises
+    ``SourcesFailed`` where sources stopped answering (replicas may stand in)."""
+
+    def one(src: Source) -> None:
+        prep = src.prepared.get(slot)
+        t = transports[src.transport]
+        if prep is None:
+            prep = t.prepare(src.peer, src.regions[slot], local_regions[src.transport], src.batch)
+            src.prepared[slot] = prep
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitTimeout(f"subscriber {who}: pull timed out before reading rank {src.rank}")
+        t.read(prep, timeout=left)
+
+    work = [s for s in sources if len(s.batch)]
+    if len(work) == 1:  # no thread hop
+        try:
+            one(work[0])
+        except BaseException as e:  # noqa: BLE001 - classified, then raised
+            err = failed_sources([(work[0].rank, e)])
+            if err is e:
+                raise
+            raise err from e
+        return
+    futures = [(s.rank, pool.submit(one, s)) for s in work]
+    errors = []
+    for rank, f in futures:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - collect, then raise
+            errors.append((rank, e))
+    if errors:
+        raise failed_sources(errors)
+
+
+def check_stamps(
+    transports: Mapping[str, Any], pool: ThreadPoolExecutor, sources: Sequence[Source], rec: Any, deadline: float
+) -> None:
+    """Reads every source's slot stamp after the data: unless each still says "version v,
+    stable", the slot changed under the reads (the seqlock check; the store's fence is only a
+    hint, since the store is not trusted)."""
+    want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
+
+    def one(src: Source) -> None:
+        t = transports[src.transport]
+        prep = src.stamp_prepared.get(rec.slot)
+        if prep is None:
+            stamp_index = len(src.regions[rec.slot]) - 1
+            prep = t.prepare(
+                src.peer,
+                src.regions[rec.slot],
+                [src.stamp_region],
+                ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]),
+            )
+            src.stamp_prepared[rec.slot] = prep
+        t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+        got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
+        if got != want:
+            raise StaleVersionError(
+                f"publisher rank {src.rank}: slot {rec.slot} holds version "
+                f"{got[1]} (state {got[2]}), not version {rec.v}"
+            )
+
+    for f in [pool.submit(one, src) for src in sources]:
+        f.result()
+
+
+def verify_sources(
+    store: Any,
+    keys: Keys,
+    token: bytes | None,
+    transports: Mapping[str, Any],
+    sources: Sequence[Source],
+    rec: Any,
+    dest: list[Any],
+    deadline: float,
+) -> None:
+    """Checks every chunk the plan read from each source against the publisher's sums."""
+    sum_keys = [keys.sums(rec.v, src.rank) for src in sources]
+    for src, key, raw in zip(sources, sum_keys, store.get_many(sum_keys)):
+        if raw is None:  # written before the commit: collected since, so the slot was reused
+            raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
+        t = transports[src.transport]
+        verify_source(src, rec, open_sealed(token, key, raw), dest, fetch_chunk(t, src, rec.slot, deadline))
+
+
+__all__ = ["check_stamps", "read_sources", "verify_sources"]
