@@ -115,6 +115,9 @@ class Churn:
     def joined(self) -> int:
         return self.stats["joined"]
 
+    def left(self) -> int:
+        return self.stats["left"]
+
     def finish(self, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
         for t in self._threads:
