@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import _generation
-from .errors import StoreError, WaitTimeout
+from .errors import StoreError, UsageError, WaitTimeout
 from .protocol.keys import Keys
 from .protocol.records import open_sealed
 from .store import Store
@@ -136,6 +136,8 @@ class SubscriberTracker:
     def evict(self, who: int | str) -> list[int]:
         """Collects the live subscribers with id ``who`` (an int) or name ``who`` (a str) as if
         their leases had lapsed; returns their ids."""
+        if isinstance(who, bool) or not isinstance(who, (int, str)) or not who:
+            raise UsageError(f"evict() needs a subscriber name or id, got {who!r:.80}")
         with self.lock:
             hit = [v for v in self._scan() if (v.id if isinstance(who, int) else v.name) == who]
             for v in hit:

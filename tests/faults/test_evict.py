@@ -20,6 +20,7 @@ import pytest
 
 from tests.runtime.actors import TOKEN
 from tests.runtime.harness import Worker
+from wbridge.errors import UsageError
 from wbridge.integrations.ray import Channel
 
 from .actors import FaultSub, one_slot_pub, pause_fault, release, wait_paused
@@ -88,7 +89,9 @@ def test_evicted_dead_reader_stops_counting_at_once(kind: str, tmp_path, request
         assert got["v"] == 5 and got["bad"] == [] and got["retries"] >= 1, got
         # ... and its next pull joins again under a new id: publishes wait for it again.
         assert bystander.call("pull")["v"] == 5
-        (now,) = pub.call("subscribers")
+        subs = pub.call("subscribers")
+        assert len(subs) == 1, f"the evicted bystander did not join again: {subs}"
+        now = subs[0]
         assert now["name"] == "bystander" and now["id"] != old_id and now["acked"] == 5, now
         assert pub.call("publish", 6)["v"] == 6
         pub.send("publish", 7, timeout=60.0)
@@ -96,6 +99,10 @@ def test_evicted_dead_reader_stops_counting_at_once(kind: str, tmp_path, request
         assert not pub.ready(), "publish(7) did not wait for the re-joined bystander's ack of 6"
         assert bystander.call("pull", min_version=6)["bad"] == []
         assert pub.result(60)["v"] == 7
+        for bad in (True, "", 0, 1.5):  # a typed error, not an eviction of subscriber 1
+            with pytest.raises(UsageError):
+                Channel("t", url, TOKEN).evict(bad)
+        assert names(pub) == ["bystander"]
     finally:
         victim.stop()
         bystander.stop()
