@@ -8,10 +8,12 @@ masters) as FSDP2 row shards over gloo, take AdamW steps on random tokens and pu
 as bf16 (``async``, ``max_staleness=1``). The rollout actors run vLLM CPU engines (bf16) that
 generate continuously; every completion carries the weight version that produced it.
 
-``--kill-rollout`` makes rollout 1 die (SIGKILL) right after it starts pulling an update; Ray
-restarts it (``max_restarts``), and it rejoins and pulls the newest version while the trainers go
-on. ``--check`` then compares each rollout's greedy tokens with a fresh engine loaded from a
-checkpoint of the trainers' final weights. ``--out DIR`` writes the results as ``result.json``.
+``--kill-rollout``: the driver kills rollout 1 (``ray.kill``) while an update is in flight and
+tells the channel at once (``ch.evict``), so the trainers never wait for the dead rollout (its
+lease, ``--lease-ttl``, would otherwise hold them up to that long); Ray restarts it
+(``max_restarts``), and it rejoins and pulls the newest version while the trainers go on.
+``--check`` then compares each rollout's greedy tokens with a fresh engine loaded from a checkpoint
+of the trainers' final weights. ``--out DIR`` writes the results as ``result.json``.
 The lines that are wbridge's are marked ``# wbridge``.
 """
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import tempfile
 import threading
@@ -34,7 +35,6 @@ import ray  # noqa: E402
 from wbridge.integrations.ray import EXTENSION, VLLMRollout, close_channel, host_channel  # noqa: E402  # wbridge
 
 PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
-LEASE_TTL = 3.0  # a dead rollout stops counting after this long
 
 
 def make_checkpoint(path: str) -> None:
@@ -125,13 +125,12 @@ class Trainer:
 class Rollout:
     """Generates continuously from construction on (a restarted actor does the same)."""
 
-    def __init__(self, ch, ckpt: str, kill_at: int | None) -> None:
+    def __init__(self, ch, ckpt: str, lease_ttl: float) -> None:
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.started = time.time()
         self.llm = engine(ckpt)
-        self.rollout = VLLMRollout(self.llm, ch, lease_ttl=LEASE_TTL)  # wbridge: subscribe, pull the newest
+        self.rollout = VLLMRollout(self.llm, ch, lease_ttl=lease_ttl)  # wbridge: subscribe, pull the newest
         self.first = (self.rollout.version, time.time(), greedy(self.llm))
-        self.kill_at = None if self.restarted else kill_at
         self.completions: list[tuple[int, int]] = []
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -145,11 +144,10 @@ class Rollout:
         while not self.stopping.is_set():
             for v, out in self.rollout.generate(prompts, sp):  # wbridge: each completion with its version
                 self.completions.append((v, len(out.outputs[0].token_ids)))
-            if self.kill_at is not None and self.rollout.pulling and self.rollout.version >= self.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)  # dies mid-update: a pull is in flight
 
     def status(self) -> dict:
-        return {"version": self.rollout.version, "restarted": self.restarted, "n": len(self.completions)}
+        r = self.rollout
+        return {"version": r.version, "pulling": r.pulling, "restarted": self.restarted, "n": len(self.completions)}
 
     def finish(self, version: int) -> dict:
         """Stops generating, takes ``version`` (waiting for it), returns what happened."""
@@ -179,6 +177,22 @@ def wait_up(actor, timeout: float = 300.0) -> dict:
             time.sleep(1.0)
 
 
+def kill_mid_update(ch, actor, at_version: int, timeout: float = 120.0) -> tuple[float, int]:
+    """Kills ``actor`` (Ray restarts it) once it holds ``at_version`` or later and an update is in
+    flight; tells the channel at once. Returns when it was killed and how many subscribers that evicted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = ray.get(actor.status.remote(), timeout=timeout)
+        if s["pulling"] and s["version"] >= at_version:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no update in flight past version {at_version} within {timeout}s: {s}")
+        time.sleep(0.02)
+    ray.kill(actor, no_restart=False)
+    t = time.time()
+    return t, ch.evict(actor)  # wbridge: it is dead, stop waiting for it now (not after its lease)
+
+
 def start_cluster():
     from ray.cluster_utils import Cluster
 
@@ -193,7 +207,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds per trainer step (at least)")
-    ap.add_argument("--kill-rollout", action="store_true", help="rollout 1 dies mid-update; Ray restarts it")
+    ap.add_argument("--kill-rollout", action="store_true", help="kill rollout 1 mid-update; Ray restarts it")
+    ap.add_argument("--lease-ttl", type=float, default=30.0, help="the rollouts' subscriber lease (s)")
     ap.add_argument("--check", action="store_true", help="compare greedy tokens with a fresh engine")
     ap.add_argument("--out", default=None, help="write result.json here")
     args = ap.parse_args()
@@ -217,11 +232,13 @@ def run(args: argparse.Namespace, work: str) -> None:
         rollouts = [
             ray.remote(Rollout)
             .options(num_cpus=1, max_restarts=1, max_concurrency=4, **on(i))
-            .remote(ch, ckpt, 3 if (args.kill_rollout and i == 1) else None)
+            .remote(ch, ckpt, args.lease_ttl)
             for i in range(2)
         ]
         ray.get([r.status.remote() for r in rollouts])  # engines up, first version pulled
-        published = ray.get([t.train.remote(args.steps, args.interval) for t in trainers])[0]
+        training = [t.train.remote(args.steps, args.interval) for t in trainers]
+        killed, evicted = kill_mid_update(ch, rollouts[1], 3) if args.kill_rollout else (None, 0)
+        published = ray.get(training)[0]
         last = published[-1][0]
         if args.check:
             ray.get([t.save.remote(final) for t in trainers])
@@ -237,7 +254,7 @@ def run(args: argparse.Namespace, work: str) -> None:
             print(f"rollout {i}: {len(res['completions'])} completions on versions {versions}, "
                   f"restarted={res['restarted']}, now v{res['version']}, greedy {res['greedy']}")  # fmt: skip
         print(f"trainers: published v1..v{last}, longest publish wait {max(p[2] for p in published):.2f}s")
-        out = {"published": published, "rollouts": results, "last": last}
+        out = {"published": published, "rollouts": results, "last": last, "killed": killed, "evicted": evicted}
         if args.check:
             out["reference"] = greedy(engine(final))
             ok = all(r["greedy"] == out["reference"] for r in results)

@@ -24,7 +24,11 @@ _NONCE = re.compile(r"[0-9a-f]{32}")
 
 def current(store: Store, keys: Keys, token: bytes | None) -> str | None:
     """The channel's generation in ``store`` (None: none yet, a fresh or wiped store)."""
-    raw = store.get(keys.generation)
+    return parse(keys, token, store.get(keys.generation))
+
+
+def parse(keys: Keys, token: bytes | None, raw: bytes | None) -> str | None:
+    """The generation in ``raw``, a value of ``keys.generation`` read along with other keys."""
     if raw is None:
         return None
     rec = open_sealed(token, keys.generation, raw)
@@ -46,4 +50,4 @@ def join(store: Store, keys: Keys, token: bytes | None) -> str:
     return gen
 
 
-__all__ = ["current", "join"]
+__all__ = ["current", "join", "parse"]

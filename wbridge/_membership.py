@@ -1,10 +1,12 @@
 """A subscriber's place in a channel: the store generation it joined, its id there, its lease.
 
-Two things end a membership without the subscriber leaving. The store is lost and comes back
-empty, in a new generation (see ``_generation``): the subscriber joins that one. Or its lease
-lapsed (the process was frozen, say, longer than ``lease_ttl``): publishers then counted it dead
-for good and stopped waiting for it, so it joins again under a new id and they wait for it again.
-Both are noticed at the subscriber's next pull (``check()``).
+Three things end a membership without the subscriber leaving. The store is lost and comes back
+empty, in a new generation (see ``_generation``): the subscriber joins that one. Its lease lapsed
+(the process was frozen, say, longer than ``lease_ttl``): publishers then counted it dead for good
+and stopped waiting for it, so it joins again under a new id and they wait for it again. Or its
+record is gone: a publisher evicted it (``Publisher.evict``: someone reported it dead, wrongly
+here) or collected it as dead; it joins again under a new id just the same. All three are noticed
+at the subscriber's next pull (``check()``, one batched read of the generation and the record).
 """
 
 from __future__ import annotations
@@ -81,13 +83,23 @@ class Membership:
     def check(self) -> int:
         """``NEW_GENERATION`` (joined the store's new one: what was known of the old is void),
         ``REJOINED`` (the lease had lapsed: joined again under a new id) or ``STILL``."""
-        gen = _generation.current(self.store, self.base, self.token)
+        mine = [self.keys.sub(self.id)] if self.id is not None else []
+        raw, *record = self.store.get_many([self.base.generation, *mine])
+        gen = _generation.parse(self.base, self.token, raw)
         if gen != self.gen and gen not in self._left:
             log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
             self.acked = 0  # nothing of the new generation is held
             self.join(gen)
             return NEW_GENERATION
-        if self.lease is not None and self.lease.lapsed:
+        if self.lease is None:
+            return STILL
+        if record == [None]:  # nobody counts this id any more: a publisher evicted or collected it
+            log.warning("subscriber %s: publishers no longer count it (evicted?); joining again", self.name)
+            old = self.keys.sub(self.id, "live"), self.keys.sub(self.id, "state")
+            self.join(self.gen, self.acked)
+            quietly(self.store.delete_many, old)  # what it wrote after the eviction: nobody collects it
+            return REJOINED
+        if self.lease.lapsed:
             log.warning("subscriber %s: its lease lapsed (frozen > %.1fs?); joining again", self.name, self.ttl)
             self.join(self.gen, self.acked)
             return REJOINED

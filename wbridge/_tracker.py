@@ -9,7 +9,10 @@ wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggr
 not waiting for the same thing) scans by itself, at doubling intervals, and writes the key too.
 
 A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted
-(a subscriber that comes back registers under a new id).
+(a subscriber that comes back registers under a new id). ``evict`` collects a subscriber reported
+dead at once, lease or not: with its record, lease and state gone, every rank's next scan finds it
+dead (no rank waits out its lease), and should it be alive after all its next pull finds its record
+gone and joins again under a new id (``_membership``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import StoreError, WaitTimeout
+from . import _generation
+from .errors import StoreError, UsageError, WaitTimeout
 from .protocol.keys import Keys
 from .protocol.records import open_sealed
 from .store import Store
@@ -129,6 +133,19 @@ class SubscriberTracker:
             self.store.delete_many([k for v in dead for k in (self.keys.sub(v.id), *self._state_keys([v]))])
         return out
 
+    def evict(self, who: int | str) -> list[int]:
+        """Collects the live subscribers with id ``who`` (an int) or name ``who`` (a str) as if
+        their leases had lapsed; returns their ids."""
+        if isinstance(who, bool) or not isinstance(who, (int, str)) or not who:
+            raise UsageError(f"evict() needs a subscriber name or id, got {who!r:.80}")
+        with self.lock:
+            hit = [v for v in self._scan() if (v.id if isinstance(who, int) else v.name) == who]
+            for v in hit:
+                self.known.pop(v.id, None)
+            if hit:
+                self.store.delete_many([k for v in hit for k in (self.keys.sub(v.id), *self._state_keys([v]))])
+            return [v.id for v in hit]
+
     def _state_keys(self, views: list[SubscriberView]) -> list[str]:
         return [k for v in views for k in (self.keys.sub(v.id, "live"), self.keys.sub(v.id, "state"))]
 
@@ -180,6 +197,15 @@ class SubscriberTracker:
                 return
             except (WaitTimeout, StoreError):
                 pass  # a store down for the slice: the next scan retries it within its own timeout
+
+
+def evict(store: Store, keys: Keys, token: bytes | None, who: int | str) -> list[int]:
+    """``SubscriberTracker.evict`` from a process that publishes nothing (a Ray driver); ``keys``
+    are the channel's, without a generation (the store's current one is meant)."""
+    gen = _generation.current(store, keys, token)
+    if gen is None:
+        return []
+    return SubscriberTracker(store, keys.at(gen), token, aggregator=False).evict(who)
 
 
 def now() -> float:

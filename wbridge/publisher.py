@@ -96,6 +96,9 @@ class Publisher(Closeable):
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``checksums``: publish per-chunk checksums of each version (subscribers with ``verify`` check them).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+
+    A subscriber that dies is waited for until its lease lapses; ``evict(name_or_id)`` stops
+    counting one known to be dead (its worker was killed or restarted) at once, on every rank.
     """
 
     def __init__(
@@ -433,6 +436,16 @@ class Publisher(Closeable):
         """The live subscribers: id, name, last acked version, version being read (0: none)."""
         self._check_open()
         return [{"id": s.id, "name": s.name, "acked": s.acked, "reading": s.reading} for s in self._tracker.live()]
+
+    def evict(self, who: int | str) -> int:
+        """Stops counting the live subscribers with id (an int) or name (a str) ``who`` now, as if
+        their leases had lapsed, on every publisher rank; returns how many there were. For one known
+        to be dead (its process was killed, its Ray actor restarted) that publishes would otherwise
+        wait for until its lease lapses. One evicted while alive is not harmed: a read it is doing
+        may fail stale (its slot is no longer held for it, never a torn read) and its next pull
+        joins again under a new id, counted as before."""
+        self._check_open()
+        return len(self._tracker.evict(who))
 
     def _wait_acked(self, version: int, deadline: float, what: str) -> None:
         self._wait_subscribers(self.keys.acked(version), lambda s: s.acked >= version, deadline, what)

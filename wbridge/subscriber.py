@@ -79,7 +79,7 @@ class Subscriber(Closeable):
     - ``verify``: check each pull against the publishers' chunk checksums (where they publish them).
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``lease_ttl``: seconds without a lease refresh after which publishers stop waiting for it.
-    - ``name``: shown to publishers and in errors (default ``<hostname>:<pid>``).
+    - ``name``: shown to publishers and in errors, matched by ``Publisher.evict`` (default ``<hostname>:<pid>``).
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
     """

@@ -2,10 +2,12 @@
 
 Two FSDP2 trainer actors (tiny Qwen2, fp32 masters, AdamW on random tokens) publish bf16 in
 ``async`` mode (``max_staleness=1``) through ``wbridge.integrations.ray``; two vLLM CPU rollout
-actors generate continuously and tag each completion with its weight version. Rollout 1 kills
-itself (SIGKILL) while a pull is in flight; Ray restarts it and it rejoins on the newest version
-while the trainers go on. At the end each rollout's greedy tokens equal a fresh engine's loaded
-from a checkpoint of the trainers' final weights.
+actors generate continuously and tag each completion with its weight version. The driver kills
+rollout 1 (``ray.kill``, restartable) while an update is in flight and evicts it from the channel
+(``ch.evict``): the trainers, which would otherwise wait for the dead rollout until its 30 s lease
+lapsed, go on publishing without waiting; Ray restarts it and it rejoins on the newest version. At
+the end each rollout's greedy tokens equal a fresh engine's loaded from a checkpoint of the
+trainers' final weights.
 
 Runs with the vLLM venv's python (``.venv-vllm``, where ``scripts/setup.sh`` installs ray).
 """
@@ -22,7 +24,7 @@ import pytest
 from .test_vllm_engine import ROOT, VLLM_PY
 
 EXAMPLE = os.path.join(ROOT, "examples", "ray_async_rl.py")
-LEASE_TTL = 3.0  # the example's subscriber lease
+LEASE_TTL = 30.0  # the rollouts' subscriber lease: a publish that waited it out would be unmistakable
 
 
 def _why_not() -> str | None:
@@ -59,6 +61,7 @@ def test_missing_ray_is_a_typed_error():
 def test_ray_async_rl_with_rollout_restart(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     cmd = [VLLM_PY, EXAMPLE, "--steps", "8", "--interval", "1.5", "--kill-rollout", "--check", "--out", str(tmp_path)]
+    cmd += ["--lease-ttl", str(LEASE_TTL)]
     with open(tmp_path / "log", "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -71,13 +74,15 @@ def test_ray_async_rl_with_rollout_restart(tmp_path):
     tail = open(tmp_path / "log", errors="replace").read()[-6000:]
     assert rc == 0, tail
     res = json.load(open(tmp_path / "result.json"))
-    last, published, (r0, r1) = res["last"], res["published"], res["rollouts"]
+    last, published, (r0, r1), killed = res["last"], res["published"], res["rollouts"], res["killed"]
     for i, r in enumerate((r0, r1)):
         seen = sorted({v for v, _ in r["completions"]})
         print(f"\nrollout {i}: {len(r['completions'])} completions, versions {seen}, restarted={r['restarted']}, "
               f"first v{r['first'][0]}, greedy {r['greedy']}")  # fmt: skip
     wait = max(w for _, _, w in published)
     print(f"published v1..v{last}, longest publish wait {wait:.3f}s; reference {res['reference']}")
+    after = [(v, round(t - killed, 2), round(w, 3)) for v, t, w in published if t > killed]
+    print(f"rollout 1 killed at +0; publishes after it (version, at, wait): {after}")
 
     assert [v for v, _, _ in published] == list(range(1, last + 1))
     for r in (r0, r1):
@@ -87,16 +92,19 @@ def test_ray_async_rl_with_rollout_restart(tmp_path):
         assert r["version"] == last
     # rollout 0 generated across updates, without stopping for them
     assert len({v for v, _ in r0["completions"]}) >= 3, sorted({v for v, _ in r0["completions"]})
-    # rollout 1 died mid-update and Ray restarted it: it rejoined on the newest version
+    # rollout 1 was killed mid-update and Ray restarted it: it rejoined on the newest version
     assert r1["restarted"] and not r0["restarted"]
     rejoin_version, rejoin_t, _ = r1["first"]
+    assert killed < r1["started"] < rejoin_t
+    assert res["evicted"] == 1, "the driver's ch.evict(actor) found the dead rollout's subscriber"
     newest_at_start = max(v for v, t, _ in published if t <= r1["started"])
     assert rejoin_version >= newest_at_start
-    # the trainers went on publishing while it was down, and never waited longer than a dead
-    # rollout's lease for anyone
-    during = [v for v, t, _ in published if r1["started"] <= t <= rejoin_t]
-    assert during, f"no version published between the restart ({r1['started']}) and the rejoin ({rejoin_t})"
-    assert max(w for _, _, w in published) < LEASE_TTL + 2.0
+    # the trainers went on publishing while it was dead and restarting: every publish after the
+    # kill waited a fraction of the lease (without the eviction, the dead rollout, 1 version behind
+    # within 2 steps, would have held one for up to the 30 s lease), and some came before the rejoin
+    assert len(after) >= 2, f"fewer than 2 publishes after the kill: {after}"
+    assert max(w for _, _, w in after) < LEASE_TTL / 6, after
+    assert [v for v, t, _ in after if t + killed <= rejoin_t], f"none published before the rejoin at {rejoin_t}"
     # greedy tokens after the updates equal a fresh engine loaded from the same weights
     assert r0["greedy"] == r1["greedy"] == res["reference"]
     assert r0["first"][2] != res["reference"], "the updates changed the weights"

@@ -48,6 +48,9 @@ class FaultPub(PubActor):
     def subscribers(self) -> list[dict]:
         return self.pub.subscribers()
 
+    def evict(self, who: int | str) -> int:
+        return self.pub.evict(who)
+
     def epoch(self) -> int:
         return self.pub._reg.epoch  # noqa: SLF001 - test introspection
 
@@ -63,8 +66,26 @@ class FaultPub(PubActor):
 
 
 class FaultSub(SubActor):
+    def __init__(self, *args: Any, sub_name: str | None = None, **kwargs: Any) -> None:
+        """``sub_name``: the subscriber's ``name`` (``Worker`` takes ``name`` for itself)."""
+        super().__init__(*args, **({"name": sub_name} if sub_name else {}), **kwargs)
+
     def live_key(self) -> str:
         return self.sub.keys.sub(self.sub.id, "live")
+
+
+def one_slot_pub(kind: str, request: Any) -> tuple[Any, str]:
+    """A ``FaultPub`` worker (tiny model, tcp transport, ``one_step_off`` with one staging slot: a
+    reader holds the slot it reads) on a ``kind`` store (``"tcp"``: hosted by it; ``"etcd"``: the
+    test's etcd, through ``request``), and the store's URL."""
+    from tests.runtime.harness import Worker, free_port
+
+    kw = dict(model_kind="tiny", mode="one_step_off", slots=1, transport="tcp")
+    if kind == "tcp":
+        url = f"tcp://127.0.0.1:{free_port()}"
+        return Worker("pub", FaultPub, url, 0, 1, 1, host_store=True, **kw), url
+    url = request.getfixturevalue("etcd_url")
+    return Worker("pub", FaultPub, url, 0, 1, 1, **kw), url
 
 
 def pause_fault(tmp_path, on_reads: tuple[int, ...], hold: float = 60.0) -> tuple[tuple[str, dict], str, str]:

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from tests.runtime.harness import Worker, free_port
+from tests.runtime.harness import Worker
 
-from .actors import FaultPub, FaultSub, pause_fault, release, wait_paused
+from .actors import FaultSub, one_slot_pub, pause_fault, release, wait_paused
 
 TTL = 3.0
 SLACK = 6.0  # a loaded 2-core machine: process wake-ups and store round trips
@@ -23,13 +23,7 @@ SLACK = 6.0  # a loaded 2-core machine: process wake-ups and store round trips
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["tcp", "etcd"])
 def test_reader_blocks_overwrite_of_its_slot_until_its_lease_lapses(kind: str, tmp_path, request) -> None:
-    kw = dict(model_kind="tiny", mode="one_step_off", slots=1, transport="tcp")
-    if kind == "tcp":
-        url = f"tcp://127.0.0.1:{free_port()}"
-        pub = Worker("pub", FaultPub, url, 0, 1, 1, host_store=True, **kw)
-    else:
-        url = request.getfixturevalue("etcd_url")
-        pub = Worker("pub", FaultPub, url, 0, 1, 1, **kw)
+    pub, url = one_slot_pub(kind, request)
     fault, paused, go = pause_fault(tmp_path, on_reads=(2, 3))  # the pulls of versions 2 and 3
     sub = Worker(
         "sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp", lease_ttl=TTL, fault=fault

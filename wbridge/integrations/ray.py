@@ -13,17 +13,25 @@ Usage (``pip install 'wbridge[ray]'``)::
     rollout = VLLMRollout(llm, ch)
     for version, out in rollout.generate(prompts, params): ...   # each completion with its version
 
+    ch.evict(rollout_actor)                      # driver: the actor died (ray.kill, ActorDiedError)
     close_channel(ch)                            # after trainers and rollouts are gone
 
 Who outlives whom: the store lives in ``_StoreHost`` (no CPU reserved, on the driver's node), so a
 trainer or rollout actor can die and be restarted by Ray without taking the channel with it;
 ``close_channel`` ends it. Every actor binds its transports to its node's address
 (``ray.util.get_node_ip_address()``), never to all interfaces.
+
+A rollout actor that dies would be waited for (``max_staleness``, slot guards) until its lease
+lapses. Its subscribers are named after the actor (``actor_subscriber_name``: the Ray actor id,
+which a restart keeps), so it stops counting as soon as someone who knows says so: the driver
+(``ch.evict(actor)``, when Ray reports the actor died or it killed it), or else the restarted actor
+itself, whose ``VLLMRollout`` evicts its predecessor's subscribers before subscribing again.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +50,18 @@ def _ray() -> Any:
     except ImportError as e:
         raise MissingExtraError(f"wbridge.integrations.ray needs ray ({e}); pip install 'wbridge[ray]'") from e
     return ray
+
+
+def actor_subscriber_name(actor: Any = None) -> str | None:
+    """The subscriber name of a Ray actor: ``actor`` (a handle), or the calling actor (None: not
+    in one). Built from the actor id, which stays the same when Ray restarts the actor."""
+    if actor is None:
+        actor_id = _ray().get_runtime_context().get_actor_id()
+        return None if actor_id is None else f"ray-actor-{actor_id}"
+    actor_id = getattr(actor, "_actor_id", None)  # ActorHandle keeps its id there
+    if actor_id is None:
+        raise UsageError(f"not a Ray actor handle: {actor!r:.80}")
+    return f"ray-actor-{actor_id.hex()}"
 
 
 def node_address() -> str:
@@ -78,6 +98,21 @@ class Channel:
 
         options.setdefault("host", node_address())
         return Subscriber(self.name, self.store, token=self.token, **options)
+
+    def evict(self, who: Any, timeout: float = 30.0) -> int:
+        """Stops counting a dead subscriber at once instead of after its lease (see
+        ``Publisher.evict``; harmless to one that is alive). ``who``: a Ray actor handle (the
+        subscribers ``VLLMRollout`` made in it), a subscriber name or id. Returns how many."""
+        from .. import _validate
+        from .._tracker import evict
+        from ..protocol.keys import Keys
+        from ..store import open_store
+
+        if not isinstance(who, (int, str)):
+            who = actor_subscriber_name(who)
+        with open_store(self.store, connect_timeout=timeout) as store:
+            with store.deadline(time.monotonic() + timeout):
+                return len(evict(store, Keys(self.name), _validate.token(self.token), who))
 
     def __repr__(self) -> str:  # the token stays out of logs
         return f"Channel({self.name!r}, store={self.store!r}, token={'set' if self.token else None})"
@@ -160,7 +195,9 @@ class VLLMRollout:
     Pulls run on a worker thread of the engine's workers while generation goes on with the old
     weights; the reload between two ``generate`` calls is the only pause. Each completion comes
     back with the version its weights had. Made in a rollout actor's constructor, so an actor that
-    Ray restarts subscribes again and pulls the newest version before it generates.
+    Ray restarts subscribes again and pulls the newest version before it generates. In an actor the
+    subscribers are named after it (``actor_subscriber_name``) unless ``name`` is given, and those
+    of its previous incarnation, if still counted, are evicted first (``Channel.evict``).
 
     - ``llm``: a ``vllm.LLM`` started with ``worker_extension_cls=EXTENSION``.
     - ``channel``: the ``Channel`` to subscribe to.
@@ -171,6 +208,10 @@ class VLLMRollout:
     def __init__(self, llm: Any, channel: Channel, *, timeout: float = 60.0, **subscriber_options: Any) -> None:
         self.llm, self.channel, self.timeout = llm, channel, timeout
         subscriber_options.setdefault("host", node_address())
+        own = actor_subscriber_name() if "name" not in subscriber_options and _ray().is_initialized() else None
+        if own is not None:
+            subscriber_options["name"] = own
+            channel.evict(own, timeout)  # a restarted actor: its dead predecessor stops counting now
         self.version: int | None = None  # what the kernels hold
         self._pulling = False
         self._closed = False
