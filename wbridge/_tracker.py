@@ -8,8 +8,8 @@ reads the slot that v is about to overwrite). The other ranks block on the key a
 wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggregator died, or is
 not waiting for the same thing) scans by itself, at doubling intervals, and writes the key too.
 
-A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted
-(a subscriber that comes back registers under a new id).
+A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted,
+and its relay record if it relayed (a subscriber that comes back registers under a new id).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class SubscriberView:
     acked: int = 0
     reading: int = 0
     layout: str = ""  # hash of its announced layout (``_packing.announce``)
+    relay: str = ""  # the store key of its relay record (``_relay``), collected with it
 
 
 def state_bytes(acked: int, reading: int) -> bytes:
@@ -112,7 +113,13 @@ class SubscriberTracker:
             try:
                 d = open_sealed(self.token, self.keys.sub(i), raw)
                 fresh.append(
-                    SubscriberView(i, float(d["ttl"]), str(d.get("name", "")), layout=str(d.get("layout", "")))
+                    SubscriberView(
+                        i,
+                        float(d["ttl"]),
+                        str(d.get("name", "")),
+                        layout=str(d.get("layout", "")),
+                        relay=str(d.get("relay", "")),
+                    )
                 )
             except Exception:  # noqa: BLE001 - an unsigned or forged subscriber is ignored
                 pass
@@ -126,7 +133,9 @@ class SubscriberTracker:
             else:
                 self.known[v.id] = v
         if dead:
-            self.store.delete_many([k for v in dead for k in (self.keys.sub(v.id), *self._state_keys([v]))])
+            gone = [k for v in dead for k in (self.keys.sub(v.id), *self._state_keys([v]))]
+            gone += [v.relay for v in dead if v.relay.startswith(self.keys.p + "zone/")]
+            self.store.delete_many(gone)
         return out
 
     def _state_keys(self, views: list[SubscriberView]) -> list[str]:

@@ -1,0 +1,127 @@
+"""Zones and relays (``wbridge._relay``): a version crosses to a zone about once, every replica of
+the zone ends bit-exact, a dead relay costs its readers a re-read, and zones never mix."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.etcd_fixture import etcd_server  # noqa: F401 - the fixture
+from wbridge import open_store
+
+from .actors import PubActor, SubActor
+from .harness import Worker, call_all, free_port
+
+
+@pytest.fixture
+def store():
+    s = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
+    yield s
+    s.close()
+
+
+def _subs(url: str, n: int, **kwargs) -> list[Worker]:
+    subs = [Worker(f"sub{i}", SubActor, url, 1, 0, fused=False, timeout=None, **kwargs) for i in range(n)]
+    for s in subs:
+        s.result(60)
+    return subs
+
+
+def _stop(*workers: Worker) -> None:
+    for w in workers:
+        w.stop()
+
+
+def _one_version_from_publishers(rs: list[dict], v: int, slack: float = 1.15) -> None:
+    """Every pull got ``v`` bit-exact, and the publishers served about one model's bytes in all."""
+    assert all(r["v"] == v and r["bad"] == [] for r in rs), rs
+    size = rs[0]["nbytes"]
+    assert all(r["nbytes"] == size == r["from_publishers"] + r["from_peers"] for r in rs), rs
+    from_pub = sum(r["from_publishers"] for r in rs)
+    assert size <= from_pub <= slack * size, [(r["from_publishers"], r["from_peers"]) for r in rs]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_relays_split_the_publisher_bytes(store, transport: str) -> None:
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
+    subs = _subs(store.url, 4, zone="b", relay=True, transport=transport)
+    try:
+        for v in (1, 2):
+            pub.call("publish", v)
+            _one_version_from_publishers(call_all(subs, "pull", v, timeout=30.0), v)
+    finally:
+        _stop(*subs, pub)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_relays_with_etcd(etcd_server) -> None:
+    url = etcd_server.url
+    pub = Worker("pub", PubActor, url, 0, 1, 1, zone="train")
+    subs = _subs(url, 3, zone="b", relay=True)
+    try:
+        pub.call("publish", 1)
+        _one_version_from_publishers(call_all(subs, "pull", 1, timeout=30.0), 1)
+    finally:
+        _stop(*subs, pub)
+
+
+@pytest.mark.timeout(120)
+def test_zones_never_mix_and_late_readers_use_full_relays(store) -> None:
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
+    relays = _subs(store.url, 2, zone="a", relay=True)
+    other = Worker("other", SubActor, store.url, 1, 0, fused=False, zone="b", relay=True)
+    late = Worker("late", SubActor, store.url, 1, 0, fused=False, zone="a", staged=True)
+    try:
+        pub.call("publish", 1)
+        _one_version_from_publishers(call_all(relays, "pull", 1, timeout=30.0), 1)
+        # zone a's relays hold version 1 whole: a subscriber of zone b still reads the publishers
+        r = other.call("pull", 1, timeout=30.0)
+        assert r["v"] == 1 and r["bad"] == [] and r["from_peers"] == 0 and r["from_publishers"] == r["nbytes"], r
+        # a late non-relay subscriber of zone a reads only from zone a's relays, split between them
+        r = late.call("pull", 1, timeout=30.0)
+        assert r["v"] == 1 and r["bad"] == [] and r["from_publishers"] == 0 and r["from_peers"] == r["nbytes"], r
+    finally:
+        _stop(late, other, *relays, pub)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
+    """A relay dies while it fetches its share of version 2: the others wait for it only briefly,
+    read its share from the publishers, and end bit-exact at version 2 within their timeout."""
+    signal, release = tmp_path / "paused", tmp_path / "release"
+    release.touch()  # version 1: the victim's reads pass
+    fault = ("pause", {"signal_path": str(signal), "release_path": str(release), "on_reads": range(1, 10_000)})
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1)
+    kw = {"zone": "b", "relay": True, "transport": transport, "lease_ttl": 2.0}
+    victim = Worker("victim", SubActor, store.url, 1, 0, fused=False, fault=fault, **kw)
+    others = _subs(store.url, 3, **kw)
+    try:
+        pub.call("publish", 1)
+        _one_version_from_publishers(call_all([victim, *others], "pull", 1, timeout=30.0), 1)
+        os.unlink(release)
+        signal.write_text("")
+        pub.call("publish", 2)
+        for w in (victim, *others):
+            w.send("pull", 2, timeout=30.0)
+        deadline = time.monotonic() + 20
+        while not signal.read_text() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert signal.read_text(), "the victim never paused mid-read"
+        victim.kill()  # mid-version: it began version 2, holds part of its share, announced none
+        t0 = time.monotonic()
+        rs = [w.result(40) for w in others]
+        assert all(r["v"] == 2 and r["bad"] == [] for r in rs), rs
+        assert time.monotonic() - t0 < 30.0
+        assert all(r["from_publishers"] > 0 for r in rs)  # the victim's share, re-read
+        # and the next version without it (its lease lapses, its record is collected)
+        pub.call("publish", 3)
+        _one_version_from_publishers(call_all(others, "pull", 3, timeout=30.0), 3, slack=2.0)
+    finally:
+        _stop(*others, victim, pub)

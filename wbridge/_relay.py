@@ -1,0 +1,456 @@
+"""Zones and relays: each version crosses the link between clusters once, not once per replica.
+
+A subscriber with ``zone=Z, relay=True`` (always staged) serves its staging buffer, the version it
+is assembling or holds, to subscribers of zone Z. ``RelayServer`` is that serving side: the buffer
+and a stamp (``protocol.stamps``: magic, version, state, epoch) registered with the subscriber's
+own served transports (tcp and local by default, bound to its ``host``), and a sealed record under
+``Keys.zone_relay(Z, k)``: its layout hash, endpoints, region descriptors, the version ``v`` it holds
+and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
+
+``ZoneReader.read`` replaces a staged subscriber's publisher reads of one version:
+
+1. A version held whole by relays of Z with the same layout (same bytes at the same offsets) is read
+   from them, split evenly.
+2. Otherwise the live relays of Z with that layout split the buffer into equal byte ranges (ordered
+   by relay record): relay i of N reads range i from the publishers (the publisher plan clipped to
+   it), checks the publishers' stamps and announces it; a non-relay subscriber reads no range.
+3. Then each reads the ranges it misses from the peers that announce them, as they appear (polling
+   the zone's records), checking each peer's stamp after the data; after ``STALL`` without progress
+   (a relay died or is slow), or halfway to the pull's deadline, the rest comes from the publishers.
+
+Exactness. Every range announced was read and checked before it was announced. Before a relay writes
+a new version into its buffer it withdraws its ranges (``held = []``) and sets its stamp to the new
+version; a reader reads the stamp after the data and drops ranges whose stamp does not say "version
+v, stable, epoch e" (the seqlock of publisher slots), re-reading them elsewhere. A peer that fails at
+the transport is dropped for the pull. Readers never read another zone's relays (the zone is part of
+the key) and use publishers whatever the publishers' zone. Relays whose lease lapsed are skipped and
+their record deleted by whoever sees it first (and by publisher rank 0 with the subscriber's keys).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+import transports as _transports
+from transports.base import ReadBatch
+
+from ._lifecycle import quietly
+from ._reads import check_stamps, read_sources
+from ._selection import candidates, publisher_capabilities
+from ._session import Source, SourcesFailed, connect_source
+from ._tensors import address, alloc_bytes
+from .errors import StaleVersionError, StoreError, TransportError
+from .protocol.keys import Keys
+from .protocol.records import open_sealed, seal
+from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
+
+log = logging.getLogger("wbridge")
+
+RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subscriber's own transports)
+POLL_S = 0.01  # how often a reader looks for newly announced ranges while it waits for them
+STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
+ALIGN = 4096  # range boundaries (bytes)
+
+Ranges = list[tuple[int, int]]
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(bytes(b)).decode()
+
+
+def subtract(ranges: Ranges, cut: Ranges) -> Ranges:
+    """``ranges`` without the bytes of ``cut`` (both sorted, disjoint)."""
+    out = []
+    for lo, hi in ranges:
+        for a, b in cut:
+            if b <= lo or a >= hi:
+                continue
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+            if lo >= hi:
+                break
+        if lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def union(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def part(size: int, i: int, n: int) -> tuple[int, int]:
+    """Byte range ``i`` of ``n`` near-equal ranges of ``size`` bytes (boundaries ``ALIGN``ed)."""
+    cut = [min(size, (size * j // n) // ALIGN * ALIGN) for j in range(n + 1)]
+    cut[-1] = size
+    return cut[i], cut[i + 1]
+
+
+def clip(batch: ReadBatch, ranges: Ranges) -> ReadBatch:
+    """The reads of ``batch`` (into one destination region) cut to the destination bytes in ``ranges``."""
+    end = batch.dst_offset + batch.nbytes
+    cols: list[list[np.ndarray]] = [[], [], [], [], []]
+    for lo, hi in ranges:
+        a, b = np.maximum(batch.dst_offset, lo), np.minimum(end, hi)
+        m = b > a
+        shift = a[m] - batch.dst_offset[m]
+        picked = (batch.src_region[m], batch.src_offset[m] + shift, batch.dst_region[m], a[m], (b - a)[m])
+        for c, x in zip(cols, picked):
+            c.append(x)
+    return ReadBatch(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A live relay of the zone as its record says."""
+
+    key: str
+    id: int
+    layout: str
+    v: int
+    epoch: int
+    held: tuple[tuple[int, int], ...]
+    record: dict
+
+
+class _Stamped:
+    """What ``check_stamps`` compares a relay's stamp with: version ``v`` of ``epoch`` (slot 0)."""
+
+    slot = 0
+
+    def __init__(self, v: int, epoch: int) -> None:
+        self.v, self.epoch = v, epoch
+
+
+class RelayServer:
+    """The serving side of a relay: its buffer, stamp and record.
+
+    - ``store``, ``keys``, ``token``: the channel's store, keys (of the generation joined), token.
+    - ``zone``: the zone it serves.
+    - ``transports``: the subscriber's transports to serve on, by name (its buffer already registered).
+    - ``regions``: each transport's registration of the buffer.
+    - ``size``: the buffer's size in bytes.
+    - ``layout``: the hash of the subscriber's layout (readers with another layout do not use it).
+    - ``sub_id``, ``ttl``, ``name``: the subscriber's id (its lease key), lease ttl and name.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        keys: Keys,
+        token: bytes | None,
+        zone: str,
+        transports: dict[str, Any],
+        regions: dict[str, Any],
+        size: int,
+        layout: str,
+        sub_id: int,
+        ttl: float,
+        name: str,
+    ) -> None:
+        self.store, self.keys, self.token, self.zone = store, keys, token, zone
+        self.transports, self.size, self.sub_id = transports, size, sub_id
+        self.stamp = alloc_bytes(STAMP_BYTES, "cpu")
+        self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
+        self.stamp_regions: dict[str, Any] = {}
+        served = {}
+        for n, t in transports.items():
+            self.stamp_regions[n] = r = t.register(address(self.stamp), STAMP_BYTES, device="cpu")
+            served[n] = {"endpoint": _b64(t.endpoint()), "regions": [[_b64(regions[n].descriptor), _b64(r.descriptor)]]}
+        self.base = {
+            "id": sub_id,
+            "lease": keys.sub(sub_id, "live"),
+            "ttl": ttl,
+            "name": name,
+            "layout": layout,
+            "size": size,
+            "caps": publisher_capabilities(list(transports)),
+            "transports": served,
+        }
+        self.v = self.epoch = 0
+        self.held: Ranges = []
+        self.key = keys.zone_relay(zone, store.add(keys.zone_count(zone), 1))
+        self._write()
+
+    def _write(self) -> None:
+        rec = {**self.base, "v": self.v, "epoch": self.epoch, "held": [list(r) for r in self.held]}
+        self.store.set(self.key, seal(self.token, self.key, rec))
+
+    def begin(self, v: int, epoch: int) -> None:
+        """About to write version ``v`` into the buffer: withdraw what it held, then the stamp."""
+        if (v, epoch) == (self.v, self.epoch):
+            return
+        self.v, self.epoch, self.held = v, epoch, []
+        self._write()
+        self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, v, STAMP_STABLE, epoch)
+
+    def hold(self, ranges: Ranges) -> None:
+        """Announces that ``ranges`` of the buffer now hold the version begun (verified)."""
+        self.held = union(self.held + list(ranges))
+        self._write()
+
+    def close(self) -> None:
+        quietly(self.store.delete, self.key)
+        self.stamp.numpy().view(np.uint64)[2] = STAMP_WRITING
+        for n, r in self.stamp_regions.items():
+            quietly(self.transports[n].deregister, r)
+        self.stamp_regions = {}
+
+
+class ZoneReader:
+    """A staged subscriber's reads of one version through the relays of its zone (and publishers).
+
+    - ``sub``: the subscriber (its store, keys, transports, session, pool and name are used).
+    - ``zone``: its zone.
+    - ``relay``: its ``RelayServer`` if it relays, else None.
+    - ``layout``: the hash of its layout; ``size``: its staging buffer's size.
+    """
+
+    def __init__(self, sub: Any, zone: str, relay: RelayServer | None, layout: str, size: int) -> None:
+        self.sub, self.zone, self.relay, self.layout, self.size = sub, zone, relay, layout, size
+        self.count = 0  # the zone's relay counter as last read
+        self.absent: dict[int, float] = {}  # record number -> when first found missing
+        self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
+
+    # -- the zone's relays ---------------------------------------------------------------------
+    def scan(self) -> list[Peer]:
+        """The zone's live relays with this layout (itself aside); deletes the records of dead ones."""
+        sub = self.sub
+        store, keys = sub._store, sub.keys
+        count = int(store.get(keys.zone_count(self.zone)) or 0)
+        now = time.monotonic()
+        nums = [k for k in range(1, count + 1) if now - self.absent.get(k, now) < 10.0]
+        rkeys = [keys.zone_relay(self.zone, k) for k in nums]
+        found = []
+        for k, key, raw in zip(nums, rkeys, store.get_many(rkeys)):
+            if raw is None:
+                self.absent.setdefault(k, now)
+                continue
+            self.absent.pop(k, None)
+            if self.relay is not None and key == self.relay.key:
+                continue
+            try:
+                d = open_sealed(sub.token, key, raw)
+                found.append((key, d, str(d["lease"]), float(d["ttl"])))
+            except Exception:  # noqa: BLE001 - an unsigned or malformed record is no relay
+                continue
+        leases = store.get_many([lease for _, _, lease, _ in found]) if found else []
+        out = []
+        for (key, d, lease, ttl), value in zip(found, leases):
+            if not lease.startswith(keys.p) or not store.judge_alive(lease, value, ttl):
+                quietly(store.delete, key)  # collected by whoever sees it dead first
+                continue
+            if d.get("layout") != self.layout or int(d.get("size", -1)) != self.size:
+                continue
+            held = tuple((int(a), int(b)) for a, b in d.get("held", []))
+            out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), held, d))
+        return out
+
+    # -- one version ---------------------------------------------------------------------------
+    def read(self, session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
+        """Fills the staging buffer with version ``rec``; returns the session (a new one after a
+        publisher failover), the bytes read from publishers and those read from relays. The caller
+        checks the publishers' stamps afterwards as usual."""
+        start = time.monotonic()
+        if self.relay is not None:
+            self.relay.begin(rec.v, rec.epoch)
+        peers = self.scan()
+        whole = [(0, self.size)]
+        missing: Ranges = whole if self.size else []
+        from_pub = from_peers = 0
+        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and not subtract(whole, list(p.held))]
+        if self.relay is not None and not full and missing:
+            group = sorted([self.relay.key, *(p.key for p in peers)], key=_number)
+            mine = [part(self.size, group.index(self.relay.key), len(group))]
+            mine = [r for r in mine if r[1] > r[0]]
+            session, n = self._from_publishers(session, rec, mine, deadline)
+            from_pub += n
+            missing = subtract(missing, mine)
+            self.relay.hold(mine)
+        # A relay waits for its peers' ranges until they make no progress for twice the time its
+        # own range took (a peer died or is stuck); a subscriber that relays nothing waits while
+        # some relay works on the version. Neither waits past half the pull's timeout.
+        stall = max(STALL_MIN_S, 2.0 * (time.monotonic() - start))
+        give_up = start + (deadline - start) / 2
+        last, seen = time.monotonic(), None
+        failed: set[str] = set()
+        while missing and peers:
+            got, gone = self._from_peers(peers, rec, missing, failed, give_up)
+            failed |= gone
+            if got:
+                from_peers += sum(b - a for a, b in got)
+                missing = subtract(missing, got)
+                if self.relay is not None:
+                    self.relay.hold(got)
+                continue
+            now = time.monotonic()
+            state = {(p.key, p.v, p.held) for p in peers}
+            if state != seen:
+                last, seen = now, state
+            busy = self.relay is None and any((p.v, p.epoch) == (rec.v, rec.epoch) for p in peers)
+            if now > give_up or (now - last > stall and not busy):
+                log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.sub.name, self.zone)
+                break
+            time.sleep(POLL_S)
+            peers = [p for p in self.scan() if p.key not in failed]
+        if missing:
+            session, n = self._from_publishers(session, rec, missing, deadline)
+            from_pub += n
+            if self.relay is not None:
+                self.relay.hold(missing)
+        return session, from_pub, from_peers
+
+    def _from_publishers(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> tuple[Any, int]:
+        """Reads the destination bytes ``ranges`` from the publishers (the session's plan clipped to
+        them) and checks their stamps; fails over to replicas as a plain pull does."""
+        sub = self.sub
+        while True:
+            parts = [replace(s, batch=clip(s.batch, ranges), prepared={}) for s in session.sources]
+            try:
+                read_sources(sub._transports, sub._local_regions, sub._pool, parts, rec.slot, deadline, sub.name)
+                break
+            except SourcesFailed as failed:
+                session = sub._failover(session, failed, deadline)
+            finally:
+                for s in parts:
+                    for prep in s.prepared.values():
+                        quietly(sub._transports[s.transport].release, prep)
+        check_stamps(sub._transports, sub._pool, session.sources, rec, deadline)
+        return session, sum(s.batch.total_bytes for s in parts)
+
+    def _connect(self, peer: Peer, deadline: float) -> Source:
+        sub = self.sub
+        d = peer.record
+        ends = tuple(sorted((n, x["endpoint"]) for n, x in d["transports"].items()))
+        known = self.peers.get(peer.key)
+        if known is not None and known[0] == ends:
+            return known[1]
+        if known is not None:
+            self._drop(peer.key)
+        options = candidates(sub.preference, sub._caps, d["caps"])
+        src, _ = connect_source(-peer.id, d, ReadBatch.of([]), options, sub._transport, deadline, sub.name)
+        self.peers[peer.key] = (ends, src)
+        return src
+
+    def _from_peers(
+        self, peers: list[Peer], rec: Any, missing: Ranges, failed: set[str], deadline: float
+    ) -> tuple[Ranges, set[str]]:
+        """Reads what ``peers`` announce of ``missing``, spread evenly over the peers that hold each
+        piece, within ``deadline`` (half the pull's: a frozen peer leaves time for publishers);
+        returns the ranges read and checked, and the peers that failed."""
+        holders = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and p.key not in failed and p.held]
+        if not holders:
+            return [], set()
+        cuts = sorted({x for p in holders for r in p.held for x in r} | {x for r in missing for x in r})
+        load: dict[str, int] = {p.key: 0 for p in holders}
+        work: dict[str, Ranges] = {p.key: [] for p in holders}
+        for a, b in zip(cuts, cuts[1:]):
+            if subtract([(a, b)], missing):
+                continue  # not missing (cut points are the union of both sides' boundaries)
+            cand = [p.key for p in holders if not subtract([(a, b)], list(p.held))]
+            n = len(cand)
+            for i in range(n):  # split each piece over its holders, the least loaded first
+                lo, hi = part(b - a, i, n)
+                k = min(cand, key=lambda c: load[c])
+                cand.remove(k)
+                if hi > lo:
+                    load[k] += hi - lo
+                    work[k].append((a + lo, a + hi))
+        by_key = {p.key: p for p in holders}
+        got: Ranges = []
+        gone: set[str] = set()
+        jobs = {}
+        for k, w in work.items():
+            if not w:
+                continue
+            try:  # connecting here, not in the pool: it may open this side's transport
+                src = self._connect(by_key[k], deadline)
+            except (TransportError, StoreError) as e:
+                self._failed(k, e, gone)
+                continue
+            jobs[k] = (src, self.pool.submit(self._read_peer, src, union(w), deadline))
+        for k, (src, f) in jobs.items():
+            try:
+                f.result()
+                # the stamp after the data: the peer still holds version v (it withdrew nothing)
+                check_stamps(self.sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+                got += work[k]
+            except (TransportError, StaleVersionError) as e:
+                self._failed(k, e, gone)
+        return union(got), gone
+
+    def _failed(self, key: str, e: Exception, gone: set[str]) -> None:
+        log.warning("subscriber %s: relay %s failed (%s); its bytes come from elsewhere", self.sub.name, key, e)
+        self._drop(key)
+        gone.add(key)
+
+    def _read_peer(self, src: Source, ranges: Ranges, deadline: float) -> None:
+        """Reads ``ranges`` of a peer's buffer into the same bytes of this one (its stamp next)."""
+        sub = self.sub
+        t = sub._transports[src.transport]
+        batch = ReadBatch.of([(0, a, 0, a, b - a) for a, b in ranges])
+        prep = t.prepare(src.peer, src.regions[0], sub._local_regions[src.transport], batch)
+        try:
+            t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            quietly(t.release, prep)
+
+    def _drop(self, key: str) -> None:
+        known = self.peers.pop(key, None)
+        if known is None:
+            return
+        src = known[1]
+        t = self.sub._transports.get(src.transport)
+        if t is None:
+            return
+        for prep in src.stamp_prepared.values():
+            quietly(t.release, prep)
+        if src.stamp_region is not None:
+            quietly(t.deregister, src.stamp_region)
+        quietly(t.disconnect, src.peer)
+
+    def close(self) -> None:
+        for key in list(self.peers):
+            self._drop(key)
+        self.pool.shutdown(wait=False)
+        if self.relay is not None:
+            self.relay.close()
+
+
+def join_zone(sub: Any, buf: Any, layout: str) -> ZoneReader:
+    """The zone reader of staged subscriber ``sub`` (staging buffer ``buf``, layout hash
+    ``layout``); a relay serves ``buf`` on tcp and local (or on its one chosen transport) and names
+    its record in its subscriber record (collected with it)."""
+    size, server = int(buf.numel()), None
+    if sub.relay:
+        names = [n for n in RELAY_TRANSPORTS if n in _transports.available()]
+        names = names if sub.preference == "auto" else [sub.preference]
+        served = {n: sub._transport(n) for n in names}
+        regions = {n: sub._local_regions[n][0] for n in names}
+        m = sub._member
+        server = RelayServer(
+            sub._store, sub.keys, sub.token, sub.zone, served, regions, size, layout, m.id, m.ttl, sub.name
+        )
+        m.announce(m.layout, server.key)
+    return ZoneReader(sub, sub.zone, server, layout, size)
+
+
+def _number(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+__all__ = ["RELAY_TRANSPORTS", "RelayServer", "ZoneReader", "join_zone"]
