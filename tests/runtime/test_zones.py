@@ -59,10 +59,11 @@ def test_relays_split_the_publisher_bytes(store, transport: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_relays_with_etcd(etcd_server) -> None:
+def test_relays_with_etcd_and_checksums(etcd_server) -> None:
+    """The etcd store, and verify=True: relay-served bytes are checked against publisher checksums."""
     url = etcd_server.url
-    pub = Worker("pub", PubActor, url, 0, 1, 1, zone="train")
-    subs = _subs(url, 3, zone="b", relay=True)
+    pub = Worker("pub", PubActor, url, 0, 1, 1, zone="train", checksums=True)
+    subs = _subs(url, 3, zone="b", relay=True, verify=True)
     try:
         pub.call("publish", 1)
         _one_version_from_publishers(call_all(subs, "pull", 1, timeout=30.0), 1)
