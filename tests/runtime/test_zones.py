@@ -11,7 +11,7 @@ import pytest
 from tests.etcd_fixture import etcd_server  # noqa: F401 - the fixture
 from wbridge import open_store
 
-from .actors import PubActor, SubActor
+from .actors import TOKEN, PubActor, SubActor
 from .harness import Worker, call_all, free_port
 
 
@@ -124,5 +124,61 @@ def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
         # and the next version without it (its lease lapses, its record is collected)
         pub.call("publish", 3)
         _one_version_from_publishers(call_all(others, "pull", 3, timeout=30.0), 3, slack=2.0)
+    finally:
+        _stop(*others, victim, pub)
+
+
+def _zone_records(store, zone: str) -> dict[int, dict]:
+    """The relay records of ``zone`` in the channel's current generation, by record number."""
+    from wbridge import _generation
+    from wbridge.protocol.keys import Keys
+    from wbridge.protocol.records import open_sealed
+
+    base = Keys("t")
+    gen = _generation.current(store, base, TOKEN.encode())
+    keys = base.at(gen)
+    n = int(store.get(keys.zone_count(zone)) or 0)
+    out = {}
+    for k in range(1, n + 1):
+        raw = store.get(keys.zone_relay(zone, k))
+        if raw is not None:
+            out[k] = open_sealed(TOKEN.encode(), keys.zone_relay(zone, k), raw)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("transport", ["tcp", "local"])
+def test_relay_killed_while_serving(store, transport: str) -> None:
+    """The relay the others read from dies between their data reads and their check of its stamp
+    (each of their reads is followed by a 1 s pause): they drop what they read from it and end
+    bit-exact at that version, its share read again from the publishers, within their timeout."""
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1)
+    kw = {"zone": "b", "relay": True, "transport": transport, "lease_ttl": 2.0}
+    victim = Worker("victim", SubActor, store.url, 1, 0, fused=False, **kw)  # relay record 1
+    slow = ("slow", {"delay": 1.0, "on_reads": range(1, 10_000)})
+    others = _subs(store.url, 3, fault=slow, **kw)
+    try:
+        pub.call("publish", 1)
+        rs = call_all([victim, *others], "pull", 1, timeout=60.0)  # (the fast victim stops waiting)
+        assert all(r["v"] == 1 and r["bad"] == [] for r in rs), rs
+        pub.call("publish", 2)
+        for w in (victim, *others):
+            w.send("pull", 2, timeout=40.0)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            recs = _zone_records(store, "b")
+            if recs.get(1, {}).get("held") and any(d["v"] == 2 and d["held"] for k, d in recs.items() if k != 1):
+                break  # the victim serves its share, the others began reading their peers
+            time.sleep(0.005)
+        else:
+            raise AssertionError("the relays never announced their shares of version 2")
+        time.sleep(0.3)  # the others read the victim's share and pause before its stamp
+        victim.kill()
+        rs = [w.result(60) for w in others]
+        assert all(r["v"] == 2 and r["bad"] == [] for r in rs), rs
+        size = rs[0]["nbytes"]
+        # every reader read the victim's share again from the publishers (not torn, not from it)
+        assert all(r["from_publishers"] > size // 3 for r in rs), [(r["from_publishers"], r["from_peers"]) for r in rs]
     finally:
         _stop(*others, victim, pub)
