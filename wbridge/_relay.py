@@ -94,7 +94,7 @@ def union(ranges: Ranges) -> Ranges:
 
 def part(size: int, i: int, n: int) -> tuple[int, int]:
     """Byte range ``i`` of ``n`` near-equal ranges of ``size`` bytes (boundaries ``ALIGN``ed)."""
-    cut = [min(size, (size * j // n) // ALIGN * ALIGN) for j in range(n + 1)]
+    cut = [min(size, (size * j // n + ALIGN // 2) // ALIGN * ALIGN) for j in range(n + 1)]
     cut[-1] = size
     return cut[i], cut[i + 1]
 
