@@ -18,6 +18,10 @@ and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
    the zone's records), checking each peer's stamp after the data; after ``STALL`` without progress
    (a relay died or is slow), or halfway to the pull's deadline, the rest comes from the publishers.
 
+A subscriber with a layout no relay of Z has (not staged, another TP, fused tensors) plans with the
+planner against the relays of Z that hold the version whole, their layouts as one more set of
+sources (balanced over them as replicas), and reads the publishers if there are none or that fails.
+
 Exactness. Every range announced was read and checked before it was announced. Before a relay writes
 a new version into its buffer it withdraws its ranges (``held = []``) and sets its stamp to the new
 version; a reader reads the stamp after the data and drops ranges whose stamp does not say "version
@@ -39,6 +43,10 @@ from typing import Any
 import numpy as np
 
 import transports as _transports
+from planner.builder import build_plan
+from planner.errors import PlanError
+from planner.layout import RankLayout
+from planner.plan import Plan
 from transports.base import ReadBatch
 
 from ._lifecycle import quietly
@@ -224,11 +232,12 @@ class ZoneReader:
         self.count = 0  # the zone's relay counter as last read
         self.absent: dict[int, float] = {}  # record number -> when first found missing
         self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
+        self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
 
     # -- the zone's relays ---------------------------------------------------------------------
     def scan(self) -> list[Peer]:
-        """The zone's live relays with this layout (itself aside); deletes the records of dead ones."""
+        """The zone's live relays (itself aside); deletes the records of dead ones."""
         sub = self.sub
         store, keys = sub._store, sub.keys
         count = int(store.get(keys.zone_count(self.zone)) or 0)
@@ -254,8 +263,6 @@ class ZoneReader:
             if not lease.startswith(keys.p) or not store.judge_alive(lease, value, ttl):
                 quietly(store.delete, key)  # collected by whoever sees it dead first
                 continue
-            if d.get("layout") != self.layout or int(d.get("size", -1)) != self.size:
-                continue
             held = tuple((int(a), int(b)) for a, b in d.get("held", []))
             out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), held, d))
         return out
@@ -268,7 +275,10 @@ class ZoneReader:
         start = time.monotonic()
         if self.relay is not None:
             self.relay.begin(rec.v, rec.epoch)
-        peers = self.scan()
+        everyone = self.scan()
+        peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
+        if self.relay is None and not peers:  # no relay with this layout: plan over full relays
+            return self._planned(everyone, session, rec, deadline)
         whole = [(0, self.size)]
         missing: Ranges = whole if self.size else []
         from_pub = from_peers = 0
@@ -306,7 +316,7 @@ class ZoneReader:
                 log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.sub.name, self.zone)
                 break
             time.sleep(POLL_S)
-            peers = [p for p in self.scan() if p.key not in failed]
+            peers = [p for p in self.scan() if p.key not in failed and p.layout == self.layout]
         if missing:
             session, n = self._from_publishers(session, rec, missing, deadline)
             from_pub += n
@@ -314,12 +324,55 @@ class ZoneReader:
                 self.relay.hold(missing)
         return session, from_pub, from_peers
 
-    def _from_publishers(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> tuple[Any, int]:
-        """Reads the destination bytes ``ranges`` from the publishers (the session's plan clipped to
-        them) and checks their stamps; fails over to replicas as a plain pull does."""
+    def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
+        """A subscriber whose layout no relay has: the planner's reads from the relays that hold
+        version ``rec`` whole (any layouts: one more source each), else from the publishers."""
+        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch)]
+        full = sorted((p for p in full if not subtract([(0, int(p.record["size"]))], list(p.held))), key=_number_of)
+        if full:
+            try:
+                return session, 0, self._from_full(full, rec, deadline)
+            except (TransportError, StaleVersionError, StoreError, PlanError) as e:
+                log.warning(
+                    "subscriber %s: reading zone %s relays failed (%s); publishers", self.sub.name, self.zone, e
+                )
+                for p in full:
+                    self._drop(p.key)
+        session, n = self._from_publishers(session, rec, None, deadline)
+        return session, n, 0
+
+    def _from_full(self, full: list[Peer], rec: Any, deadline: float) -> int:
+        sub = self.sub
+        key = tuple((p.key, p.layout) for p in full)
+        if self.plan is None or self.plan[0] != key:
+            layouts = []
+            for i, p in enumerate(full):
+                lk = sub.keys.reader_layout(p.layout)
+                raw = sub._store.get(lk)
+                if raw is None:
+                    raise StoreError(f"relay {p.key}: its layout {p.layout} is not in the store")
+                layouts.append(replace(RankLayout.from_dict(open_sealed(sub.token, lk, raw)), rank=i))
+            self.plan = (key, build_plan(layouts, sub._layout))
+        jobs = []
+        for s in self.plan[1].sources:
+            src = self._connect(full[s.src_rank], deadline)
+            batch = ReadBatch(s.src_region, s.src_offset, s.dst_region, s.dst_offset, s.nbytes)
+            jobs.append((src, self.pool.submit(self._read_peer, src, batch, deadline)))
+        for _, f in jobs:
+            f.result()
+        for src, _ in jobs:
+            check_stamps(sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+        return self.plan[1].total_bytes
+
+    def _from_publishers(self, session: Any, rec: Any, ranges: Ranges | None, deadline: float) -> tuple[Any, int]:
+        """Reads the destination bytes ``ranges`` (None: all) from the publishers (the session's
+        plan clipped to them) and checks their stamps; fails over to replicas as a plain pull does."""
         sub = self.sub
         while True:
-            parts = [replace(s, batch=clip(s.batch, ranges), prepared={}) for s in session.sources]
+            parts = [
+                replace(s, batch=s.batch if ranges is None else clip(s.batch, ranges), prepared={})
+                for s in session.sources
+            ]
             try:
                 read_sources(sub._transports, sub._local_regions, sub._pool, parts, rec.slot, deadline, sub.name)
                 break
@@ -382,7 +435,8 @@ class ZoneReader:
             except (TransportError, StoreError) as e:
                 self._failed(k, e, gone)
                 continue
-            jobs[k] = (src, self.pool.submit(self._read_peer, src, union(w), deadline))
+            batch = ReadBatch.of([(0, a, 0, a, b - a) for a, b in union(w)])
+            jobs[k] = (src, self.pool.submit(self._read_peer, src, batch, deadline))
         for k, (src, f) in jobs.items():
             try:
                 f.result()
@@ -398,11 +452,10 @@ class ZoneReader:
         self._drop(key)
         gone.add(key)
 
-    def _read_peer(self, src: Source, ranges: Ranges, deadline: float) -> None:
-        """Reads ``ranges`` of a peer's buffer into the same bytes of this one (its stamp next)."""
+    def _read_peer(self, src: Source, batch: ReadBatch, deadline: float) -> None:
+        """Posts ``batch`` from a relay's buffer (its stamp is checked next)."""
         sub = self.sub
         t = sub._transports[src.transport]
-        batch = ReadBatch.of([(0, a, 0, a, b - a) for a, b in ranges])
         prep = t.prepare(src.peer, src.regions[0], sub._local_regions[src.transport], batch)
         try:
             t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
@@ -432,10 +485,10 @@ class ZoneReader:
 
 
 def join_zone(sub: Any, buf: Any, layout: str) -> ZoneReader:
-    """The zone reader of staged subscriber ``sub`` (staging buffer ``buf``, layout hash
-    ``layout``); a relay serves ``buf`` on tcp and local (or on its one chosen transport) and names
-    its record in its subscriber record (collected with it)."""
-    size, server = int(buf.numel()), None
+    """The zone reader of subscriber ``sub`` (staging buffer ``buf``, None if not staged; layout
+    hash ``layout``); a relay serves ``buf`` on tcp and local (or on its one chosen transport) and
+    names its record in its subscriber record (collected with it)."""
+    size, server = (None if buf is None else int(buf.numel())), None
     if sub.relay:
         names = [n for n in RELAY_TRANSPORTS if n in _transports.available()]
         names = names if sub.preference == "auto" else [sub.preference]
@@ -451,6 +504,10 @@ def join_zone(sub: Any, buf: Any, layout: str) -> ZoneReader:
 
 def _number(key: str) -> int:
     return int(key.rsplit("/", 1)[1])
+
+
+def _number_of(peer: Peer) -> int:
+    return _number(peer.key)
 
 
 __all__ = ["RELAY_TRANSPORTS", "RelayServer", "ZoneReader", "join_zone"]

@@ -172,7 +172,7 @@ class Subscriber(Closeable):
             self._dest = [byte_view(t) for t in live.values()]
         self._device = device
         self.version = None
-        if self.zone is not None and self.staged:
+        if self.zone is not None:
             self._join_zone()
 
     def _join_zone(self) -> None:
@@ -180,7 +180,7 @@ class Subscriber(Closeable):
         if self._zone is not None:
             quietly(self._zone.close)
         self._zone = None
-        self._zone = join_zone(self, self._dest[0], layout_hash(self._layout))
+        self._zone = join_zone(self, self._dest[0] if self.staged else None, layout_hash(self._layout))
 
     def _check_membership(self) -> bool:
         """Whether the membership stands; if the store was found in a new generation (it was lost

@@ -73,10 +73,13 @@ def test_relays_with_etcd_and_checksums(etcd_server) -> None:
 
 @pytest.mark.timeout(120)
 def test_zones_never_mix_and_late_readers_use_full_relays(store) -> None:
+    """Zone b never reads zone a's relays; late subscribers of zone a, of its layout or another,
+    read only from zone a's relays once they hold the version whole."""
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
     relays = _subs(store.url, 2, zone="a", relay=True)
     other = Worker("other", SubActor, store.url, 1, 0, fused=False, zone="b", relay=True)
     late = Worker("late", SubActor, store.url, 1, 0, fused=False, zone="a", staged=True)
+    fused = Worker("fused", SubActor, store.url, 1, 0, fused=True, zone="a")  # another layout, not staged
     try:
         pub.call("publish", 1)
         _one_version_from_publishers(call_all(relays, "pull", 1, timeout=30.0), 1)
@@ -86,8 +89,11 @@ def test_zones_never_mix_and_late_readers_use_full_relays(store) -> None:
         # a late non-relay subscriber of zone a reads only from zone a's relays, split between them
         r = late.call("pull", 1, timeout=30.0)
         assert r["v"] == 1 and r["bad"] == [] and r["from_publishers"] == 0 and r["from_peers"] == r["nbytes"], r
+        # so does one with another layout (fused, not staged): planned against the relays' layouts
+        r = fused.call("pull", 1, timeout=30.0)
+        assert r["v"] == 1 and r["bad"] == [] and r["from_publishers"] == 0 and r["from_peers"] == r["nbytes"], r
     finally:
-        _stop(late, other, *relays, pub)
+        _stop(fused, late, other, *relays, pub)
 
 
 @pytest.mark.slow
