@@ -1,10 +1,13 @@
-"""The byte-range arithmetic of ``wbridge._relay``: splits, set differences, clipped plans."""
+"""The byte-range arithmetic of ``wbridge._relay`` (splits, set differences, clipped plans) and the
+checks of the zone arguments."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from transports.base import ReadBatch
+from wbridge import Publisher, Subscriber, UsageError
 from wbridge._relay import ALIGN, clip, part, subtract, union
 
 
@@ -37,3 +40,17 @@ def test_clip_keeps_source_and_destination_in_step() -> None:
     assert rows == [(0, 1050, 0, 50, 50), (1, 0, 0, 100, 20), (0, 5040, 0, 190, 10)]
     assert clip(batch, []).total_bytes == 0
     assert np.array_equal(clip(batch, [(0, 200)]).nbytes, batch.nbytes)
+
+
+@pytest.mark.parametrize("zone", ["", "a/b", 3])
+def test_bad_zone_is_usage_error(zone) -> None:
+    # checked before the store is opened: nothing listens on these ports
+    with pytest.raises(UsageError, match="zone"):
+        Subscriber("t", "tcp://127.0.0.1:1", zone=zone, connect_timeout=0.5)
+    with pytest.raises(UsageError, match="zone"):
+        Publisher("t", "tcp://127.0.0.1:1", zone=zone, connect_timeout=0.5)
+
+
+def test_relay_needs_a_zone() -> None:
+    with pytest.raises(UsageError, match="relay=True needs a zone"):
+        Subscriber("t", "tcp://127.0.0.1:1", relay=True, connect_timeout=0.5)

@@ -130,6 +130,7 @@ def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
         # and the next version without it (its lease lapses, its record is collected)
         pub.call("publish", 3)
         _one_version_from_publishers(call_all(others, "pull", 3, timeout=30.0), 3, slack=2.0)
+        assert 1 not in _zone_records(store, "b")  # the dead relay's record was collected
     finally:
         _stop(*others, victim, pub)
 
