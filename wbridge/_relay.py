@@ -13,10 +13,12 @@ and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
    from them, split evenly.
 2. Otherwise the live relays of Z with that layout split the buffer into equal byte ranges (ordered
    by relay record): relay i of N reads range i from the publishers (the publisher plan clipped to
-   it), checks the publishers' stamps and announces it; a non-relay subscriber reads no range.
-3. Then each reads the ranges it misses from the peers that announce them, as they appear (polling
-   the zone's records), checking each peer's stamp after the data; after ``STALL`` without progress
-   (a relay died or is slow), or halfway to the pull's deadline, the rest comes from the publishers.
+   it) in a background thread, in ``OWN_CHUNKS`` chunks, and announces each chunk once the
+   publishers' stamps are checked; a non-relay subscriber reads no range.
+3. Meanwhile each reads the ranges it misses from the peers that announce them, as they appear
+   (polling the zone's records), checking each peer's stamp after the data. Once its own range is
+   in, after twice the time that took without progress (at least ``STALL_MIN_S``: a relay died or
+   is stuck), or halfway to the pull's deadline, the rest comes from the publishers.
 
 A subscriber with a layout no relay of Z has (not staged, another TP, fused tensors) plans with the
 planner against the relays of Z that hold the version whole, their layouts as one more set of
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -65,6 +68,7 @@ RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subsc
 POLL_S = 0.01  # how often a reader looks for newly announced ranges while it waits for them
 STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
 ALIGN = 4096  # range boundaries (bytes)
+OWN_CHUNKS = 4  # a relay announces its own range in this many chunks, as they arrive
 
 Ranges = list[tuple[int, int]]
 
@@ -190,6 +194,7 @@ class RelayServer:
         }
         self.v = self.epoch = 0
         self.held: Ranges = []
+        self.lock = threading.Lock()
         self.key = keys.zone_relay(zone, store.add(keys.zone_count(zone), 1))
         self._write()
 
@@ -205,10 +210,15 @@ class RelayServer:
         self._write()
         self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, v, STAMP_STABLE, epoch)
 
-    def hold(self, ranges: Ranges) -> None:
-        """Announces that ``ranges`` of the buffer now hold the version begun (verified)."""
-        self.held = union(self.held + list(ranges))
-        self._write()
+    def hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
+        """Announces that ``ranges`` of the buffer now hold the version begun (verified), unless
+        another ``version`` (v, epoch) was begun since; called from the thread fetching its own
+        range and the one reading peers."""
+        with self.lock:
+            if version is not None and version != (self.v, self.epoch):
+                return
+            self.held = union(self.held + list(ranges))
+            self._write()
 
     def close(self) -> None:
         quietly(self.store.delete, self.key)
@@ -283,46 +293,78 @@ class ZoneReader:
         missing: Ranges = whole if self.size else []
         from_pub = from_peers = 0
         full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and not subtract(whole, list(p.held))]
+        own = None
         if self.relay is not None and not full and missing:
             group = sorted([self.relay.key, *(p.key for p in peers)], key=_number)
-            mine = [part(self.size, group.index(self.relay.key), len(group))]
-            mine = [r for r in mine if r[1] > r[0]]
-            session, n = self._from_publishers(session, rec, mine, deadline)
-            from_pub += n
-            missing = subtract(missing, mine)
-            self.relay.hold(mine)
+            lo, hi = part(self.size, group.index(self.relay.key), len(group))
+            # fetched in the background, announced chunk by chunk: peers read the first chunks
+            # from here while the later ones still cross the link
+            chunks = [(lo + a, lo + b) for a, b in (part(hi - lo, j, OWN_CHUNKS) for j in range(OWN_CHUNKS)) if b > a]
+            own = self.pool.submit(self._own, session, rec, chunks, deadline)
+            missing = subtract(missing, [(lo, hi)])
         # A relay waits for its peers' ranges until they make no progress for twice the time its
         # own range took (a peer died or is stuck); a subscriber that relays nothing waits while
         # some relay works on the version. Neither waits past half the pull's timeout.
-        stall = max(STALL_MIN_S, 2.0 * (time.monotonic() - start))
         give_up = start + (deadline - start) / 2
-        last, seen = time.monotonic(), None
+        try:
+            missing, from_peers = self._complete(own, peers, rec, missing, give_up)
+        finally:
+            if own is not None:
+                own.exception()  # never leave it writing into the buffer once this returns
+        if own is not None:
+            session, n, _ = own.result()
+            from_pub += n
+        if missing:
+            session, n = self._from_publishers(session, rec, missing, deadline)
+            from_pub += n
+            self._hold(missing)
+        return session, from_pub, from_peers
+
+    def _complete(self, own: Any, peers: list[Peer], rec: Any, missing: Ranges, give_up: float) -> tuple[Ranges, int]:
+        """Reads what peers announce of ``missing`` until nothing is missing, the peers stall or
+        ``give_up``; returns what is still missing and the bytes read from peers."""
+        last, seen, stall = time.monotonic(), None, STALL_MIN_S
         failed: set[str] = set()
+        from_peers = 0
         while missing and peers:
+            if own is not None and own.done() and own.exception() is not None:
+                break  # raised below
             got, gone = self._from_peers(peers, rec, missing, failed, give_up)
             failed |= gone
             if got:
                 from_peers += sum(b - a for a, b in got)
                 missing = subtract(missing, got)
-                if self.relay is not None:
-                    self.relay.hold(got)
+                self._hold(got)
                 continue
             now = time.monotonic()
             state = {(p.key, p.v, p.held) for p in peers}
             if state != seen:
                 last, seen = now, state
+            if own is not None and not own.done():
+                last = now  # the stall clock starts once its own range is in
+            elif own is not None:
+                stall = max(STALL_MIN_S, 2.0 * own.result()[2])
             busy = self.relay is None and any((p.v, p.epoch) == (rec.v, rec.epoch) for p in peers)
             if now > give_up or (now - last > stall and not busy):
                 log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.sub.name, self.zone)
                 break
             time.sleep(POLL_S)
             peers = [p for p in self.scan() if p.key not in failed and p.layout == self.layout]
-        if missing:
-            session, n = self._from_publishers(session, rec, missing, deadline)
-            from_pub += n
-            if self.relay is not None:
-                self.relay.hold(missing)
-        return session, from_pub, from_peers
+        return missing, from_peers
+
+    def _own(self, session: Any, rec: Any, chunks: Ranges, deadline: float) -> tuple[Any, int, float]:
+        """A relay's own range, chunk by chunk from the publishers, each announced once checked;
+        returns the session, the bytes read and the seconds it took."""
+        t0, n = time.monotonic(), 0
+        for chunk in chunks:
+            session, k = self._from_publishers(session, rec, [chunk], deadline)
+            n += k
+            self._hold([chunk], (rec.v, rec.epoch))
+        return session, n, time.monotonic() - t0
+
+    def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
+        if self.relay is not None and ranges:
+            self.relay.hold(ranges, version)
 
     def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
         """A subscriber whose layout no relay has: the planner's reads from the relays that hold
