@@ -24,7 +24,8 @@ A subscriber with a layout no relay of Z has (not staged, another TP, fused tens
 planner against the relays of Z that hold the version whole, their layouts as one more set of
 sources (balanced over them as replicas), and reads the publishers if there are none or that fails.
 
-Exactness. Every range announced was read and checked before it was announced. Before a relay writes
+Exactness. Every range announced was read and checked before it was announced (with ``verify=True``
+and publisher checksums, also against the checksums; a peer whose bytes fail them is dropped). Before a relay writes
 a new version into its buffer it withdraws its ranges (``held = []``) and sets its stamp to the new
 version; a reader reads the stamp after the data and drops ranges whose stamp does not say "version
 v, stable, epoch e" (the seqlock of publisher slots), re-reading them elsewhere. A peer that fails at
@@ -53,11 +54,11 @@ from planner.plan import Plan
 from transports.base import ReadBatch
 
 from ._lifecycle import quietly
-from ._reads import check_stamps, read_sources
+from ._reads import check_stamps, read_sources, verify_sources
 from ._selection import candidates, publisher_capabilities
 from ._session import Source, SourcesFailed, connect_source
 from ._tensors import address, alloc_bytes
-from .errors import StaleVersionError, StoreError, TransportError
+from .errors import IntegrityError, StaleVersionError, StoreError, TransportError
 from .protocol.keys import Keys
 from .protocol.records import open_sealed, seal
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
@@ -307,7 +308,7 @@ class ZoneReader:
         # some relay works on the version. Neither waits past half the pull's timeout.
         give_up = start + (deadline - start) / 2
         try:
-            missing, from_peers = self._complete(own, peers, rec, missing, give_up)
+            missing, from_peers = self._complete(own, session, peers, rec, missing, give_up)
         finally:
             if own is not None:
                 own.exception()  # never leave it writing into the buffer once this returns
@@ -320,7 +321,9 @@ class ZoneReader:
             self._hold(missing)
         return session, from_pub, from_peers
 
-    def _complete(self, own: Any, peers: list[Peer], rec: Any, missing: Ranges, give_up: float) -> tuple[Ranges, int]:
+    def _complete(
+        self, own: Any, session: Any, peers: list[Peer], rec: Any, missing: Ranges, give_up: float
+    ) -> tuple[Ranges, int]:
         """Reads what peers announce of ``missing`` until nothing is missing, the peers stall or
         ``give_up``; returns what is still missing and the bytes read from peers."""
         last, seen, stall = time.monotonic(), None, STALL_MIN_S
@@ -329,7 +332,7 @@ class ZoneReader:
         while missing and peers:
             if own is not None and own.done() and own.exception() is not None:
                 break  # raised below
-            got, gone = self._from_peers(peers, rec, missing, failed, give_up)
+            got, gone = self._from_peers(session, peers, rec, missing, failed, give_up)
             failed |= gone
             if got:
                 from_peers += sum(b - a for a, b in got)
@@ -358,9 +361,18 @@ class ZoneReader:
         t0, n = time.monotonic(), 0
         for chunk in chunks:
             session, k = self._from_publishers(session, rec, [chunk], deadline)
+            self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
             n += k
             self._hold([chunk], (rec.v, rec.epoch))
         return session, n, time.monotonic() - t0
+
+    def _verify(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> None:
+        """With ``verify=True`` and publisher checksums: checks the buffer's bytes ``ranges`` (read
+        from anywhere) against the publishers' chunk sums (``IntegrityError``)."""
+        sub = self.sub
+        if sub.verify and rec.checksums:
+            parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
+            verify_sources(sub._store, sub.keys, sub.token, sub._transports, parts, rec, sub._dest, deadline)
 
     def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
         if self.relay is not None and ranges:
@@ -442,7 +454,7 @@ class ZoneReader:
         return src
 
     def _from_peers(
-        self, peers: list[Peer], rec: Any, missing: Ranges, failed: set[str], deadline: float
+        self, session: Any, peers: list[Peer], rec: Any, missing: Ranges, failed: set[str], deadline: float
     ) -> tuple[Ranges, set[str]]:
         """Reads what ``peers`` announce of ``missing``, spread evenly over the peers that hold each
         piece, within ``deadline`` (half the pull's: a frozen peer leaves time for publishers);
@@ -484,8 +496,9 @@ class ZoneReader:
                 f.result()
                 # the stamp after the data: the peer still holds version v (it withdrew nothing)
                 check_stamps(self.sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+                self._verify(session, rec, union(work[k]), deadline)  # a relay that served bad bytes
                 got += work[k]
-            except (TransportError, StaleVersionError) as e:
+            except (TransportError, StaleVersionError, IntegrityError) as e:
                 self._failed(k, e, gone)
         return union(got), gone
 

@@ -189,3 +189,22 @@ def test_relay_killed_while_serving(store, transport: str) -> None:
         assert all(r["from_publishers"] > size // 3 for r in rs), [(r["from_publishers"], r["from_peers"]) for r in rs]
     finally:
         _stop(*others, victim, pub)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_corrupt_relay_is_read_around(store) -> None:
+    """A relay that does not verify serves chunks corrupted in flight (a bit flipped in each of its
+    reads): the relays that verify find it against the publisher's checksums,
+    drop that relay for the pull and end bit-exact, its share read from the publishers."""
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, checksums=True)
+    flip = ("flip-bit", {"on_reads": range(1, 1000), "min_bytes": 1024})  # every data read it makes
+    bad = Worker("bad", SubActor, store.url, 1, 0, fused=False, zone="b", relay=True, fault=flip)
+    good = _subs(store.url, 3, zone="b", relay=True, verify=True)
+    try:
+        pub.call("publish", 1)
+        rs = call_all([bad, *good], "pull", 1, timeout=40.0)
+        assert rs[0]["bad"], "the fault did not corrupt the unverified relay"
+        assert all(r["v"] == 1 and r["bad"] == [] for r in rs[1:]), rs[1:]
+    finally:
+        _stop(*good, bad, pub)
