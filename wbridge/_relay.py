@@ -7,7 +7,7 @@ own served transports (tcp and local by default, bound to its ``host``), and a s
 ``Keys.zone_relay(Z, k)``: its layout hash, endpoints, region descriptors, the version ``v`` it holds
 and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
 
-``ZoneReader.read`` replaces a staged subscriber's publisher reads of one version:
+``ZoneReader.read`` replaces a zone subscriber's publisher reads of one version:
 
 1. A version held whole by relays of Z with the same layout (same bytes at the same offsets) is read
    from them, split evenly.
@@ -25,13 +25,14 @@ planner against the relays of Z that hold the version whole, their layouts as on
 sources (balanced over them as replicas), and reads the publishers if there are none or that fails.
 
 Exactness. Every range announced was read and checked before it was announced (with ``verify=True``
-and publisher checksums, also against the checksums; a peer whose bytes fail them is dropped). Before a relay writes
-a new version into its buffer it withdraws its ranges (``held = []``) and sets its stamp to the new
-version; a reader reads the stamp after the data and drops ranges whose stamp does not say "version
-v, stable, epoch e" (the seqlock of publisher slots), re-reading them elsewhere. A peer that fails at
-the transport is dropped for the pull. Readers never read another zone's relays (the zone is part of
-the key) and use publishers whatever the publishers' zone. Relays whose lease lapsed are skipped and
-their record deleted by whoever sees it first (and by publisher rank 0 with the subscriber's keys).
+and publisher checksums, also against the checksums; a peer whose bytes fail them is dropped).
+Before a relay writes a new version into its buffer it withdraws its ranges (``held = []``) and sets
+its stamp to the new version; a reader reads the stamp after the data and drops ranges whose stamp
+does not say "version v, stable, epoch e" (the seqlock of publisher slots), re-reading them
+elsewhere. A peer that fails at the transport is dropped for the pull. Readers never read another
+zone's relays (the zone is part of the key) and use publishers whatever the publishers' zone.
+Relays whose lease lapsed are skipped and their record deleted by whoever sees it first (and by
+publisher rank 0 with the subscriber's keys).
 """
 
 from __future__ import annotations
@@ -230,12 +231,12 @@ class RelayServer:
 
 
 class ZoneReader:
-    """A staged subscriber's reads of one version through the relays of its zone (and publishers).
+    """A zone subscriber's reads of one version through the relays of its zone (and publishers).
 
     - ``sub``: the subscriber (its store, keys, transports, session, pool and name are used).
     - ``zone``: its zone.
     - ``relay``: its ``RelayServer`` if it relays, else None.
-    - ``layout``: the hash of its layout; ``size``: its staging buffer's size.
+    - ``layout``: the hash of its layout; ``size``: its staging buffer's size (None: not staged).
     """
 
     def __init__(self, sub: Any, zone: str, relay: RelayServer | None, layout: str, size: int) -> None:

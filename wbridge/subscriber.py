@@ -83,8 +83,8 @@ class Subscriber(Closeable):
     - ``name``: shown to publishers and in errors (default ``<hostname>:<pid>``).
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
-    - ``zone``: the zone (cluster) it runs in; a staged subscriber reads from its zone's relays
-      first (``wbridge._relay``). None (default): no zone, every byte comes from publishers.
+    - ``zone``: the zone (cluster) it runs in; it reads from its zone's relays first and from
+      publishers what they lack (``wbridge._relay``). None (default): every byte from publishers.
     - ``relay``: serve the version it holds to its zone (implies ``staged=True``; needs ``zone``).
     """
 
@@ -179,7 +179,7 @@ class Subscriber(Closeable):
         """Reads through the zone's relays from now on; a relay serves its buffer to them."""
         if self._zone is not None:
             quietly(self._zone.close)
-        self._zone = None
+        self._zone = None  # (if joining fails, no closed reader is left behind)
         self._zone = join_zone(self, self._dest[0] if self.staged else None, layout_hash(self._layout))
 
     def _check_membership(self) -> bool:
