@@ -38,6 +38,7 @@ class Membership:
         self.gen: str | None = None
         self.acked = 0  # the version the subscriber holds, for its state key when it joins again
         self.layout: Any = None  # the RankLayout it reads, announced with its record
+        self.relay = ""  # the store key of its relay record (``_relay``): collected with it
         self.keys = keys
         self.id: int | None = None
         self.lease: Lease | None = None
@@ -72,12 +73,15 @@ class Membership:
         record = {"name": self.name, "ttl": self.ttl, "host": socket.gethostname(), "pid": os.getpid()}
         if self.layout is not None:  # publishers pack their staging slots for it (``_packing``)
             record["layout"] = announce(self.store, keys, self.token, self.layout)
+        if self.relay.startswith(keys.p):
+            record["relay"] = self.relay
         key = keys.sub(sub_id)
         self.store.set(key, seal(self.token, key, record))
 
-    def announce(self, layout: Any) -> None:
-        """Tells publishers which layout this subscriber reads (kept across re-joins)."""
-        self.layout = layout
+    def announce(self, layout: Any, relay: str = "") -> None:
+        """Tells publishers which layout this subscriber reads (kept across re-joins) and the key
+        of its relay record, if it relays (collected with the subscriber's keys)."""
+        self.layout, self.relay = layout, relay
         self._write_record(self.keys, self.id)
 
     def check(self) -> int:

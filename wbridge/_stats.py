@@ -22,6 +22,8 @@ class PullStats:
     nbytes: int
     ops: int
     retries: int
+    nbytes_from_publishers: int = 0  # of nbytes: read from publisher ranks
+    nbytes_from_peers: int = 0  # of nbytes: read from relaying subscribers of the zone
 
     @property
     def gbps(self) -> float:

@@ -8,11 +8,11 @@ reads the slot that v is about to overwrite). The other ranks block on the key a
 wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggregator died, or is
 not waiting for the same thing) scans by itself, at doubling intervals, and writes the key too.
 
-A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted
-(a subscriber that comes back registers under a new id). ``evict`` collects a subscriber reported
-dead at once, lease or not: with its record, lease and state gone, every rank's next scan finds it
-dead (no rank waits out its lease), and should it be alive after all its next pull finds its record
-gone and joins again under a new id (``_membership``).
+A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted,
+and its relay record if it relayed (a subscriber that comes back registers under a new id).
+``evict`` collects a subscriber reported dead at once, lease or not: with its record, lease and
+state gone, every rank's next scan finds it dead (no rank waits out its lease), and should it be
+alive after all its next pull finds its record gone and joins again under a new id (``_membership``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class SubscriberView:
     acked: int = 0
     reading: int = 0
     layout: str = ""  # hash of its announced layout (``_packing.announce``)
+    relay: str = ""  # the store key of its relay record (``_relay``), collected with it
 
 
 def state_bytes(acked: int, reading: int) -> bytes:
@@ -116,7 +117,13 @@ class SubscriberTracker:
             try:
                 d = open_sealed(self.token, self.keys.sub(i), raw)
                 fresh.append(
-                    SubscriberView(i, float(d["ttl"]), str(d.get("name", "")), layout=str(d.get("layout", "")))
+                    SubscriberView(
+                        i,
+                        float(d["ttl"]),
+                        str(d.get("name", "")),
+                        layout=str(d.get("layout", "")),
+                        relay=str(d.get("relay", "")),
+                    )
                 )
             except Exception:  # noqa: BLE001 - an unsigned or forged subscriber is ignored
                 pass
@@ -130,7 +137,7 @@ class SubscriberTracker:
             else:
                 self.known[v.id] = v
         if dead:
-            self.store.delete_many([k for v in dead for k in (self.keys.sub(v.id), *self._state_keys([v]))])
+            self.store.delete_many(self._keys_of(dead))
         return out
 
     def evict(self, who: int | str) -> list[int]:
@@ -143,8 +150,13 @@ class SubscriberTracker:
             for v in hit:
                 self.known.pop(v.id, None)
             if hit:
-                self.store.delete_many([k for v in hit for k in (self.keys.sub(v.id), *self._state_keys([v]))])
+                self.store.delete_many(self._keys_of(hit))
             return [v.id for v in hit]
+
+    def _keys_of(self, views: list[SubscriberView]) -> list[str]:
+        """Every key a subscriber leaves in the store: record, lease, state, relay record."""
+        gone = [k for v in views for k in (self.keys.sub(v.id), *self._state_keys([v]))]
+        return gone + [v.relay for v in views if v.relay.startswith(self.keys.p + "zone/")]
 
     def _state_keys(self, views: list[SubscriberView]) -> list[str]:
         return [k for v in views for k in (self.keys.sub(v.id, "live"), self.keys.sub(v.id, "state"))]

@@ -51,4 +51,11 @@ def tensors(value: Any, who: str) -> Mapping:
     return value
 
 
-__all__ = ["MAX_TIMEOUT", "integer", "tensors", "timeout", "token"]
+def zone(value: Any, who: str) -> str | None:
+    """A zone name (non-empty, no ``/``: it is part of store keys) or None."""
+    if value is not None and (not isinstance(value, str) or not value or "/" in value):
+        raise UsageError(f"{who}: zone must be a non-empty string without '/', got {value!r}")
+    return value
+
+
+__all__ = ["MAX_TIMEOUT", "integer", "tensors", "timeout", "token", "zone"]

@@ -96,6 +96,8 @@ class Publisher(Closeable):
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``checksums``: publish per-chunk checksums of each version (subscribers with ``verify`` check them).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    - ``zone``: the zone (cluster) it runs in, recorded for tools; subscribers read publishers
+      whatever the zones (a zone selects only which relays a subscriber reads, ``wbridge._relay``).
 
     A subscriber that dies is waited for until its lease lapses; ``evict(name_or_id)`` stops
     counting one known to be dead (its worker was killed or restarted) at once, on every rank.
@@ -119,7 +121,9 @@ class Publisher(Closeable):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         checksums: bool = False,
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
+        zone: str | None = None,
     ) -> None:
+        self.zone = _validate.zone(zone, f"publisher rank {rank}")
         if mode not in MODES:
             raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "async" and max_staleness is None:
@@ -263,7 +267,7 @@ class Publisher(Closeable):
         )
 
     def _record(self, reg: Registration) -> dict:
-        return served_record(reg, self._transports, self.rank, self.world_size, self.slots)
+        return {**served_record(reg, self._transports, self.rank, self.world_size, self.slots), "zone": self.zone}
 
     # ------------------------------------------------------------------------------------------
     def publish(self, timeout: float = 60.0) -> int:

@@ -40,8 +40,9 @@ from transports.base import ReadBatch
 from . import _generation, _validate
 from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, STILL, Membership
-from ._packing import packed_layout
+from ._packing import layout_hash, packed_layout
 from ._reads import check_stamps, read_sources, verify_sources
+from ._relay import ZoneReader, join_zone
 from ._selection import candidates
 from ._session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
 from ._stats import PullStats, SubscriberStats
@@ -82,6 +83,9 @@ class Subscriber(Closeable):
     - ``name``: shown to publishers and in errors, matched by ``Publisher.evict`` (default ``<hostname>:<pid>``).
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    - ``zone``: the zone (cluster) it runs in; it reads from its zone's relays first and from
+      publishers what they lack (``wbridge._relay``). None (default): every byte from publishers.
+    - ``relay``: serve the version it holds to its zone (implies ``staged=True``; needs ``zone``).
     """
 
     def __init__(
@@ -98,7 +102,13 @@ class Subscriber(Closeable):
         name: str | None = None,
         host: str = "127.0.0.1",
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
+        zone: str | None = None,
+        relay: bool = False,
     ) -> None:
+        self.zone, self.relay = _validate.zone(zone, f"subscriber {name}"), bool(relay)
+        if self.relay and self.zone is None:
+            raise UsageError(f"subscriber {name}: relay=True needs a zone (zone='...')")
+        staged = staged or self.relay  # a relay serves its staging buffer
         lease_ttl = _validate.timeout(lease_ttl, "lease_ttl", positive=True)
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         self.channel, self.staged, self.verify = channel, staged, verify
@@ -117,6 +127,8 @@ class Subscriber(Closeable):
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
         self._session: Session | None = None
+        self._zone: ZoneReader | None = None
+        self._from = (0, 0)  # bytes the last read took from publishers, from relays
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
@@ -160,6 +172,15 @@ class Subscriber(Closeable):
             self._dest = [byte_view(t) for t in live.values()]
         self._device = device
         self.version = None
+        if self.zone is not None:
+            self._join_zone()
+
+    def _join_zone(self) -> None:
+        """Reads through the zone's relays from now on; a relay serves its buffer to them."""
+        if self._zone is not None:
+            quietly(self._zone.close)
+        self._zone = None  # (if joining fails, no closed reader is left behind)
+        self._zone = join_zone(self, self._dest[0] if self.staged else None, layout_hash(self._layout))
 
     def _check_membership(self) -> bool:
         """Whether the membership stands; if the store was found in a new generation (it was lost
@@ -170,6 +191,8 @@ class Subscriber(Closeable):
         if found == NEW_GENERATION:
             self._drop_session()
             self.version, self._newest = None, 0
+        if found != STILL and self._zone is not None:
+            self._join_zone()  # a new id (or generation): a new relay record
         return found == STILL
 
     def latest(self) -> int | None:
@@ -278,7 +301,18 @@ class Subscriber(Closeable):
                         f"and no newer version arrived within {timeout:.1f}s"
                     ) from None
                 continue
-            self.stats.pulls.append(PullStats(rec.v, time.perf_counter() - t0, nbytes, ops, retries))
+            pub, peers = self._from
+            self.stats.pulls.append(
+                PullStats(
+                    rec.v,
+                    time.perf_counter() - t0,
+                    nbytes,
+                    ops,
+                    retries,
+                    nbytes_from_publishers=pub,
+                    nbytes_from_peers=peers,
+                )
+            )
             return rec.v
 
     def _wait_version(self, want: int, deadline: float, timeout: float) -> tuple[VersionRecord, int]:
@@ -333,12 +367,16 @@ class Subscriber(Closeable):
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
-            while True:
+            self._from = (session.plan.total_bytes, 0)
+            while self._zone is None:
                 try:
                     self._read_all(session, rec.slot, deadline)
                     break
                 except SourcesFailed as failed:  # a source died: its replicas stand in, if any
                     session = self._failover(session, failed, deadline)
+            if self._zone is not None:  # relays of the zone first, publishers for the rest
+                session, *sizes = self._zone.read(session, rec, deadline)
+                self._from = tuple(sizes)
             if self.verify and rec.checksums:
                 try:
                     self._verify(session, rec, deadline)
@@ -359,7 +397,7 @@ class Subscriber(Closeable):
                 dst.copy_(src)
         self.version = self._member.acked = rec.v
         self._store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
-        return session.plan.total_bytes, len(session.plan)
+        return sum(self._from), len(session.plan)
 
     def _read_all(self, session: Session, slot: int, deadline: float) -> None:
         read_sources(self._transports, self._local_regions, self._pool, session.sources, slot, deadline, self.name)
@@ -501,6 +539,8 @@ class Subscriber(Closeable):
             if self._closed:
                 return
             self._closed = True
+        if self._zone is not None:
+            quietly(self._zone.close)  # its relay record first: readers stop choosing it
         self._member.leave()
         self._drop_session()
         self._deregister_local()

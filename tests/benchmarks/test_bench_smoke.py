@@ -141,3 +141,16 @@ def test_control_plane_tiny_prints_summary_lines() -> None:
     )
     assert m, lines[-1]
     assert int(m.group(2)) <= int(m.group(1)) + 10, "the store grew with the versions published"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_zones_small_prints_summary_line() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("benchmarks/zones.py makes network namespaces: needs root")
+    lines = run_benchmark("zones.py", "--mb", "16", timeout=190)
+    m = re.fullmatch(r"zones: link_bytes_per_version_vs_model=(\S+) all_replicas_s=(\S+) vs_no_relay=(\S+)", lines[-1])
+    assert m, lines[-1]
+    assert float(m.group(1)) <= 1.15, lines[-1]  # bytes, not time: holds under load too
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert "wbz" not in out, out  # the run deleted its namespaces

@@ -127,6 +127,9 @@ class SubActor:
             "transports": dict(self.sub.stats.transports),
             "retries": self.sub.stats.last.retries if self.sub.stats.last else 0,
             "ops": self.sub.stats.last.ops if self.sub.stats.last else 0,
+            "nbytes": self.sub.stats.last.nbytes if self.sub.stats.last else 0,
+            "from_publishers": self.sub.stats.last.nbytes_from_publishers if self.sub.stats.last else 0,
+            "from_peers": self.sub.stats.last.nbytes_from_peers if self.sub.stats.last else 0,
         }
 
     def try_pull(self, timeout: float = 10.0) -> dict:

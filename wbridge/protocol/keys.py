@@ -22,6 +22,9 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/sub/<i>              subscriber record
     wb/c/g/<g>/sub/<i>/live         its lease
     wb/c/g/<g>/sub/<i>/state        "<acked> <reading>": last version applied, version being read
+    wb/c/g/<g>/zone/<z>/n           relay counter of zone z; relay records are numbered 1, 2, ...
+    wb/c/g/<g>/zone/<z>/relay/<k>   relay record: its layout hash, endpoints, regions, the version
+                                    it holds and which byte ranges of it are complete (``_relay``)
 
 ``Keys(c)`` (no generation) names only ``generation``; its other keys are those of a store
 without generations.
@@ -32,7 +35,8 @@ appearing (see ``wbridge._tracker``).
 
 Garbage collection: the committer of v deletes the ``v/<v - lag>/...`` keys (``lag`` = slots + 2,
 ``version_keys``), and the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
-subscriber once its lease lapsed, so the store holds a bounded number of keys however many
+subscriber once its lease lapsed, with the relay record its subscriber record names (readers of a
+zone delete those of dead relays too), so the store holds a bounded number of keys however many
 versions are published and subscribers come and go.
 """
 
@@ -99,6 +103,12 @@ class Keys:
 
     def fence(self, slot: int) -> str:
         return f"{self.p}slot/{slot}/fence"
+
+    def zone_count(self, zone: str) -> str:
+        return f"{self.p}zone/{zone}/n"
+
+    def zone_relay(self, zone: str, k: int) -> str:
+        return f"{self.p}zone/{zone}/relay/{k}"
 
     def sub(self, i: int, what: str = "") -> str:
         return f"{self.p}sub/{i}" + (f"/{what}" if what else "")

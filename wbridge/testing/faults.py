@@ -58,18 +58,19 @@ class Delegating(Transport):
 
 class FlipBit(Delegating):
     """Flips one bit of the first byte of the first read, on reads number ``on_reads`` (1-based),
-    counting only batches of at least ``min_ops`` reads (to skip verification re-reads, say)."""
+    counting only batches of at least ``min_ops`` reads (to skip verification re-reads, say) and
+    ``min_bytes`` bytes (to skip the few bytes of stamps)."""
 
-    def __init__(self, inner: Transport, on_reads: Sequence[int] = (1,), min_ops: int = 1) -> None:
+    def __init__(self, inner: Transport, on_reads: Sequence[int] = (1,), min_ops: int = 1, min_bytes: int = 0) -> None:
         super().__init__(inner)
         self.on_reads = set(on_reads)
-        self.min_ops = min_ops
+        self.min_ops, self.min_bytes = min_ops, min_bytes
         self.reads = 0
 
     def read(self, prepared: Any, *, timeout: float) -> None:
         inner, local, batch = prepared
         self.inner.read(inner, timeout=timeout)
-        if len(batch) < self.min_ops:
+        if len(batch) < self.min_ops or batch.total_bytes < self.min_bytes:
             return
         self.reads += 1
         if self.reads in self.on_reads and len(batch):

@@ -1,0 +1,569 @@
+"""Zones and relays: each version crosses the link between clusters once, not once per replica.
+
+A subscriber with ``zone=Z, relay=True`` (always staged) serves its staging buffer, the version it
+is assembling or holds, to subscribers of zone Z. ``RelayServer`` is that serving side: the buffer
+and a stamp (``protocol.stamps``: magic, version, state, epoch) registered with the subscriber's
+own served transports (tcp and local by default, bound to its ``host``), and a sealed record under
+``Keys.zone_relay(Z, k)``: its layout hash, endpoints, region descriptors, the version ``v`` it holds
+and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
+
+``ZoneReader.read`` replaces a zone subscriber's publisher reads of one version:
+
+1. A version held whole by relays of Z with the same layout (same bytes at the same offsets) is read
+   from them, split evenly.
+2. Otherwise the live relays of Z with that layout split the buffer into equal byte ranges (ordered
+   by relay record): relay i of N reads range i from the publishers (the publisher plan clipped to
+   it) in a background thread, in ``OWN_CHUNKS`` chunks, and announces each chunk once the
+   publishers' stamps are checked; a non-relay subscriber reads no range.
+3. Meanwhile each reads the ranges it misses from the peers that announce them, as they appear
+   (polling the zone's records), checking each peer's stamp after the data. Once its own range is
+   in, after twice the time that took without progress (at least ``STALL_MIN_S``: a relay died or
+   is stuck), or halfway to the pull's deadline, the rest comes from the publishers.
+
+A subscriber with a layout no relay of Z has (not staged, another TP, fused tensors) plans with the
+planner against the relays of Z that hold the version whole, their layouts as one more set of
+sources (balanced over them as replicas), and reads the publishers if there are none or that fails.
+
+Exactness. Every range announced was read and checked before it was announced (with ``verify=True``
+and publisher checksums, also against the checksums; a peer whose bytes fail them is dropped).
+Before a relay writes a new version into its buffer it withdraws its ranges (``held = []``) and sets
+its stamp to the new version; a reader reads the stamp after the data and drops ranges whose stamp
+does not say "version v, stable, epoch e" (the seqlock of publisher slots), re-reading them
+elsewhere. A peer that fails at the transport is dropped for the pull. Readers never read another
+zone's relays (the zone is part of the key) and use publishers whatever the publishers' zone.
+Relays whose lease lapsed are skipped and their record deleted by whoever sees it first (and by
+publisher rank 0 with the subscriber's keys).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+import transports as _transports
+from planner.builder import build_plan
+from planner.errors import PlanError
+from planner.layout import RankLayout
+from planner.plan import Plan
+from transports.base import ReadBatch
+
+from ._lifecycle import quietly
+from ._reads import check_stamps, read_sources, verify_sources
+from ._selection import candidates, publisher_capabilities
+from ._session import Source, SourcesFailed, connect_source
+from ._tensors import address, alloc_bytes
+from .errors import IntegrityError, StaleVersionError, StoreError, TransportError
+from .protocol.keys import Keys
+from .protocol.records import open_sealed, seal
+from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
+
+log = logging.getLogger("wbridge")
+
+RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subscriber's own transports)
+POLL_S = 0.01  # how often a reader looks for newly announced ranges while it waits for them
+STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
+ALIGN = 4096  # range boundaries (bytes)
+OWN_CHUNKS = 4  # a relay announces its own range in this many chunks, as they arrive
+
+Ranges = list[tuple[int, int]]
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(bytes(b)).decode()
+
+
+def subtract(ranges: Ranges, cut: Ranges) -> Ranges:
+    """``ranges`` without the bytes of ``cut`` (both sorted, disjoint)."""
+    out = []
+    for lo, hi in ranges:
+        for a, b in cut:
+            if b <= lo or a >= hi:
+                continue
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+            if lo >= hi:
+                break
+        if lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def union(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def part(size: int, i: int, n: int) -> tuple[int, int]:
+    """Byte range ``i`` of ``n`` near-equal ranges of ``size`` bytes (boundaries ``ALIGN``ed)."""
+    cut = [min(size, (size * j // n + ALIGN // 2) // ALIGN * ALIGN) for j in range(n + 1)]
+    cut[-1] = size
+    return cut[i], cut[i + 1]
+
+
+def clip(batch: ReadBatch, ranges: Ranges) -> ReadBatch:
+    """The reads of ``batch`` (into one destination region) cut to the destination bytes in ``ranges``."""
+    end = batch.dst_offset + batch.nbytes
+    cols: list[list[np.ndarray]] = [[], [], [], [], []]
+    for lo, hi in ranges:
+        a, b = np.maximum(batch.dst_offset, lo), np.minimum(end, hi)
+        m = b > a
+        shift = a[m] - batch.dst_offset[m]
+        picked = (batch.src_region[m], batch.src_offset[m] + shift, batch.dst_region[m], a[m], (b - a)[m])
+        for c, x in zip(cols, picked):
+            c.append(x)
+    return ReadBatch(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A live relay of the zone as its record says."""
+
+    key: str
+    id: int
+    layout: str
+    v: int
+    epoch: int
+    held: tuple[tuple[int, int], ...]
+    record: dict
+
+
+class _Stamped:
+    """What ``check_stamps`` compares a relay's stamp with: version ``v`` of ``epoch`` (slot 0)."""
+
+    slot = 0
+
+    def __init__(self, v: int, epoch: int) -> None:
+        self.v, self.epoch = v, epoch
+
+
+class RelayServer:
+    """The serving side of a relay: its buffer, stamp and record.
+
+    - ``store``, ``keys``, ``token``: the channel's store, keys (of the generation joined), token.
+    - ``zone``: the zone it serves.
+    - ``transports``: the subscriber's transports to serve on, by name (its buffer already registered).
+    - ``regions``: each transport's registration of the buffer.
+    - ``size``: the buffer's size in bytes.
+    - ``layout``: the hash of the subscriber's layout (readers with another layout do not use it).
+    - ``sub_id``, ``ttl``, ``name``: the subscriber's id (its lease key), lease ttl and name.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        keys: Keys,
+        token: bytes | None,
+        zone: str,
+        transports: dict[str, Any],
+        regions: dict[str, Any],
+        size: int,
+        layout: str,
+        sub_id: int,
+        ttl: float,
+        name: str,
+    ) -> None:
+        self.store, self.keys, self.token, self.zone = store, keys, token, zone
+        self.transports, self.size, self.sub_id = transports, size, sub_id
+        self.stamp = alloc_bytes(STAMP_BYTES, "cpu")
+        self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
+        self.stamp_regions: dict[str, Any] = {}
+        served = {}
+        for n, t in transports.items():
+            self.stamp_regions[n] = r = t.register(address(self.stamp), STAMP_BYTES, device="cpu")
+            served[n] = {"endpoint": _b64(t.endpoint()), "regions": [[_b64(regions[n].descriptor), _b64(r.descriptor)]]}
+        self.base = {
+            "id": sub_id,
+            "lease": keys.sub(sub_id, "live"),
+            "ttl": ttl,
+            "name": name,
+            "layout": layout,
+            "size": size,
+            "caps": publisher_capabilities(list(transports)),
+            "transports": served,
+        }
+        self.v = self.epoch = 0
+        self.held: Ranges = []
+        self.lock = threading.Lock()
+        self.key = keys.zone_relay(zone, store.add(keys.zone_count(zone), 1))
+        self._write()
+
+    def _write(self) -> None:
+        rec = {**self.base, "v": self.v, "epoch": self.epoch, "held": [list(r) for r in self.held]}
+        self.store.set(self.key, seal(self.token, self.key, rec))
+
+    def begin(self, v: int, epoch: int) -> None:
+        """About to write version ``v`` into the buffer: withdraw what it held, then the stamp."""
+        if (v, epoch) == (self.v, self.epoch):
+            return
+        self.v, self.epoch, self.held = v, epoch, []
+        self._write()
+        self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, v, STAMP_STABLE, epoch)
+
+    def hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
+        """Announces that ``ranges`` of the buffer now hold the version begun (verified), unless
+        another ``version`` (v, epoch) was begun since; called from the thread fetching its own
+        range and the one reading peers."""
+        with self.lock:
+            if version is not None and version != (self.v, self.epoch):
+                return
+            self.held = union(self.held + list(ranges))
+            self._write()
+
+    def close(self) -> None:
+        quietly(self.store.delete, self.key)
+        self.stamp.numpy().view(np.uint64)[2] = STAMP_WRITING
+        for n, r in self.stamp_regions.items():
+            quietly(self.transports[n].deregister, r)
+        self.stamp_regions = {}
+
+
+class ZoneReader:
+    """A zone subscriber's reads of one version through the relays of its zone (and publishers).
+
+    - ``sub``: the subscriber (its store, keys, transports, session, pool and name are used).
+    - ``zone``: its zone.
+    - ``relay``: its ``RelayServer`` if it relays, else None.
+    - ``layout``: the hash of its layout; ``size``: its staging buffer's size (None: not staged).
+    """
+
+    def __init__(self, sub: Any, zone: str, relay: RelayServer | None, layout: str, size: int) -> None:
+        self.sub, self.zone, self.relay, self.layout, self.size = sub, zone, relay, layout, size
+        self.count = 0  # the zone's relay counter as last read
+        self.absent: dict[int, float] = {}  # record number -> when first found missing
+        self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
+        self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
+
+    # -- the zone's relays ---------------------------------------------------------------------
+    def scan(self) -> list[Peer]:
+        """The zone's live relays (itself aside); deletes the records of dead ones."""
+        sub = self.sub
+        store, keys = sub._store, sub.keys
+        count = int(store.get(keys.zone_count(self.zone)) or 0)
+        now = time.monotonic()
+        nums = [k for k in range(1, count + 1) if now - self.absent.get(k, now) < 10.0]
+        rkeys = [keys.zone_relay(self.zone, k) for k in nums]
+        found = []
+        for k, key, raw in zip(nums, rkeys, store.get_many(rkeys)):
+            if raw is None:
+                self.absent.setdefault(k, now)
+                continue
+            self.absent.pop(k, None)
+            if self.relay is not None and key == self.relay.key:
+                continue
+            try:
+                d = open_sealed(sub.token, key, raw)
+                found.append((key, d, str(d["lease"]), float(d["ttl"])))
+            except Exception:  # noqa: BLE001 - an unsigned or malformed record is no relay
+                continue
+        leases = store.get_many([lease for _, _, lease, _ in found]) if found else []
+        out = []
+        for (key, d, lease, ttl), value in zip(found, leases):
+            if not lease.startswith(keys.p) or not store.judge_alive(lease, value, ttl):
+                quietly(store.delete, key)  # collected by whoever sees it dead first
+                continue
+            held = tuple((int(a), int(b)) for a, b in d.get("held", []))
+            out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), held, d))
+        return out
+
+    # -- one version ---------------------------------------------------------------------------
+    def read(self, session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
+        """Fills the staging buffer with version ``rec``; returns the session (a new one after a
+        publisher failover), the bytes read from publishers and those read from relays. The caller
+        checks the publishers' stamps afterwards as usual."""
+        start = time.monotonic()
+        if self.relay is not None:
+            self.relay.begin(rec.v, rec.epoch)
+        everyone = self.scan()
+        peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
+        if self.relay is None and not peers:  # no relay with this layout: plan over full relays
+            return self._planned(everyone, session, rec, deadline)
+        whole = [(0, self.size)]
+        missing: Ranges = whole if self.size else []
+        from_pub = from_peers = 0
+        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and not subtract(whole, list(p.held))]
+        own = None
+        if self.relay is not None and not full and missing:
+            group = sorted([self.relay.key, *(p.key for p in peers)], key=_number)
+            lo, hi = part(self.size, group.index(self.relay.key), len(group))
+            # fetched in the background, announced chunk by chunk: peers read the first chunks
+            # from here while the later ones still cross the link
+            chunks = [(lo + a, lo + b) for a, b in (part(hi - lo, j, OWN_CHUNKS) for j in range(OWN_CHUNKS)) if b > a]
+            own = self.pool.submit(self._own, session, rec, chunks, deadline)
+            missing = subtract(missing, [(lo, hi)])
+        # A relay waits for its peers' ranges until they make no progress for twice the time its
+        # own range took (a peer died or is stuck); a subscriber that relays nothing waits while
+        # some relay works on the version. Neither waits past half the pull's timeout.
+        give_up = start + (deadline - start) / 2
+        try:
+            missing, from_peers = self._complete(own, session, peers, rec, missing, give_up)
+        finally:
+            if own is not None:
+                own.exception()  # never leave it writing into the buffer once this returns
+        if own is not None:
+            session, n, _ = own.result()
+            from_pub += n
+        if missing:
+            session, n = self._from_publishers(session, rec, missing, deadline)
+            from_pub += n
+            self._hold(missing)
+        return session, from_pub, from_peers
+
+    def _complete(
+        self, own: Any, session: Any, peers: list[Peer], rec: Any, missing: Ranges, give_up: float
+    ) -> tuple[Ranges, int]:
+        """Reads what peers announce of ``missing`` until nothing is missing, the peers stall or
+        ``give_up``; returns what is still missing and the bytes read from peers."""
+        last, seen, stall = time.monotonic(), None, STALL_MIN_S
+        failed: set[str] = set()
+        from_peers = 0
+        while missing and peers:
+            if own is not None and own.done() and own.exception() is not None:
+                break  # raised below
+            got, gone = self._from_peers(session, peers, rec, missing, failed, give_up)
+            failed |= gone
+            if got:
+                from_peers += sum(b - a for a, b in got)
+                missing = subtract(missing, got)
+                self._hold(got)
+                continue
+            now = time.monotonic()
+            state = {(p.key, p.v, p.held) for p in peers}
+            if state != seen:
+                last, seen = now, state
+            if own is not None and not own.done():
+                last = now  # the stall clock starts once its own range is in
+            elif own is not None:
+                stall = max(STALL_MIN_S, 2.0 * own.result()[2])
+            busy = self.relay is None and any((p.v, p.epoch) == (rec.v, rec.epoch) for p in peers)
+            if now > give_up or (now - last > stall and not busy):
+                log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.sub.name, self.zone)
+                break
+            time.sleep(POLL_S)
+            peers = [p for p in self.scan() if p.key not in failed and p.layout == self.layout]
+        return missing, from_peers
+
+    def _own(self, session: Any, rec: Any, chunks: Ranges, deadline: float) -> tuple[Any, int, float]:
+        """A relay's own range, chunk by chunk from the publishers, each announced once checked;
+        returns the session, the bytes read and the seconds it took."""
+        t0, n = time.monotonic(), 0
+        for chunk in chunks:
+            session, k = self._from_publishers(session, rec, [chunk], deadline)
+            self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
+            n += k
+            self._hold([chunk], (rec.v, rec.epoch))
+        return session, n, time.monotonic() - t0
+
+    def _verify(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> None:
+        """With ``verify=True`` and publisher checksums: checks the buffer's bytes ``ranges`` (read
+        from anywhere) against the publishers' chunk sums (``IntegrityError``)."""
+        sub = self.sub
+        if sub.verify and rec.checksums:
+            parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
+            verify_sources(sub._store, sub.keys, sub.token, sub._transports, parts, rec, sub._dest, deadline)
+
+    def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
+        if self.relay is not None and ranges:
+            self.relay.hold(ranges, version)
+
+    def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
+        """A subscriber whose layout no relay has: the planner's reads from the relays that hold
+        version ``rec`` whole (any layouts: one more source each), else from the publishers."""
+        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch)]
+        full = sorted((p for p in full if not subtract([(0, int(p.record["size"]))], list(p.held))), key=_number_of)
+        if full:
+            try:
+                return session, 0, self._from_full(full, rec, deadline)
+            except (TransportError, StaleVersionError, StoreError, PlanError) as e:
+                log.warning(
+                    "subscriber %s: reading zone %s relays failed (%s); publishers", self.sub.name, self.zone, e
+                )
+                for p in full:
+                    self._drop(p.key)
+        session, n = self._from_publishers(session, rec, None, deadline)
+        return session, n, 0
+
+    def _from_full(self, full: list[Peer], rec: Any, deadline: float) -> int:
+        sub = self.sub
+        key = tuple((p.key, p.layout) for p in full)
+        if self.plan is None or self.plan[0] != key:
+            layouts = []
+            for i, p in enumerate(full):
+                lk = sub.keys.reader_layout(p.layout)
+                raw = sub._store.get(lk)
+                if raw is None:
+                    raise StoreError(f"relay {p.key}: its layout {p.layout} is not in the store")
+                layouts.append(replace(RankLayout.from_dict(open_sealed(sub.token, lk, raw)), rank=i))
+            self.plan = (key, build_plan(layouts, sub._layout))
+        jobs = []
+        for s in self.plan[1].sources:
+            src = self._connect(full[s.src_rank], deadline)
+            batch = ReadBatch(s.src_region, s.src_offset, s.dst_region, s.dst_offset, s.nbytes)
+            jobs.append((src, self.pool.submit(self._read_peer, src, batch, deadline)))
+        for _, f in jobs:
+            f.result()
+        for src, _ in jobs:
+            check_stamps(sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+        return self.plan[1].total_bytes
+
+    def _from_publishers(self, session: Any, rec: Any, ranges: Ranges | None, deadline: float) -> tuple[Any, int]:
+        """Reads the destination bytes ``ranges`` (None: all) from the publishers (the session's
+        plan clipped to them) and checks their stamps; fails over to replicas as a plain pull does."""
+        sub = self.sub
+        while True:
+            parts = [
+                replace(s, batch=s.batch if ranges is None else clip(s.batch, ranges), prepared={})
+                for s in session.sources
+            ]
+            try:
+                read_sources(sub._transports, sub._local_regions, sub._pool, parts, rec.slot, deadline, sub.name)
+                break
+            except SourcesFailed as failed:
+                session = sub._failover(session, failed, deadline)
+            finally:
+                for s in parts:
+                    for prep in s.prepared.values():
+                        quietly(sub._transports[s.transport].release, prep)
+        check_stamps(sub._transports, sub._pool, session.sources, rec, deadline)
+        return session, sum(s.batch.total_bytes for s in parts)
+
+    def _connect(self, peer: Peer, deadline: float) -> Source:
+        sub = self.sub
+        d = peer.record
+        ends = tuple(sorted((n, x["endpoint"]) for n, x in d["transports"].items()))
+        known = self.peers.get(peer.key)
+        if known is not None and known[0] == ends:
+            return known[1]
+        if known is not None:
+            self._drop(peer.key)
+        options = candidates(sub.preference, sub._caps, d["caps"])
+        src, _ = connect_source(-peer.id, d, ReadBatch.of([]), options, sub._transport, deadline, sub.name)
+        self.peers[peer.key] = (ends, src)
+        return src
+
+    def _from_peers(
+        self, session: Any, peers: list[Peer], rec: Any, missing: Ranges, failed: set[str], deadline: float
+    ) -> tuple[Ranges, set[str]]:
+        """Reads what ``peers`` announce of ``missing``, spread evenly over the peers that hold each
+        piece, within ``deadline`` (half the pull's: a frozen peer leaves time for publishers);
+        returns the ranges read and checked, and the peers that failed."""
+        holders = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and p.key not in failed and p.held]
+        if not holders:
+            return [], set()
+        cuts = sorted({x for p in holders for r in p.held for x in r} | {x for r in missing for x in r})
+        load: dict[str, int] = {p.key: 0 for p in holders}
+        work: dict[str, Ranges] = {p.key: [] for p in holders}
+        for a, b in zip(cuts, cuts[1:]):
+            if subtract([(a, b)], missing):
+                continue  # not missing (cut points are the union of both sides' boundaries)
+            cand = [p.key for p in holders if not subtract([(a, b)], list(p.held))]
+            n = len(cand)
+            for i in range(n):  # split each piece over its holders, the least loaded first
+                lo, hi = part(b - a, i, n)
+                k = min(cand, key=lambda c: load[c])
+                cand.remove(k)
+                if hi > lo:
+                    load[k] += hi - lo
+                    work[k].append((a + lo, a + hi))
+        by_key = {p.key: p for p in holders}
+        got: Ranges = []
+        gone: set[str] = set()
+        jobs = {}
+        for k, w in work.items():
+            if not w:
+                continue
+            try:  # connecting here, not in the pool: it may open this side's transport
+                src = self._connect(by_key[k], deadline)
+            except (TransportError, StoreError) as e:
+                self._failed(k, e, gone)
+                continue
+            batch = ReadBatch.of([(0, a, 0, a, b - a) for a, b in union(w)])
+            jobs[k] = (src, self.pool.submit(self._read_peer, src, batch, deadline))
+        for k, (src, f) in jobs.items():
+            try:
+                f.result()
+                # the stamp after the data: the peer still holds version v (it withdrew nothing)
+                check_stamps(self.sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+                self._verify(session, rec, union(work[k]), deadline)  # a relay that served bad bytes
+                got += work[k]
+            except (TransportError, StaleVersionError, IntegrityError) as e:
+                self._failed(k, e, gone)
+        return union(got), gone
+
+    def _failed(self, key: str, e: Exception, gone: set[str]) -> None:
+        log.warning("subscriber %s: relay %s failed (%s); its bytes come from elsewhere", self.sub.name, key, e)
+        self._drop(key)
+        gone.add(key)
+
+    def _read_peer(self, src: Source, batch: ReadBatch, deadline: float) -> None:
+        """Posts ``batch`` from a relay's buffer (its stamp is checked next)."""
+        sub = self.sub
+        t = sub._transports[src.transport]
+        prep = t.prepare(src.peer, src.regions[0], sub._local_regions[src.transport], batch)
+        try:
+            t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            quietly(t.release, prep)
+
+    def _drop(self, key: str) -> None:
+        known = self.peers.pop(key, None)
+        if known is None:
+            return
+        src = known[1]
+        t = self.sub._transports.get(src.transport)
+        if t is None:
+            return
+        for prep in src.stamp_prepared.values():
+            quietly(t.release, prep)
+        if src.stamp_region is not None:
+            quietly(t.deregister, src.stamp_region)
+        quietly(t.disconnect, src.peer)
+
+    def close(self) -> None:
+        for key in list(self.peers):
+            self._drop(key)
+        self.pool.shutdown(wait=False)
+        if self.relay is not None:
+            self.relay.close()
+
+
+def join_zone(sub: Any, buf: Any, layout: str) -> ZoneReader:
+    """The zone reader of subscriber ``sub`` (staging buffer ``buf``, None if not staged; layout
+    hash ``layout``); a relay serves ``buf`` on tcp and local (or on its one chosen transport) and
+    names its record in its subscriber record (collected with it)."""
+    size, server = (None if buf is None else int(buf.numel())), None
+    if sub.relay:
+        names = [n for n in RELAY_TRANSPORTS if n in _transports.available()]
+        names = names if sub.preference == "auto" else [sub.preference]
+        served = {n: sub._transport(n) for n in names}
+        regions = {n: sub._local_regions[n][0] for n in names}
+        m = sub._member
+        server = RelayServer(
+            sub._store, sub.keys, sub.token, sub.zone, served, regions, size, layout, m.id, m.ttl, sub.name
+        )
+        m.announce(m.layout, server.key)
+    return ZoneReader(sub, sub.zone, server, layout, size)
+
+
+def _number(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+def _number_of(peer: Peer) -> int:
+    return _number(peer.key)
+
+
+__all__ = ["RELAY_TRANSPORTS", "RelayServer", "ZoneReader", "join_zone"]
