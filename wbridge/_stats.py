@@ -13,6 +13,7 @@ class PublishStats:
     total_s: float
     nbytes: int
     background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
+    delta_s: float = 0.0  # Publisher(delta=True): encoding the delta, after the snapshot (not in stall_s)
 
 
 @dataclass
@@ -22,6 +23,8 @@ class PullStats:
     nbytes: int
     ops: int
     retries: int
+    repaired: int = 0  # delta pulls: chunks whose bytes failed the checksum and were read in full
+    delta: bool = False  # True when this pull applied deltas, False for a full pull
 
     @property
     def gbps(self) -> float:

@@ -38,6 +38,7 @@ from transports import select as _select
 from transports.base import ReadBatch
 
 from . import _generation, _validate
+from ._delta_pull import DeltaReader
 from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, STILL, Membership
 from ._packing import packed_layout
@@ -117,6 +118,8 @@ class Subscriber(Closeable):
         self._transports: dict[str, _transports.Transport] = {}
         self._local_regions: dict[str, list[Any]] = {}
         self._session: Session | None = None
+        self._deltas = DeltaReader()  # delta pulls (publishers with delta=True), see wbridge._delta_pull
+        self._held: tuple | None = None  # (version, epoch, packing gens) the destination holds whole
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
@@ -159,7 +162,7 @@ class Subscriber(Closeable):
         else:
             self._dest = [byte_view(t) for t in live.values()]
         self._device = device
-        self.version = None
+        self.version = self._held = None
 
     def _check_membership(self) -> bool:
         """Whether the membership stands; if the store was found in a new generation (it was lost
@@ -169,7 +172,7 @@ class Subscriber(Closeable):
         found = self._member.check()
         if found == NEW_GENERATION:
             self._drop_session()
-            self.version, self._newest = None, 0
+            self.version, self._newest, self._held = None, 0, None
         return found == STILL
 
     def latest(self) -> int | None:
@@ -268,7 +271,7 @@ class Subscriber(Closeable):
                 return rec.v
             t0 = time.perf_counter()
             try:
-                nbytes, ops = self._apply(rec, fence, deadline)
+                nbytes, ops, repaired, delta = self._apply(rec, fence, deadline)
             except StaleVersionError:
                 retries += 1
                 want = rec.v + 1
@@ -278,7 +281,8 @@ class Subscriber(Closeable):
                         f"and no newer version arrived within {timeout:.1f}s"
                     ) from None
                 continue
-            self.stats.pulls.append(PullStats(rec.v, time.perf_counter() - t0, nbytes, ops, retries))
+            dt = time.perf_counter() - t0
+            self.stats.pulls.append(PullStats(rec.v, dt, nbytes, ops, retries, repaired, delta))
             return rec.v
 
     def _wait_version(self, want: int, deadline: float, timeout: float) -> tuple[VersionRecord, int]:
@@ -316,30 +320,40 @@ class Subscriber(Closeable):
             except (WaitTimeout, StoreError):
                 pass  # a store down for the slice: the next read retries it within its own timeout
 
-    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[int, int]:
-        """Reads ``rec`` (whose slot's fence read ``fence`` along with it). The state key says
+    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[int, int, int, bool]:
+        """Reads ``rec`` (whose slot's fence read ``fence`` along with it): as deltas onto the version
+        held where it can (``wbridge._delta_pull``), else in full. The state key says
         "reading v" from before the first read until the reads are checked: publishers do not
         overwrite the slot meanwhile (sync and one-step-off modes). The slot stamps, read after the
         data, are what proves the slot did not change (the store is untrusted, so its fence is only
-        a hint)."""
+        a hint). Returns bytes read, reads, chunks repaired, and whether it applied deltas."""
         session = self._session
         gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
         if session is None or session.epoch != rec.epoch or session.gens != gens:
             session = self._setup(rec, deadline, gens)
         state_key = self.keys.sub(self._member.id, "state")
         self._store.set(state_key, state_bytes(self._member.acked, rec.v))
+        held, self._held = self._held, None  # the destination holds no whole version until we finish
         try:
             if fence != rec.fence:
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
-            while True:
+            done = None
+            if self._deltas.usable(self._transports, session, rec, held, gens):
+                try:
+                    args = (self._store, self.keys, self.token, deadline)
+                    done = self._deltas.pull(self._transports, session, rec, held[0], self._dest, *args)
+                except IntegrityError:
+                    self._check_stamps(session, rec, deadline)  # a slot reused under us is staleness
+                    raise
+            while done is None:
                 try:
                     self._read_all(session, rec.slot, deadline)
                     break
                 except SourcesFailed as failed:  # a source died: its replicas stand in, if any
                     session = self._failover(session, failed, deadline)
-            if self.verify and rec.checksums:
+            if done is None and self.verify and rec.checksums:
                 try:
                     self._verify(session, rec, deadline)
                 except IntegrityError:
@@ -358,8 +372,11 @@ class Subscriber(Closeable):
             else:
                 dst.copy_(src)
         self.version = self._member.acked = rec.v
+        self._held = (rec.v, rec.epoch, gens)
         self._store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
-        return session.plan.total_bytes, len(session.plan)
+        if done is not None:
+            return done[0], done[1], done[2], True
+        return session.plan.total_bytes, len(session.plan), 0, False
 
     def _read_all(self, session: Session, slot: int, deadline: float) -> None:
         read_sources(self._transports, self._local_regions, self._pool, session.sources, slot, deadline, self.name)
@@ -468,6 +485,7 @@ class Subscriber(Closeable):
 
     # ------------------------------------------------------------------------------------------
     def _drop_session(self) -> None:
+        self._deltas.reset()
         session, self._session = self._session, None
         if session is None:
             return

@@ -1,0 +1,332 @@
+"""Delta updates, subscriber side: a pull that reads only the changes since the version held.
+
+A subscriber whose destination holds version ``a`` of the same publisher epoch and packing
+generations, pulling ``v`` with ``v - a <= k`` (the publisher's ring of deltas, ``wbridge._delta``),
+reads per source rank the headers and offset tables of the deltas ``a + 1 .. v`` (one batched
+read), then the entries of just the chunks its own reads cover (one batched read: one row per run
+of adjacent chunks per delta), then the headers again (a delta buffer rewritten meanwhile: the pull
+goes full). It applies the deltas in order with one vectorised scatter per destination region and
+then always verifies every byte it covers against the publisher's chunk checksums: a chunk that
+does not match (its memory was changed by someone else, bad bytes, a bit flip) is read in full
+from the slot and written back (``repaired`` in the stats). Anything that makes the deltas
+unusable before the first byte is written (a header that does not say "version u, stable, this
+epoch", a transport error) makes the caller pull in full; ``PullStats.delta`` is False then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transports.base import ReadBatch
+from transports.errors import TransportError
+
+from ._delta import CHUNK_BYTES, CHUNK_WORDS, DELTA_MAGIC, DELTA_STABLE, HEADER_BYTES, geometry, table_bytes
+from ._lifecycle import quietly
+from ._session import Session, Source, fetch_chunk, unb64
+from ._tensors import address, alloc_bytes
+from .errors import IntegrityError, StaleVersionError
+from .protocol import checksum as _checksum
+from .protocol.records import open_sealed
+from .protocol.stamps import STAMP_BYTES
+
+
+@dataclass
+class _Scratch:
+    """A host buffer registered with one transport (grown on demand)."""
+
+    buf: Any = None
+    region: Any = None
+
+    def ensure(self, t: Any, n: int) -> None:
+        if self.buf is not None and int(self.buf.numel()) >= n:
+            return
+        self.release(t)
+        self.buf = alloc_bytes(max(n, 4096), "cpu")
+        self.region = t.register(address(self.buf), int(self.buf.numel()))
+
+    def release(self, t: Any) -> None:
+        if self.region is not None:
+            quietly(t.deregister, self.region)
+        self.buf = self.region = None
+
+
+@dataclass
+class _Geometry:
+    """What one source's plan batch covers, computed once per session: its reads sorted by source
+    offset, and the runs of adjacent delta chunks they touch (inclusive chunk indices)."""
+
+    soff: np.ndarray
+    end: np.ndarray
+    dreg: np.ndarray
+    doff: np.ndarray
+    run_lo: np.ndarray
+    run_hi: np.ndarray
+    nchunks: int
+    descs: list[bytes]
+    head: _Scratch
+    check: _Scratch
+    entries: _Scratch
+
+
+def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | None:
+    b = src.batch
+    geo = geometry(slot_bytes)
+    if geo is None or (len(b) and np.any(b.src_region != 0)):
+        return None
+    order = np.argsort(b.src_offset, kind="stable")
+    soff, n = b.src_offset[order], b.nbytes[order]
+    end = soff + n
+    if len(soff) > 1 and np.any(soff[1:] < end[:-1]):
+        return None  # overlapping reads of one source: one slot byte, two destinations
+    keep = n > 0
+    c0, c1 = soff[keep] // CHUNK_BYTES, (end[keep] - 1) // CHUNK_BYTES
+    # merge [c0, c1] ranges that overlap or touch into runs
+    reach = np.maximum.accumulate(c1) if len(c1) else c1
+    starts = np.ones(len(c0), dtype=bool)
+    starts[1:] = c0[1:] > reach[:-1] + 1
+    first = np.flatnonzero(starts)
+    last = np.append(first[1:] - 1, len(c0) - 1).astype(np.int64) if len(first) else first
+    run_lo, run_hi = c0[first], reach[last] if len(last) else last
+    return _Geometry(
+        soff,
+        end,
+        b.dst_region[order],
+        b.dst_offset[order],
+        run_lo,
+        run_hi,
+        geo[0],
+        descs,
+        _Scratch(),
+        _Scratch(),
+        _Scratch(),
+    )
+
+
+class DeltaReader:
+    """Per session, each source's delta geometry and scratch buffers; ``pull`` does one delta pull."""
+
+    def __init__(self) -> None:
+        self._session: Session | None = None
+        self._geo: dict[int, _Geometry | None] = {}
+        self._transports: Mapping[str, Any] = {}
+        self._src_transport: dict[int, str] = {}
+
+    def reset(self) -> None:
+        for rank, g in self._geo.items():
+            if g is None:
+                continue
+            t = self._transports.get(self._src_transport.get(rank, ""))
+            if t is not None:
+                for s in (g.head, g.check, g.entries):
+                    s.release(t)
+        self._geo, self._session = {}, None
+
+    def _prepare(self, transports: Mapping[str, Any], session: Session) -> bool:
+        if self._session is not session:
+            self.reset()
+            self._session, self._transports = session, transports
+            self._src_transport = {s.rank: s.transport for s in session.sources}
+            for src in session.sources:
+                served = session.records[src.rank]["transports"].get(src.transport, {})
+                descs = served.get("delta")
+                sizes = session.layouts[src.rank].region_sizes
+                if not isinstance(descs, list) or not descs or not sizes:
+                    self._geo[src.rank] = None
+                    continue
+                self._geo[src.rank] = _geometry(src, int(sizes[0]), [unb64(d) for d in descs])
+        return bool(session.sources) and all(self._geo.get(s.rank) is not None for s in session.sources)
+
+    def usable(
+        self, transports: Mapping[str, Any], session: Session, rec: Any, held: tuple | None, gens: tuple
+    ) -> bool:
+        """Whether ``rec`` can be pulled as deltas onto the version ``held`` ((v, epoch, gens))."""
+        if held is None or held[1] != rec.epoch or held[2] != gens or not 0 < rec.v - held[0]:
+            return False
+        if not self._prepare(transports, session):
+            return False
+        return all(rec.v - held[0] <= len(self._geo[s.rank].descs) for s in session.sources)
+
+    # ------------------------------------------------------------------------------------------
+    def fetch(self, t: Any, src: Source, rec: Any, base: int, deadline: float) -> tuple | None:
+        """Reads the deltas ``base + 1 .. rec.v`` that ``src``'s reads cover: per delta the
+        (table, entries) it read, plus bytes and ops; None where they cannot be used."""
+        g = self._geo[src.rank]
+        k, tb = len(g.descs), table_bytes(g.nchunks)
+        us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
+        m = len(us)
+        g.head.ensure(t, m * tb)
+        g.check.ensure(t, m * HEADER_BYTES)
+        zeros = np.zeros(m, dtype=np.int64)
+        heads = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * tb, np.full(m, tb, dtype=np.int64))
+        self._read(t, src, g.descs, g.head.region, heads, deadline)
+        raw = g.head.buf.numpy()[: m * tb].reshape(m, tb)
+        head = raw[:, :HEADER_BYTES].view(np.uint64)
+        gen = self._session.gens[src.rank] if self._session.gens else 0
+        want = np.stack([np.full(m, DELTA_MAGIC, np.uint64), us.astype(np.uint64), (us - 1).astype(np.uint64)], 1)
+        ok = (head[:, :3] == want).all() and (head[:, 3] == DELTA_STABLE).all()
+        ok = ok and (head[:, 4] == rec.epoch).all() and (head[:, 5] == gen).all() and (head[:, 6] == g.nchunks).all()
+        if not ok:
+            return None
+        tables = raw[:, HEADER_BYTES : HEADER_BYTES + 4 * (g.nchunks + 1)].view(np.uint32).astype(np.int64)
+        if np.any(tables[:, -1] != head[:, 7].astype(np.int64)) or np.any(np.diff(tables, axis=1) < 0):
+            return None
+        # one row per (delta, run of chunks): the runs' entries are contiguous in the buffer
+        lo, hi = tables[:, g.run_lo], tables[:, g.run_hi + 1]
+        n = (hi - lo).reshape(-1)
+        which = np.repeat(np.arange(m), len(g.run_lo))
+        rows = n > 0
+        dst = np.concatenate(([0], np.cumsum(n[rows])[:-1])).astype(np.int64) * 4
+        total = int(n.sum()) * 4
+        nbytes, ops = m * tb + m * HEADER_BYTES, 2 * m
+        if total:
+            g.entries.ensure(t, total)
+            batch = ReadBatch(
+                (us % k)[which[rows]],
+                table_bytes(g.nchunks) + 4 * lo.reshape(-1)[rows],
+                np.zeros(int(rows.sum()), dtype=np.int64),
+                dst,
+                4 * n[rows],
+            )
+            self._read(t, src, g.descs, g.entries.region, batch, deadline)
+            nbytes, ops = nbytes + total, ops + len(batch)
+        # the headers again: a delta rewritten under the reads is not used
+        again = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, 64))
+        self._read(t, src, g.descs, g.check.region, again, deadline)
+        if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), raw[:, :HEADER_BYTES]):
+            return None
+        entries = g.entries.buf.numpy()[:total].view(np.uint32).copy() if total else np.zeros(0, np.uint32)
+        return [(tables[i], lo[i], hi[i]) for i in range(m)], entries, nbytes, ops
+
+    @staticmethod
+    def _read(t: Any, src: Source, descs: list[bytes], local: Any, batch: ReadBatch, deadline: float) -> None:
+        prep = t.prepare(src.peer, descs, [local], batch)
+        try:
+            t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            t.release(prep)
+
+    def apply(self, src: Source, got: tuple, dest: Sequence[Any]) -> None:
+        """Writes the fetched deltas of ``src`` into ``dest`` in version order (later wins)."""
+        g = self._geo[src.rank]
+        per_delta, entries = got[0], got[1]
+        words, vals = [], []
+        at = 0
+        for table, lo, hi in per_delta:  # one step per delta version (k at most), vectorised inside
+            n = hi - lo
+            total = int(n.sum())
+            if not total:
+                continue
+            e = entries[at : at + total]
+            at += total
+            starts = np.cumsum(n) - n
+            gidx = np.arange(total) - np.repeat(starts, n) + np.repeat(lo, n)  # entry index in the delta
+            chunk = np.searchsorted(table, gidx, side="right") - 1
+            words.append(chunk * CHUNK_WORDS + (e & (CHUNK_WORDS - 1)).astype(np.int64))
+            vals.append((e >> 16).astype(np.uint16))
+        if not words:
+            return
+        word, val = np.concatenate(words), np.concatenate(vals)
+        _, last = np.unique(word[::-1], return_index=True)  # the newest value of each word
+        keep = len(word) - 1 - last
+        word, val = word[keep], val[keep]
+        pos = np.concatenate((2 * word, 2 * word + 1))
+        byte = np.concatenate(((val & 0xFF).astype(np.uint8), (val >> 8).astype(np.uint8)))
+        row = np.searchsorted(g.soff, pos, side="right") - 1
+        inside = (row >= 0) & (pos < g.end[np.maximum(row, 0)])
+        pos, byte, row = pos[inside], byte[inside], row[inside]
+        dreg = g.dreg[row]
+        doff = g.doff[row] + pos - g.soff[row]
+        order = np.argsort(dreg, kind="stable")
+        dreg, doff, byte = dreg[order], doff[order], byte[order]
+        bounds = np.flatnonzero(np.diff(dreg)) + 1
+        for lo_, hi_ in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [len(dreg)]))):
+            _scatter(dest[int(dreg[lo_])], doff[lo_:hi_], byte[lo_:hi_])
+
+    def pull(
+        self,
+        transports: Mapping[str, Any],
+        session: Session,
+        rec: Any,
+        base: int,
+        dest: Sequence[Any],
+        store: Any,
+        keys: Any,
+        token: bytes | None,
+        deadline: float,
+    ) -> tuple[int, int, int] | None:
+        """Pulls ``rec`` as the deltas since ``base`` into ``dest`` and verifies it (repairing what
+        does not match); returns (bytes read, ops, chunks repaired), or None before any write if the
+        deltas cannot be used (the caller pulls in full)."""
+        got = {}
+        nbytes = ops = 0
+        try:
+            for src in session.sources:
+                r = self.fetch(transports[src.transport], src, rec, base, deadline)
+                if r is None:
+                    return None
+                got[src.rank] = r
+                nbytes, ops = nbytes + r[2], ops + r[3]
+        except TransportError:
+            return None  # the full pull reads around a dead source (failover) or reports it
+        for src in session.sources:
+            self.apply(src, got[src.rank], dest)
+        repaired, extra, fops = verify_repair(store, keys, token, transports, session.sources, rec, dest, deadline)
+        nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
+        return nbytes, ops + fops + len(session.sources), repaired
+
+
+def _scatter(dst: Any, offsets: np.ndarray, values: np.ndarray) -> None:
+    if isinstance(dst, np.ndarray) or dst.device.type == "cpu":
+        _checksum.host_array(dst)[offsets] = values
+        return
+    import torch
+
+    dst[torch.from_numpy(offsets).to(dst.device)] = torch.from_numpy(values).to(dst.device)
+
+
+def verify_repair(
+    store: Any,
+    keys: Any,
+    token: bytes | None,
+    transports: Mapping[str, Any],
+    sources: Sequence[Source],
+    rec: Any,
+    dest: Sequence[Any],
+    deadline: float,
+) -> tuple[int, int, int]:
+    """Verifies every byte the sources' reads cover against the publisher's chunk sums; a chunk
+    that does not match is read in full from the slot and written into ``dest``. Returns (chunks
+    repaired, bytes read, reads)."""
+    import torch
+
+    sum_keys = [keys.sums(rec.v, src.rank) for src in sources]
+    repaired = nbytes = ops = 0
+    for src, key, raw in zip(sources, sum_keys, store.get_many(sum_keys)):
+        if raw is None:  # collected: the slot was reused since
+            raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
+        sums = open_sealed(token, key, raw)
+        if sums.get("algo") != _checksum.ALGO:
+            raise IntegrityError(f"publisher rank {src.rank} uses checksum {sums.get('algo')}, not {_checksum.ALGO}")
+        fetch = fetch_chunk(transports[src.transport], src, rec.slot, deadline)
+        count = [0, 0]
+
+        def counted(region: int, offset: int, n: int, fetch: Any = fetch, count: list = count) -> np.ndarray:
+            count[0] += n
+            count[1] += 1
+            return fetch(region, offset, n)
+
+        def write(dreg: int, doff: int, data: np.ndarray) -> None:
+            dest[dreg][doff : doff + len(data)].copy_(torch.from_numpy(np.ascontiguousarray(data)))
+
+        where = f"publisher rank {src.rank}, version {rec.v}"
+        repaired += _checksum.verify_reads(src.batch, sums, dest, counted, where=where, repair=write)
+        nbytes, ops = nbytes + count[0], ops + count[1]
+    return repaired, nbytes, ops
+
+
+__all__ = ["DeltaReader", "verify_repair"]
