@@ -66,6 +66,8 @@ class _Geometry:
     doff: np.ndarray
     run_lo: np.ndarray
     run_hi: np.ndarray
+    chunks: np.ndarray  # every chunk of the runs, ascending
+    unit: int  # 2: every read starts, ends and lands on even bytes (scatter words), else 1 (bytes)
     nchunks: int
     descs: list[bytes]
     head: _Scratch
@@ -92,13 +94,19 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     first = np.flatnonzero(starts)
     last = np.append(first[1:] - 1, len(c0) - 1).astype(np.int64) if len(first) else first
     run_lo, run_hi = c0[first], reach[last] if len(last) else last
+    size = run_hi - run_lo + 1
+    chunks = np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size - run_lo, size)
+    doff = b.dst_offset[order]
+    unit = 2 if not (np.any(soff % 2) or np.any(end % 2) or np.any(doff % 2)) else 1
     return _Geometry(
-        soff,
-        end,
+        soff // unit,
+        end // unit,
         b.dst_region[order],
-        b.dst_offset[order],
+        doff // unit,
         run_lo,
         run_hi,
+        chunks,
+        unit,
         geo[0],
         descs,
         _Scratch(),
@@ -211,41 +219,36 @@ class DeltaReader:
             t.release(prep)
 
     def apply(self, src: Source, got: tuple, dest: Sequence[Any]) -> None:
-        """Writes the fetched deltas of ``src`` into ``dest`` in version order (later wins)."""
+        """Writes the fetched deltas of ``src`` into ``dest``, one delta after the other (a later
+        one overwrites an earlier one's word), each as one scatter per destination region."""
         g = self._geo[src.rank]
         per_delta, entries = got[0], got[1]
-        words, vals = [], []
         at = 0
         for table, lo, hi in per_delta:  # one step per delta version (k at most), vectorised inside
-            n = hi - lo
-            total = int(n.sum())
+            total = int((hi - lo).sum())
             if not total:
                 continue
             e = entries[at : at + total]
             at += total
-            starts = np.cumsum(n) - n
-            gidx = np.arange(total) - np.repeat(starts, n) + np.repeat(lo, n)  # entry index in the delta
-            chunk = np.searchsorted(table, gidx, side="right") - 1
-            words.append(chunk * CHUNK_WORDS + (e & (CHUNK_WORDS - 1)).astype(np.int64))
-            vals.append((e >> 16).astype(np.uint16))
-        if not words:
-            return
-        word, val = np.concatenate(words), np.concatenate(vals)
-        _, last = np.unique(word[::-1], return_index=True)  # the newest value of each word
-        keep = len(word) - 1 - last
-        word, val = word[keep], val[keep]
-        pos = np.concatenate((2 * word, 2 * word + 1))
-        byte = np.concatenate(((val & 0xFF).astype(np.uint8), (val >> 8).astype(np.uint8)))
-        row = np.searchsorted(g.soff, pos, side="right") - 1
-        inside = (row >= 0) & (pos < g.end[np.maximum(row, 0)])
-        pos, byte, row = pos[inside], byte[inside], row[inside]
-        dreg = g.dreg[row]
-        doff = g.doff[row] + pos - g.soff[row]
-        order = np.argsort(dreg, kind="stable")
-        dreg, doff, byte = dreg[order], doff[order], byte[order]
-        bounds = np.flatnonzero(np.diff(dreg)) + 1
-        for lo_, hi_ in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [len(dreg)]))):
-            _scatter(dest[int(dreg[lo_])], doff[lo_:hi_], byte[lo_:hi_])
+            chunk = np.repeat(g.chunks, table[g.chunks + 1] - table[g.chunks])  # entries are in chunk order
+            word = chunk * CHUNK_WORDS + (e & (CHUNK_WORDS - 1))
+            val = (e >> 16).astype(np.uint16)
+            if g.unit == 2:
+                pos, unit_val = word, val
+            else:  # reads at odd offsets: scatter the two bytes of each word on their own
+                pos = np.concatenate((2 * word, 2 * word + 1))
+                unit_val = np.concatenate(((val & 0xFF).astype(np.uint8), (val >> 8).astype(np.uint8)))
+            row = np.searchsorted(g.soff, pos, side="right") - 1
+            inside = (row >= 0) & (pos < g.end[np.maximum(row, 0)])
+            pos, unit_val, row = pos[inside], unit_val[inside], row[inside]
+            dreg = g.dreg[row]
+            doff = g.doff[row] + pos - g.soff[row]
+            if np.any(dreg[1:] < dreg[:-1]):
+                order = np.argsort(dreg, kind="stable")
+                dreg, doff, unit_val = dreg[order], doff[order], unit_val[order]
+            bounds = np.flatnonzero(np.diff(dreg)) + 1
+            for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [len(dreg)]))):
+                _scatter(dest[int(dreg[a])], doff[a:b], unit_val[a:b])
 
     def pull(
         self,
@@ -281,12 +284,17 @@ class DeltaReader:
 
 
 def _scatter(dst: Any, offsets: np.ndarray, values: np.ndarray) -> None:
+    """``dst`` (a uint8 region) viewed as ``values``' dtype, ``[offsets] = values``."""
+    w = values.dtype.itemsize
     if isinstance(dst, np.ndarray) or dst.device.type == "cpu":
-        _checksum.host_array(dst)[offsets] = values
+        arr = _checksum.host_array(dst)
+        arr[: len(arr) // w * w].view(values.dtype)[offsets] = values
         return
     import torch
 
-    dst[torch.from_numpy(offsets).to(dst.device)] = torch.from_numpy(values).to(dst.device)
+    typed = dst[: int(dst.numel()) // w * w].view(torch.int16 if w == 2 else torch.uint8)
+    vals = torch.from_numpy(values.view(np.int16) if w == 2 else values)
+    typed[torch.from_numpy(offsets).to(dst.device)] = vals.to(dst.device)
 
 
 def verify_repair(

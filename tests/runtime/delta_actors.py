@@ -1,0 +1,95 @@
+"""Publisher and subscriber processes for the delta tests: a publisher whose steps change a small
+fraction of the elements (as RL fine-tuning does), and subscribers that check what they hold
+against the same steps replayed locally (``expected``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from wbridge import Publisher, Subscriber
+from wbridge.testing.synthetic import make_tensors
+
+from .actors import TOKEN, model
+
+
+def perturb(tensors: dict[str, tuple[Any, Any]], seed: int, frac: float) -> None:
+    """Rewrites about ``frac`` of every tensor's elements with new values, deterministically."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for _, (t, _) in sorted(tensors.items()):
+        flat = t.view(-1)
+        mask = torch.rand(flat.shape, generator=gen) < frac
+        flat[mask] = torch.randn(int(mask.sum()), generator=gen).to(flat.dtype)
+
+
+def expected(steps: Sequence[tuple[int, float]]) -> dict[str, Any]:
+    """The publisher's full tensors after ``steps`` ((seed, frac) each, in order)."""
+    tensors = make_tensors(model(), 1, 0, fused=False, version=0)
+    for seed, frac in steps:
+        perturb(tensors, seed, frac)
+    return {name: t for name, (t, _) in tensors.items()}
+
+
+class DeltaPub:
+    def __init__(self, url: str, *, host_store: bool = True, **kwargs: Any) -> None:
+        self.tensors = make_tensors(model(), 1, 0, fused=False, version=0)
+        self.pub = Publisher("d", url, host_store=host_store, token=TOKEN, **kwargs)
+        self.pub.register(self.tensors)
+
+    def step(self, seed: int, frac: float, timeout: float = 30.0) -> int:
+        """One training step that changes ``frac`` of the elements, then ``publish``."""
+        perturb(self.tensors, seed, frac)
+        return self.pub.publish(timeout=timeout)
+
+    def publish(self, timeout: float = 30.0) -> int:
+        return self.pub.publish(timeout=timeout)
+
+    def stats(self) -> dict:
+        st = self.pub.stats[-1]
+        return {"stall_s": st.stall_s, "delta_s": st.delta_s}
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+class DeltaSub:
+    """A subscriber of TP rank ``rank`` of ``tp`` (unfused), tensors filled with garbage first."""
+
+    def __init__(self, url: str, tp: int = 1, rank: int = 0, fault: tuple[str, dict] | None = None, **kwargs) -> None:
+        self.tensors = make_tensors(model(), tp, rank, fused=False, version=None, fill_value=0x5A)
+        self.sub = Subscriber("d", url, token=TOKEN, **kwargs)
+        if fault is not None:
+            from wbridge.testing.faults import inject, wrapper
+
+            inject(self.sub, wrapper(fault[0], **fault[1]))
+        self.sub.register(self.tensors)
+
+    def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
+        v = self.sub.pull(min_version=min_version, timeout=timeout)
+        last = self.sub.stats.last
+        return {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "ops": last.ops}
+
+    def bad(self, steps: Sequence[tuple[int, float]]) -> list[str]:
+        """Names of tensors that differ from the publisher's after ``steps`` (in this rank's box)."""
+        import torch
+
+        full = expected(steps)
+        out = []
+        for name, (t, decl) in self.tensors.items():
+            offs = decl.offsets or (0,) * t.dim()
+            want = full[name][tuple(slice(o, o + s) for o, s in zip(offs, t.shape))]
+            if not torch.equal(t.view(torch.int16), want.contiguous().view(torch.int16)):
+                out.append(name)
+        return out
+
+    def scribble(self, name: str, byte: int = 0x33) -> None:
+        """Someone else writes into a registered tensor between pulls."""
+        import torch
+
+        t = self.tensors[name][0]
+        t.view(-1)[: t.numel() // 3].view(torch.uint8).fill_(byte)
+
+    def close(self) -> None:
+        self.sub.close()
