@@ -13,7 +13,7 @@ class PublishStats:
     total_s: float
     nbytes: int
     background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
-    delta_s: float = 0.0  # Publisher(delta=True): encoding the delta, after the snapshot (not in stall_s)
+    delta_s: float = 0.0  # Publisher(delta=True): the delta and checksums of the staged copy (not in stall_s)
 
 
 @dataclass

@@ -66,6 +66,7 @@ from ._stats import PublishStats
 from ._tensors import FLOATING, build_layout, dtype_name
 from ._tracker import SubscriberTracker, now
 from .errors import UsageError, WaitTimeout
+from .protocol.checksum import chunk_sums
 from .protocol.keys import Keys
 from .protocol.records import seal
 from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
@@ -384,11 +385,12 @@ class Publisher(Closeable):
         with self._snap_lock:  # close() releases the slots only between snapshots
             self._check_stopped(v)
             stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
-            sums = snapshot(reg, slot, ready, packed, self.checksums)
+            sums = snapshot(reg, slot, ready, packed, self.checksums and reg.delta is None)
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
             t2 = time.perf_counter()
-            if reg.delta is not None:  # compares the two staging slots, not the live tensors
+            if reg.delta is not None:  # both read the staging slots only: after the trainer's stall
                 reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen)
+                sums = chunk_sums(reg.slots[slot])
         delta_s = time.perf_counter() - t2
         if sums is not None:
             key = self.keys.sums(v, self.rank)

@@ -15,6 +15,9 @@ only after every read succeeded. A failed pull leaves ``version`` as ``None`` (l
 complete version) unless staged, where the live tensors keep the last complete version. A source
 rank that dies is read around (its DP replicas hold the same bytes). A pull that finds the store
 lost (a new store generation) or its own lease lapsed first joins the channel again, under a new id.
+Where publishers encode deltas (``Publisher(delta=True)``) and the destination holds a recent
+version whole, a pull reads only what changed since, and always verifies it against the
+publishers' checksums, repairing what does not match (``wbridge._delta_pull``; ``stats.last.delta``).
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class Subscriber(Closeable):
     - ``token``: the channel's shared secret (checks store records, authenticates to publishers).
     - ``transport``: ``"auto"`` (best common transport per publisher rank, see ``transports.select``) or a name.
     - ``staged``: read into a private buffer and copy in only after every read succeeded.
-    - ``verify``: check each pull against the publishers' chunk checksums (where they publish them).
+    - ``verify``: check each pull against the publishers' chunk checksums (where they publish them;
+      delta pulls always check them).
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``lease_ttl``: seconds without a lease refresh after which publishers stop waiting for it.
     - ``name``: shown to publishers and in errors (default ``<hostname>:<pid>``).
