@@ -44,8 +44,9 @@ def table_bytes(nchunks: int) -> int:
 
 def geometry(slot_bytes: int) -> tuple[int, int] | None:
     """``(nchunks, capacity in entries)`` of the deltas of a slot of ``slot_bytes``; None where the
-    slot cannot have deltas (empty, or an odd size that 2-byte words do not cover)."""
-    if slot_bytes <= 0 or slot_bytes % 2:
+    slot is too small for one word. The last byte of an odd-sized slot is in no word: a version
+    that changes it has no delta."""
+    if slot_bytes < 2:
         return None
     words = slot_bytes // 2
     return -(-words // CHUNK_WORDS), max(CHUNK_WORDS, words // CAPACITY_FRACTION)
@@ -82,6 +83,11 @@ class DeltaRing:
             head[3] = DELTA_NONE
             return -1
         prev, cur = slots[(v - 1) % nslots][0], slots[slot][0]
+        even = int(cur.numel()) // 2 * 2
+        if even != int(cur.numel()) and bool(prev[-1] != cur[-1]):  # the odd last byte: in no word
+            head[3] = DELTA_NONE
+            return -1
+        prev, cur = prev[:even], cur[:even]
         if cur.device.type == "cpu":
             a, b = prev.numpy().view(np.uint16), cur.numpy().view(np.uint16)
             idx = np.flatnonzero(a != b)

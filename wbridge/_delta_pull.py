@@ -68,6 +68,10 @@ class _Geometry:
     run_hi: np.ndarray
     chunks: np.ndarray  # every chunk of the runs, ascending
     unit: int  # 2: every read starts, ends and lands on even bytes (scatter words), else 1 (bytes)
+    perm: np.ndarray  # reads ordered by destination region (stable), so one scatter per region
+    groups: np.ndarray  # in ``perm`` order: the index of each region's first read, and len(perm)
+    partial: int  # bytes of the checksum chunks these reads cover only in part (re-read to verify)
+    full: int  # bytes of a full read
     nchunks: int
     descs: list[bytes]
     head: _Scratch
@@ -86,7 +90,8 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     if len(soff) > 1 and np.any(soff[1:] < end[:-1]):
         return None  # overlapping reads of one source: one slot byte, two destinations
     keep = n > 0
-    c0, c1 = soff[keep] // CHUNK_BYTES, (end[keep] - 1) // CHUNK_BYTES
+    # (the odd last byte of a slot is in no word, nor chunk: deltas never change it)
+    c0, c1 = soff[keep] // CHUNK_BYTES, np.minimum((end[keep] - 1) // CHUNK_BYTES, geo[0] - 1)
     # merge [c0, c1] ranges that overlap or touch into runs
     reach = np.maximum.accumulate(c1) if len(c1) else c1
     starts = np.ones(len(c0), dtype=bool)
@@ -96,17 +101,31 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     run_lo, run_hi = c0[first], reach[last] if len(last) else last
     size = run_hi - run_lo + 1
     chunks = np.arange(int(size.sum()), dtype=np.int64) - np.repeat(np.cumsum(size) - size - run_lo, size)
-    doff = b.dst_offset[order]
+    doff, dreg = b.dst_offset[order], b.dst_region[order]
     unit = 2 if not (np.any(soff % 2) or np.any(end % 2) or np.any(doff % 2)) else 1
+    perm = np.argsort(dreg, kind="stable")
+    groups = np.append(np.flatnonzero(np.diff(dreg[perm], prepend=-1)), len(perm))
+    # bytes covered below x: cum[i] + (x - soff[i]) clipped, for the last read starting below x
+    cum = np.concatenate(([0], np.cumsum(n)))
+    edges = np.arange(0, slot_bytes + _checksum.CHUNK, _checksum.CHUNK)
+    edges[-1] = min(edges[-1], slot_bytes)
+    i = np.searchsorted(soff, edges, side="right") - 1
+    below = np.where(i >= 0, cum[np.maximum(i, 0)] + np.clip(edges - soff[np.maximum(i, 0)], 0, n[np.maximum(i, 0)]), 0)
+    covered, length = np.diff(below), np.diff(edges)
+    partial = int(length[(covered > 0) & (covered < length)].sum())
     return _Geometry(
         soff // unit,
         end // unit,
-        b.dst_region[order],
+        dreg,
         doff // unit,
         run_lo,
         run_hi,
         chunks,
         unit,
+        perm,
+        groups,
+        partial,
+        int(n.sum()),
         geo[0],
         descs,
         _Scratch(),
@@ -191,6 +210,8 @@ class DeltaReader:
         dst = np.concatenate(([0], np.cumsum(n[rows])[:-1])).astype(np.int64) * 4
         total = int(n.sum()) * 4
         nbytes, ops = m * tb + m * HEADER_BYTES, 2 * m
+        if total + g.partial >= g.full:  # would read more than a full pull (counting verification)
+            return None
         if total:
             g.entries.ensure(t, total)
             batch = ReadBatch(
@@ -234,21 +255,23 @@ class DeltaReader:
             word = chunk * CHUNK_WORDS + (e & (CHUNK_WORDS - 1))
             val = (e >> 16).astype(np.uint16)
             if g.unit == 2:
-                pos, unit_val = word, val
+                pos, units = word, val
             else:  # reads at odd offsets: scatter the two bytes of each word on their own
-                pos = np.concatenate((2 * word, 2 * word + 1))
-                unit_val = np.concatenate(((val & 0xFF).astype(np.uint8), (val >> 8).astype(np.uint8)))
-            row = np.searchsorted(g.soff, pos, side="right") - 1
-            inside = (row >= 0) & (pos < g.end[np.maximum(row, 0)])
-            pos, unit_val, row = pos[inside], unit_val[inside], row[inside]
-            dreg = g.dreg[row]
-            doff = g.doff[row] + pos - g.soff[row]
-            if np.any(dreg[1:] < dreg[:-1]):
-                order = np.argsort(dreg, kind="stable")
-                dreg, doff, unit_val = dreg[order], doff[order], unit_val[order]
-            bounds = np.flatnonzero(np.diff(dreg)) + 1
-            for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [len(dreg)]))):
-                _scatter(dest[int(dreg[a])], doff[a:b], unit_val[a:b])
+                pos = np.stack((2 * word, 2 * word + 1), 1).reshape(-1)
+                units = val.view(np.uint8).reshape(-1, 2).reshape(-1)  # little-endian words: low byte first
+            # positions ascend: cut them at every read's start and end, then take each read's slice
+            # in destination-region order (``perm``), so each region's entries are contiguous
+            cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
+            lo_, hi_ = cut[0::2][g.perm], cut[1::2][g.perm]
+            n = hi_ - lo_
+            at_read = np.cumsum(n) - n
+            idx = np.arange(int(n.sum())) - np.repeat(at_read - lo_, n)
+            doff = pos[idx] + np.repeat((g.doff - g.soff)[g.perm], n)
+            units = units[idx]
+            ends = np.append(at_read, len(idx))[g.groups]
+            for r, a, b in zip(g.groups[:-1], ends[:-1], ends[1:]):  # one scatter per destination region
+                if b > a:
+                    _scatter(dest[int(g.dreg[g.perm[r]])], doff[a:b], units[a:b])
 
     def pull(
         self,

@@ -21,20 +21,42 @@ def perturb(tensors: dict[str, tuple[Any, Any]], seed: int, frac: float) -> None
     for _, (t, _) in sorted(tensors.items()):
         flat = t.view(-1)
         mask = torch.rand(flat.shape, generator=gen) < frac
-        flat[mask] = torch.randn(int(mask.sum()), generator=gen).to(flat.dtype)
+        k = int(mask.sum())
+        if flat.dtype.is_floating_point:
+            new = torch.randn(k, generator=gen)
+        else:
+            new = torch.randint(0, 256, (k,), generator=gen)
+        flat[mask] = new.to(flat.dtype)
 
 
-def expected(steps: Sequence[tuple[int, float]]) -> dict[str, Any]:
+ODD = "odd.bytes"  # a uint8 tensor of odd length last: the slot ends on an odd byte
+
+
+def tensors_of(tp: int, rank: int, odd: bool, **kwargs: Any) -> dict[str, tuple[Any, Any]]:
+    import torch
+
+    from wbridge import Shard
+
+    tensors = make_tensors(model(), tp, rank, fused=False, **kwargs)
+    if odd:
+        t = torch.arange(1001, dtype=torch.int32).to(torch.uint8)
+        if kwargs.get("fill_value") is not None:
+            t.fill_(kwargs["fill_value"])
+        tensors[ODD] = (t, Shard(ODD, (1001,)))
+    return tensors
+
+
+def expected(steps: Sequence[tuple[int, float]], odd: bool = False) -> dict[str, Any]:
     """The publisher's full tensors after ``steps`` ((seed, frac) each, in order)."""
-    tensors = make_tensors(model(), 1, 0, fused=False, version=0)
+    tensors = tensors_of(1, 0, odd, version=0)
     for seed, frac in steps:
         perturb(tensors, seed, frac)
     return {name: t for name, (t, _) in tensors.items()}
 
 
 class DeltaPub:
-    def __init__(self, url: str, *, host_store: bool = True, **kwargs: Any) -> None:
-        self.tensors = make_tensors(model(), 1, 0, fused=False, version=0)
+    def __init__(self, url: str, *, host_store: bool = True, odd: bool = False, **kwargs: Any) -> None:
+        self.tensors = tensors_of(1, 0, odd, version=0)
         self.pub = Publisher("d", url, host_store=host_store, token=TOKEN, **kwargs)
         self.pub.register(self.tensors)
 
@@ -57,8 +79,11 @@ class DeltaPub:
 class DeltaSub:
     """A subscriber of TP rank ``rank`` of ``tp`` (unfused), tensors filled with garbage first."""
 
-    def __init__(self, url: str, tp: int = 1, rank: int = 0, fault: tuple[str, dict] | None = None, **kwargs) -> None:
-        self.tensors = make_tensors(model(), tp, rank, fused=False, version=None, fill_value=0x5A)
+    def __init__(
+        self, url: str, tp: int = 1, rank: int = 0, fault: tuple[str, dict] | None = None, odd: bool = False, **kwargs
+    ) -> None:
+        self.odd = odd
+        self.tensors = tensors_of(tp, rank, odd, version=None, fill_value=0x5A)
         self.sub = Subscriber("d", url, token=TOKEN, **kwargs)
         if fault is not None:
             from wbridge.testing.faults import inject, wrapper
@@ -69,18 +94,20 @@ class DeltaSub:
     def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
         v = self.sub.pull(min_version=min_version, timeout=timeout)
         last = self.sub.stats.last
-        return {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "ops": last.ops}
+        # how the deltas were scattered: 2-byte words, or bytes where a read starts or ends on an odd byte
+        units = sorted({g.unit for g in self.sub._deltas._geo.values() if g is not None})
+        return {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
 
     def bad(self, steps: Sequence[tuple[int, float]]) -> list[str]:
         """Names of tensors that differ from the publisher's after ``steps`` (in this rank's box)."""
         import torch
 
-        full = expected(steps)
+        full = expected(steps, self.odd)
         out = []
         for name, (t, decl) in self.tensors.items():
             offs = decl.offsets or (0,) * t.dim()
             want = full[name][tuple(slice(o, o + s) for o, s in zip(offs, t.shape))]
-            if not torch.equal(t.view(torch.int16), want.contiguous().view(torch.int16)):
+            if not torch.equal(t.view(torch.uint8), want.contiguous().view(torch.uint8)):
                 out.append(name)
         return out
 
