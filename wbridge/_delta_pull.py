@@ -239,11 +239,13 @@ class DeltaReader:
         finally:
             t.release(prep)
 
-    def apply(self, src: Source, got: tuple, dest: Sequence[Any]) -> None:
-        """Writes the fetched deltas of ``src`` into ``dest``, one delta after the other (a later
-        one overwrites an earlier one's word), each as one scatter per destination region."""
+    def decode(self, src: Source, got: tuple) -> list[tuple[int, np.ndarray, np.ndarray]] | None:
+        """The writes of ``src``'s fetched deltas, in order (a later delta overwrites an earlier
+        one's word): ``(destination region, offsets, values)`` per region and delta; None where
+        an entry is malformed (positions not ascending within the delta)."""
         g = self._geo[src.rank]
         per_delta, entries = got[0], got[1]
+        writes = []
         at = 0
         for table, lo, hi in per_delta:  # one step per delta version (k at most), vectorised inside
             total = int((hi - lo).sum())
@@ -254,6 +256,8 @@ class DeltaReader:
             chunk = np.repeat(g.chunks, table[g.chunks + 1] - table[g.chunks])  # entries are in chunk order
             word = chunk * CHUNK_WORDS + (e & (CHUNK_WORDS - 1))
             val = (e >> 16).astype(np.uint16)
+            if len(word) > 1 and not bool(np.all(word[1:] > word[:-1])):
+                return None
             if g.unit == 2:
                 pos, units = word, val
             else:  # reads at odd offsets: scatter the two bytes of each word on their own
@@ -271,7 +275,8 @@ class DeltaReader:
             ends = np.append(at_read, len(idx))[g.groups]
             for r, a, b in zip(g.groups[:-1], ends[:-1], ends[1:]):  # one scatter per destination region
                 if b > a:
-                    _scatter(dest[int(g.dreg[g.perm[r]])], doff[a:b], units[a:b])
+                    writes.append((int(g.dreg[g.perm[r]]), doff[a:b], units[a:b]))
+        return writes
 
     def pull(
         self,
@@ -299,8 +304,11 @@ class DeltaReader:
                 nbytes, ops = nbytes + r[2], ops + r[3]
         except TransportError:
             return None  # the full pull reads around a dead source (failover) or reports it
-        for src in session.sources:
-            self.apply(src, got[src.rank], dest)
+        writes = [self.decode(src, got[src.rank]) for src in session.sources]
+        if any(w is None for w in writes):
+            return None  # before any write
+        for region, offsets, values in (w for per in writes for w in per):
+            _scatter(dest[region], offsets, values)
         repaired, extra, fops = verify_repair(store, keys, token, transports, session.sources, rec, dest, deadline)
         nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
         return nbytes, ops + fops + len(session.sources), repaired

@@ -96,7 +96,8 @@ class DeltaSub:
         last = self.sub.stats.last
         # how the deltas were scattered: 2-byte words, or bytes where a read starts or ends on an odd byte
         units = sorted({g.unit for g in self.sub._deltas._geo.values() if g is not None})
-        return {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
+        out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
+        return {**out, "retries": last.retries}
 
     def bad(self, steps: Sequence[tuple[int, float]]) -> list[str]:
         """Names of tensors that differ from the publisher's after ``steps`` (in this rank's box)."""

@@ -152,3 +152,44 @@ def test_subscriber_killed_mid_delta_pull_restarts_bit_exact(tmp_path) -> None:
         for w in (again, sub, pub):
             if w is not None:
                 w.stop()
+
+
+@pytest.mark.timeout(150)
+def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    signal, release = str(tmp_path / "paused"), str(tmp_path / "release")
+    kwargs = {"delta_history": 2, "slots": 4, "mode": "async", "max_staleness": 20}
+    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp", **kwargs)
+    # counted reads: 1 the first (full) pull, 2 the delta headers, 3 the delta entries: pause there
+    fault = ("pause", {"signal_path": signal, "release_path": release, "on_reads": (3,), "hold": 60.0})
+    sub = Worker("sub", DeltaSub, url, transport="tcp", fault=fault)
+    try:
+        pub.call("publish")
+        sub.call("pull", min_version=1)
+        pub.call("step", 2, FRAC)
+        sub.send("pull", min_version=2)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(signal):
+            assert time.monotonic() < deadline, "the delta pull never reached its entries read"
+            time.sleep(0.02)
+        for v in (3, 4):  # v4 rewrites delta buffer 4 % 2 (v2's); v2's slot (2 of 4) stays
+            pub.call("step", v, FRAC)
+        open(release, "w").close()
+        got = sub.result(60.0)
+        # the headers read again no longer say v2: none of the torn entries is applied and v2 is
+        # read in full (without that check they would be, and the checksums would repair them)
+        assert got["v"] == 2 and not got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", [(2, FRAC)]) == []
+        steps = [(v, FRAC) for v in (2, 3, 4)]
+        steps.append((5, FRAC))
+        pub.call("step", 5, FRAC)
+        got = sub.call("pull", min_version=5)  # the union of the deltas of 3, 4 and 5 onto 2: too many
+        assert got["v"] == 5 and not got["delta"], got
+        steps.append((6, FRAC))
+        pub.call("step", 6, FRAC)
+        got = sub.call("pull", min_version=6)
+        assert got["v"] == 6 and got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", steps) == []
+    finally:
+        sub.stop()
+        pub.stop()
