@@ -19,6 +19,17 @@ from .harness import Worker, free_port
 FRAC = 0.02  # elements changed per step: RL fine-tuning at lr 1e-6 changes 1-3% of bf16 elements
 
 
+def start_paused_delta_pull(pub: Worker, sub: Worker, signal: str) -> None:
+    """Publishes version 2 and starts ``sub``'s pull of it, which its pause fault stops half-way
+    through the delta entries; returns once it is stopped there (``signal`` written)."""
+    pub.call("step", 2, FRAC)
+    sub.send("pull", min_version=2)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(signal):
+        assert time.monotonic() < deadline, "the delta pull never reached its entries read"
+        time.sleep(0.02)
+
+
 def test_delta_needs_a_staging_copy() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     for kwargs in ({"zero_copy": True}, {"slots": 1}):
@@ -133,12 +144,7 @@ def test_subscriber_killed_mid_delta_pull_restarts_bit_exact(tmp_path) -> None:
         steps = [(2, FRAC)]
         pub.call("publish")
         assert not sub.call("pull", min_version=1)["delta"]
-        pub.call("step", 2, FRAC)
-        sub.send("pull", min_version=2)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(signal):
-            assert time.monotonic() < deadline, "the delta pull never reached its entries read"
-            time.sleep(0.02)
+        start_paused_delta_pull(pub, sub, signal)
         sub.kill()
         again = Worker("again", DeltaSub, url, transport="tcp")
         got = again.call("pull", min_version=2)
@@ -166,12 +172,7 @@ def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
     try:
         pub.call("publish")
         sub.call("pull", min_version=1)
-        pub.call("step", 2, FRAC)
-        sub.send("pull", min_version=2)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(signal):
-            assert time.monotonic() < deadline, "the delta pull never reached its entries read"
-            time.sleep(0.02)
+        start_paused_delta_pull(pub, sub, signal)
         for v in (3, 4):  # v4 rewrites delta buffer 4 % 2 (v2's); v2's slot (2 of 4) stays
             pub.call("step", v, FRAC)
         open(release, "w").close()
