@@ -14,6 +14,7 @@ import numpy as np
 
 from planner.layout import Declaration, RankLayout
 
+from ._delta import release_ring
 from ._lifecycle import quietly
 from ._packing import SlotPacker, copy_packed
 from ._selection import publisher_capabilities
@@ -41,6 +42,7 @@ class Registration:
     packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
     cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
     transforms: dict[str, str] = field(default_factory=dict)  # register(transforms=): name -> transform
+    delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge._delta)
 
 
 def staging_buffer(transports: Mapping[str, Any], size: int, device: str) -> Any:
@@ -183,6 +185,7 @@ def build_registration(
 
 def release_regions(reg: Registration, transports: Mapping[str, Any]) -> None:
     """Stops serving ``reg``'s regions (its buffers may live on in a newer registration)."""
+    release_ring(reg.delta, transports)
     regions, reg.regions = reg.regions, {}
     for name, per_slot in regions.items():
         for slot in per_slot:
@@ -192,8 +195,9 @@ def release_regions(reg: Registration, transports: Mapping[str, Any]) -> None:
 
 def served_record(reg: Registration, transports: Mapping[str, Any], rank: int, world_size: int, nslots: int) -> dict:
     """The publisher rank's store record: its layout, capabilities, and per served transport the
-    endpoint and each slot's region descriptors (the stamp last)."""
-    return {
+    endpoint and each slot's region descriptors (the stamp last), and the delta buffers' where
+    the publisher encodes deltas."""
+    record = {
         "rank": rank,
         "world_size": world_size,
         "epoch": reg.epoch,
@@ -212,6 +216,10 @@ def served_record(reg: Registration, transports: Mapping[str, Any], rank: int, w
             for name, t in transports.items()
         },
     }
+    if reg.delta is not None:
+        for name, served in record["transports"].items():
+            served["delta"] = [b64(r.descriptor) for r in reg.delta.regions[name]]
+    return record
 
 
 def b64(b: bytes) -> str:

@@ -13,6 +13,7 @@ class PublishStats:
     total_s: float
     nbytes: int
     background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
+    delta_s: float = 0.0  # Publisher(delta=True): the delta and checksums of the staged copy (not in stall_s)
 
 
 @dataclass
@@ -24,6 +25,8 @@ class PullStats:
     retries: int
     nbytes_from_publishers: int = 0  # of nbytes: read from publisher ranks
     nbytes_from_peers: int = 0  # of nbytes: read from relaying subscribers of the zone
+    repaired: int = 0  # delta pulls: chunks whose bytes failed the checksum and were read in full
+    delta: bool = False  # True when this pull applied deltas, False for a full pull
 
     @property
     def gbps(self) -> float:

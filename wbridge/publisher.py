@@ -49,14 +49,24 @@ import transports as _transports
 from planner.layout import Declaration, RankLayout
 
 from . import _generation, _transforms, _validate
+from ._delta import build_ring
 from ._lifecycle import Closeable, log, quietly
 from ._packing import SlotPacker, packing_gens
 from ._selection import RDMA_FIRST, rdma_present
-from ._staging import Registration, build_registration, casts, release_regions, served_record, snapshot
+from ._staging import (
+    Registration,
+    build_registration,
+    casts,
+    release_regions,
+    served_record,
+    snapshot,
+    staging_buffer,
+)
 from ._stats import PublishStats
 from ._tensors import FLOATING, build_layout, dtype_name
 from ._tracker import SubscriberTracker, now
 from .errors import UsageError, WaitTimeout
+from .protocol.checksum import chunk_sums
 from .protocol.keys import Keys
 from .protocol.records import seal
 from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
@@ -95,6 +105,9 @@ class Publisher(Closeable):
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``checksums``: publish per-chunk checksums of each version (subscribers with ``verify`` check them).
+    - ``delta``: also encode what changed since the version before (``wbridge._delta``), so a subscriber
+      a few versions behind reads only that; turns ``checksums`` on; needs staging (``slots >= 2``).
+    - ``delta_history``: how many versions' deltas are kept (a subscriber further behind pulls in full).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
     - ``zone``: the zone (cluster) it runs in, recorded for tools; subscribers read publishers
       whatever the zones (a zone selects only which relays a subscriber reads, ``wbridge._relay``).
@@ -120,6 +133,8 @@ class Publisher(Closeable):
         host: str = "127.0.0.1",
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         checksums: bool = False,
+        delta: bool = False,
+        delta_history: int = 4,
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
         zone: str | None = None,
     ) -> None:
@@ -135,12 +150,20 @@ class Publisher(Closeable):
         if rank >= world_size:
             raise UsageError(f"rank {rank} outside world_size {world_size}")
         slots = _validate.integer(slots, "slots", minimum=1)
+        delta_history = _validate.integer(delta_history, "delta_history", minimum=1)
+        if delta and (zero_copy or slots < 2):
+            raise UsageError(
+                f"publisher rank {rank}: delta=True encodes each version against the previous one in the "
+                f"other staging slot, so it needs zero_copy=False and slots >= 2 (got zero_copy={zero_copy}, "
+                f"slots={slots})"
+            )
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         token = _validate.token(token)
         self.channel, self.rank, self.world_size = channel, rank, world_size
         self.mode, self.max_staleness = mode, max_staleness
         self.slots = 1 if zero_copy else slots
-        self.zero_copy, self.host, self.checksums = zero_copy, host, checksums
+        self.zero_copy, self.host, self.checksums = zero_copy, host, checksums or bool(delta)
+        self.delta, self.delta_history = bool(delta), delta_history
         self.token = token
         self._base_keys = self.keys = Keys(channel)
         self._gen: str | None = None  # the store generation registered in (see _generation)
@@ -262,9 +285,17 @@ class Publisher(Closeable):
     def _build(
         self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None, transforms: dict
     ) -> Registration:
-        return build_registration(
+        reg = build_registration(
             self._transports, layout, live, decls, device, old, transforms, self.slots, self.zero_copy
         )
+        if self.delta:
+            try:
+                size = int(reg.slots[0][0].numel()) if layout.region_sizes else 0
+                reg.delta = build_ring(self._transports, size, self.delta_history, old and old.delta, staging_buffer)
+            except BaseException:
+                self._release_regions(reg)
+                raise
+        return reg
 
     def _record(self, reg: Registration) -> dict:
         return {**served_record(reg, self._transports, self.rank, self.world_size, self.slots), "zone": self.zone}
@@ -361,9 +392,13 @@ class Publisher(Closeable):
         with self._snap_lock:  # close() releases the slots only between snapshots
             self._check_stopped(v)
             stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
-            sums = snapshot(reg, slot, ready, packed, self.checksums)
+            sums = snapshot(reg, slot, ready, packed, self.checksums and reg.delta is None)
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
-        t2 = time.perf_counter()
+            t2 = time.perf_counter()
+            if reg.delta is not None:  # both read the staging slots only: after the trainer's stall
+                reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen)
+                sums = chunk_sums(reg.slots[slot])
+        delta_s = time.perf_counter() - t2
         if sums is not None:
             key = self.keys.sums(v, self.rank)
             self._store.set(key, seal(self.token, key, sums))
@@ -395,7 +430,8 @@ class Publisher(Closeable):
             self._store.add(self.keys.fence(slot), 1)
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
-        self.stats.append(PublishStats(v, t2 - t1, (t1 - t0) + (t3 - t2), t3 - t0, nbytes, background))
+        wait_s = (t1 - t0) + (t3 - t2) - delta_s
+        self.stats.append(PublishStats(v, t2 - t1, wait_s, t3 - t0, nbytes, background, delta_s))
         return v
 
     def _collect(self, v: int, epoch: int) -> None:

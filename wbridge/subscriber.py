@@ -15,6 +15,9 @@ only after every read succeeded. A failed pull leaves ``version`` as ``None`` (l
 complete version) unless staged, where the live tensors keep the last complete version. A source
 rank that dies is read around (its DP replicas hold the same bytes). A pull that finds the store
 lost (a new store generation) or its own lease lapsed first joins the channel again, under a new id.
+Where publishers encode deltas (``Publisher(delta=True)``) and the destination holds a recent
+version whole, a pull reads only what changed since, and always verifies it against the
+publishers' checksums, repairing what does not match (``wbridge._delta_pull``; ``stats.last.delta``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from transports import select as _select
 from transports.base import ReadBatch
 
 from . import _generation, _validate
+from ._delta_pull import DeltaReader
 from ._lifecycle import Closeable, quietly
 from ._membership import NEW_GENERATION, STILL, Membership
 from ._packing import layout_hash, packed_layout
@@ -77,7 +81,8 @@ class Subscriber(Closeable):
     - ``token``: the channel's shared secret (checks store records, authenticates to publishers).
     - ``transport``: ``"auto"`` (best common transport per publisher rank, see ``transports.select``) or a name.
     - ``staged``: read into a private buffer and copy in only after every read succeeded.
-    - ``verify``: check each pull against the publishers' chunk checksums (where they publish them).
+    - ``verify``: check each pull against the publishers' chunk checksums (where they publish them;
+      delta pulls always check them).
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``lease_ttl``: seconds without a lease refresh after which publishers stop waiting for it.
     - ``name``: shown to publishers and in errors, matched by ``Publisher.evict`` (default ``<hostname>:<pid>``).
@@ -129,6 +134,8 @@ class Subscriber(Closeable):
         self._session: Session | None = None
         self._zone: ZoneReader | None = None
         self._from = (0, 0)  # bytes the last read took from publishers, from relays
+        self._deltas = DeltaReader()  # delta pulls (publishers with delta=True), see wbridge._delta_pull
+        self._held: tuple | None = None  # (version, epoch, packing gens) the destination holds whole
         self._layout: RankLayout | None = None
         self._live: dict[str, Any] = {}
         self._dest: list[Any] = []  # destination buffers (uint8 views), one per region
@@ -171,7 +178,7 @@ class Subscriber(Closeable):
         else:
             self._dest = [byte_view(t) for t in live.values()]
         self._device = device
-        self.version = None
+        self.version = self._held = None
         if self.zone is not None:
             self._join_zone()
 
@@ -190,7 +197,7 @@ class Subscriber(Closeable):
         found = self._member.check()
         if found == NEW_GENERATION:
             self._drop_session()
-            self.version, self._newest = None, 0
+            self.version, self._newest, self._held = None, 0, None
         if found != STILL and self._zone is not None:
             self._join_zone()  # a new id (or generation): a new relay record
         return found == STILL
@@ -291,7 +298,7 @@ class Subscriber(Closeable):
                 return rec.v
             t0 = time.perf_counter()
             try:
-                nbytes, ops = self._apply(rec, fence, deadline)
+                nbytes, ops, repaired, delta = self._apply(rec, fence, deadline)
             except StaleVersionError:
                 retries += 1
                 want = rec.v + 1
@@ -311,6 +318,8 @@ class Subscriber(Closeable):
                     retries,
                     nbytes_from_publishers=pub,
                     nbytes_from_peers=peers,
+                    repaired=repaired,
+                    delta=delta,
                 )
             )
             return rec.v
@@ -350,25 +359,37 @@ class Subscriber(Closeable):
             except (WaitTimeout, StoreError):
                 pass  # a store down for the slice: the next read retries it within its own timeout
 
-    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[int, int]:
-        """Reads ``rec`` (whose slot's fence read ``fence`` along with it). The state key says
+    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[int, int, int, bool]:
+        """Reads ``rec`` (whose slot's fence read ``fence`` along with it): as deltas onto the version
+        held where it can (``wbridge._delta_pull``), else in full. The state key says
         "reading v" from before the first read until the reads are checked: publishers do not
         overwrite the slot meanwhile (sync and one-step-off modes). The slot stamps, read after the
         data, are what proves the slot did not change (the store is untrusted, so its fence is only
-        a hint)."""
+        a hint). Returns bytes read, reads, chunks repaired, and whether it applied deltas."""
         session = self._session
         gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
         if session is None or session.epoch != rec.epoch or session.gens != gens:
             session = self._setup(rec, deadline, gens)
         state_key = self.keys.sub(self._member.id, "state")
         self._store.set(state_key, state_bytes(self._member.acked, rec.v))
+        held, self._held = self._held, None  # the destination holds no whole version until we finish
         try:
             if fence != rec.fence:
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
             self._from = (session.plan.total_bytes, 0)
-            while self._zone is None:
+            done = None  # deltas: (bytes, reads, chunks repaired); a zone's readers read whole versions
+            if self._zone is None and self._deltas.usable(self._transports, session, rec, held, gens):
+                try:
+                    args = (self._store, self.keys, self.token, deadline)
+                    done = self._deltas.pull(self._transports, session, rec, held[0], self._dest, *args)
+                except IntegrityError:
+                    self._check_stamps(session, rec, deadline)  # a slot reused under us is staleness
+                    raise
+                if done is not None:
+                    self._from = (done[0], 0)
+            while done is None and self._zone is None:
                 try:
                     self._read_all(session, rec.slot, deadline)
                     break
@@ -377,7 +398,7 @@ class Subscriber(Closeable):
             if self._zone is not None:  # relays of the zone first, publishers for the rest
                 session, *sizes = self._zone.read(session, rec, deadline)
                 self._from = tuple(sizes)
-            if self.verify and rec.checksums:
+            if done is None and self.verify and rec.checksums:
                 try:
                     self._verify(session, rec, deadline)
                 except IntegrityError:
@@ -396,8 +417,11 @@ class Subscriber(Closeable):
             else:
                 dst.copy_(src)
         self.version = self._member.acked = rec.v
+        self._held = (rec.v, rec.epoch, gens)
         self._store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
-        return sum(self._from), len(session.plan)
+        if done is not None:
+            return done[0], done[1], done[2], True
+        return sum(self._from), len(session.plan), 0, False
 
     def _read_all(self, session: Session, slot: int, deadline: float) -> None:
         read_sources(self._transports, self._local_regions, self._pool, session.sources, slot, deadline, self.name)
@@ -506,6 +530,7 @@ class Subscriber(Closeable):
 
     # ------------------------------------------------------------------------------------------
     def _drop_session(self) -> None:
+        self._deltas.reset()
         session, self._session = self._session, None
         if session is None:
             return

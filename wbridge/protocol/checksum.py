@@ -66,12 +66,15 @@ class _Stream:
         return self._h.intdigest() if self._h is not None else self._crc
 
 
-def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: str) -> None:
+def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: str, repair: Any = None) -> int:
     """Verifies every byte ``batch`` read into ``dest`` against the source's chunk sums.
 
     A chunk the batch covers completely is hashed from the destination in source order; for a
     chunk it covers only in part, ``fetch(region, offset, n)`` reads the whole chunk again, its
-    hash is checked, and the destination bytes are compared with it. Raises ``IntegrityError``.
+    hash is checked, and the destination bytes are compared with it. Raises ``IntegrityError``;
+    with ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is
+    instead written from the chunk read again (whose own hash must match); returns how many
+    chunks were repaired.
     """
     from ..errors import IntegrityError
 
@@ -89,6 +92,7 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
             take = min(n, (c + 1) * chunk - soff)
             pieces.setdefault((sreg, c), []).append((soff, dreg, doff, take))
             soff, doff, n = soff + take, doff + take, n - take
+    repaired = 0
     for (sreg, c), parts in pieces.items():
         try:
             expected = regions[sreg][c]
@@ -100,17 +104,24 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
             h = _Stream()
             for _, dreg, doff, n in parts:
                 h.update(host[dreg][doff : doff + n])
-            if h.digest() != expected:
+            if h.digest() == expected:
+                continue
+            if repair is None:
                 raise IntegrityError(
                     f"{where}: checksum mismatch in region {sreg} bytes [{lo}, {lo + length}) (corrupted in flight?)"
                 )
-            continue
         ref = fetch(sreg, lo, length)
         if hash_bytes(ref) != expected:
             raise IntegrityError(f"{where}: checksum mismatch re-reading region {sreg} chunk {c}")
+        fixed = False
         for soff, dreg, doff, n in parts:
             if not np.array_equal(host[dreg][doff : doff + n], ref[soff - lo : soff - lo + n]):
-                raise IntegrityError(
-                    f"{where}: bytes read from region {sreg} offset {soff} "
-                    f"(+{n}) differ from the publisher's (corrupted in flight?)"
-                )
+                if repair is None:
+                    raise IntegrityError(
+                        f"{where}: bytes read from region {sreg} offset {soff} "
+                        f"(+{n}) differ from the publisher's (corrupted in flight?)"
+                    )
+                repair(dreg, doff, ref[soff - lo : soff - lo + n])
+                fixed = True
+        repaired += fixed
+    return repaired

@@ -1,0 +1,224 @@
+"""Delta updates on a real training run: bytes a one-version-behind subscriber reads, and their cost.
+
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--lr 1e-6 1e-5] [--transport tcp|local]``.
+
+The trainer (this process) trains a small transformers Llama (random init: hidden 256, 4 layers,
+vocabulary 4096, about 5 M parameters) with fp32 master weights and AdamW at each ``--lr`` for
+``--steps`` steps on random tokens, and after the initial weights and after every step publishes
+them, cast to bf16 (``register(dtype=torch.bfloat16)``), on two channels side by side: one
+``Publisher(delta=True)`` and one without deltas (the baseline). One subscriber process per channel
+pulls every version as soon as it is published, so it is always exactly one version behind when
+it pulls, and hashes what it holds; the trainer checks that hash against its own bf16 copy (bit
+exact, else the run exits non-zero).
+
+Printed per learning rate, in ``--lr`` order (stdout, one line each)::
+
+    delta: changed=<f> read_ratio=<r> snapshot_overhead=<x> pull_speedup=<s>
+
+* ``changed``: the mean fraction of bf16 elements that differ from the version before (per step).
+* ``read_ratio``: bytes the delta subscriber read (``PullStats.nbytes``: headers, tables, entries,
+  stamps and any repair) averaged over its pulls after the first, fallbacks included, over the
+  bytes of a full pull.
+* ``snapshot_overhead``: the delta publisher's median ``stall_s`` over the baseline publisher's
+  (the trainer's stall: the snapshot copy and cast). The delta encoding and the checksums that
+  ``delta=True`` turns on read only the staging slots, so they run after the stall
+  (``PublishStats.delta_s``: its median is printed on stderr, with the share of pulls that were
+  deltas); ``publish()`` returns that much later, ``publish_async()`` overlaps it.
+* ``pull_speedup``: the baseline subscriber's median pull time over the delta subscriber's.
+
+The plot (``delta.png`` in ``--out``, default the current directory) shows per step the changed
+fraction and the read ratio for each learning rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from _common import TOKEN, free_port, start_actors, stop_all
+
+HIDDEN, LAYERS, VOCAB = 256, 4, 4096
+
+
+def build_model(seed: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=688,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).float()
+
+
+def digest(tensors: dict[str, Any]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class SubActor:
+    """A subscriber process: bf16 tensors of every parameter's shape; pulls and hashes them."""
+
+    def __init__(self, url: str, channel: str, shapes: dict[str, tuple[int, ...]], transport: str) -> None:
+        import torch
+
+        from wbridge import Shard, Subscriber
+
+        self.tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        self.sub = Subscriber(channel, url, token=TOKEN, transport=transport)
+        self.sub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in self.tensors.items()})
+
+    def pull(self, v: int) -> dict:
+        got = self.sub.pull(min_version=v, timeout=60.0)
+        last = self.sub.stats.last
+        out = {"v": got, "seconds": last.seconds, "nbytes": last.nbytes, "delta": last.delta}
+        return {**out, "hash": digest(self.tensors)}
+
+    def close(self) -> None:
+        self.sub.close()
+
+
+def run_lr(lr: float, args: argparse.Namespace) -> dict:
+    import torch
+
+    from wbridge import Publisher, Shard
+
+    model = build_model(args.seed)
+    params = {n: p.data for n, p in model.named_parameters()}
+    shapes = {n: tuple(t.shape) for n, t in params.items()}
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = dict(token=TOKEN, transport=args.transport, mode="one_step_off")
+    pubs = {
+        "delta": Publisher("delta", url, host_store=True, delta=True, **common),
+        "full": Publisher("full", url, **common),
+    }
+    actors = []
+    try:
+        for pub in pubs.values():
+            pub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in params.items()}, dtype=torch.bfloat16)
+        actors = start_actors([(f"sub-{c}", SubActor, (url, c, shapes, args.transport), {}) for c in pubs])
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        prev = {n: t.to(torch.bfloat16) for n, t in params.items()}
+        rows: list[dict] = []
+        for step in range(args.steps + 1):
+            changed = 0.0
+            if step:  # one optimizer step on random tokens
+                ids = torch.randint(0, VOCAB, (8, 64), generator=gen)
+                loss = model(input_ids=ids, labels=ids).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                now = {n: t.to(torch.bfloat16) for n, t in params.items()}
+                diff = sum(int((now[n].view(torch.int16) != prev[n].view(torch.int16)).sum()) for n in now)
+                changed = diff / sum(t.numel() for t in now.values())
+                prev = now
+            want = digest(prev)
+            order = ["delta", "full"] if step % 2 else ["full", "delta"]  # neither always goes first
+            row: dict[str, Any] = {"step": step, "changed": changed}
+            for c in order:
+                v = pubs[c].publish(timeout=60.0)
+                st = pubs[c].stats[-1]
+                row[f"{c}_stall"], row[f"{c}_encode"] = st.stall_s, st.delta_s
+                got = actors[list(pubs).index(c)].call("pull", v, call_timeout=120.0)
+                if got["hash"] != want or got["v"] != v:
+                    raise SystemExit(f"delta benchmark: {c} subscriber does not hold version {v} bit for bit")
+                row[f"{c}_pull"], row[f"{c}_bytes"], row[f"{c}_delta"] = got["seconds"], got["nbytes"], got["delta"]
+            rows.append(row)
+    finally:
+        stop_all(actors)
+        for pub in pubs.values():
+            pub.close()
+    after = rows[1:]
+    full_bytes = rows[0]["full_bytes"]
+    med = statistics.median
+    return {
+        "lr": lr,
+        "rows": rows,
+        "changed": statistics.fmean(r["changed"] for r in after),
+        "read_ratio": statistics.fmean(r["delta_bytes"] for r in after) / full_bytes,
+        "snapshot_overhead": med(r["delta_stall"] for r in after) / med(r["full_stall"] for r in after),
+        "pull_speedup": med(r["full_pull"] for r in after) / med(r["delta_pull"] for r in after),
+        "deltas": sum(bool(r["delta_delta"]) for r in after),
+        "pulls": len(after),
+        "encode_s": med(r["delta_encode"] for r in after),
+        "stall_s": med(r["full_stall"] for r in after),
+    }
+
+
+def plot(results: list[dict], out_dir: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for r in results:
+        steps = [row["step"] for row in r["rows"][1:]]
+        full = r["rows"][0]["full_bytes"]
+        a.plot(steps, [row["changed"] for row in r["rows"][1:]], marker="o", label=f"lr {r['lr']:g}")
+        b.plot(steps, [row["delta_bytes"] / full for row in r["rows"][1:]], marker="o", label=f"lr {r['lr']:g}")
+    a.set(xlabel="step", ylabel="bf16 elements changed (fraction)", title="changed per step")
+    b.set(xlabel="step", ylabel="delta pull bytes / full pull bytes", title="read ratio per pull")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "delta.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-6, 1e-5])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--transport", choices=["tcp", "local"], default="tcp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.getcwd(), help="directory for delta.png (default: the current one)")
+    p.add_argument("--quiet", action="store_true", help="only the summary lines")
+    args = p.parse_args(argv)
+    results = []
+    for lr in args.lr:
+        t0 = time.monotonic()
+        r = run_lr(lr, args)
+        results.append(r)
+        if not args.quiet:
+            print(
+                f"delta[lr={lr:g}, {args.transport}]: {r['deltas']}/{r['pulls']} pulls were deltas, all bit-exact; "
+                f"median delta_s (encode + checksums) {r['encode_s'] * 1e3:.2f} ms after a "
+                f"{r['stall_s'] * 1e3:.2f} ms baseline stall; "
+                f"{time.monotonic() - t0:.0f} s",
+                file=sys.stderr,
+            )
+        print(
+            f"delta: changed={r['changed']:.4f} read_ratio={r['read_ratio']:.4f} "
+            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f}",
+            flush=True,
+        )
+    path = plot(results, args.out)
+    if not args.quiet:
+        print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Smoke test of ``benchmarks/delta.py``: two training steps of the small Llama, real processes,
+every pull checked bit for bit inside the benchmark (a mismatch exits non-zero)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from .test_bench_smoke import run_benchmark
+
+NUM = r"[0-9]+\.[0-9]+"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_delta_benchmark_prints_its_line(tmp_path) -> None:
+    lines = run_benchmark("delta.py", "--lr", "1e-6", "--steps", "2", "--out", str(tmp_path), timeout=280)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM}", lines[0]
+    ), lines
+    ratio = float(re.search(r"read_ratio=([0-9.]+)", lines[0]).group(1))
+    assert 0 < ratio < 0.2, lines  # both pulls after the first were deltas of ~1.5% changed elements
+    assert os.path.exists(tmp_path / "delta.png")

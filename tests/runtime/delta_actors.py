@@ -1,0 +1,123 @@
+"""Publisher and subscriber processes for the delta tests: a publisher whose steps change a small
+fraction of the elements (as RL fine-tuning does), and subscribers that check what they hold
+against the same steps replayed locally (``expected``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from wbridge import Publisher, Subscriber
+from wbridge.testing.synthetic import make_tensors
+
+from .actors import TOKEN, model
+
+
+def perturb(tensors: dict[str, tuple[Any, Any]], seed: int, frac: float) -> None:
+    """Rewrites about ``frac`` of every tensor's elements with new values, deterministically."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for _, (t, _) in sorted(tensors.items()):
+        flat = t.view(-1)
+        mask = torch.rand(flat.shape, generator=gen) < frac
+        k = int(mask.sum())
+        if flat.dtype.is_floating_point:
+            new = torch.randn(k, generator=gen)
+        else:
+            new = torch.randint(0, 256, (k,), generator=gen)
+        flat[mask] = new.to(flat.dtype)
+
+
+ODD = "odd.bytes"  # a uint8 tensor of odd length last: the slot ends on an odd byte
+
+
+def tensors_of(tp: int, rank: int, odd: bool, **kwargs: Any) -> dict[str, tuple[Any, Any]]:
+    import torch
+
+    from wbridge import Shard
+
+    tensors = make_tensors(model(), tp, rank, fused=False, **kwargs)
+    if odd:
+        t = torch.arange(1001, dtype=torch.int32).to(torch.uint8)
+        if kwargs.get("fill_value") is not None:
+            t.fill_(kwargs["fill_value"])
+        tensors[ODD] = (t, Shard(ODD, (1001,)))
+    return tensors
+
+
+def expected(steps: Sequence[tuple[int, float]], odd: bool = False) -> dict[str, Any]:
+    """The publisher's full tensors after ``steps`` ((seed, frac) each, in order)."""
+    tensors = tensors_of(1, 0, odd, version=0)
+    for seed, frac in steps:
+        perturb(tensors, seed, frac)
+    return {name: t for name, (t, _) in tensors.items()}
+
+
+class DeltaPub:
+    def __init__(self, url: str, *, host_store: bool = True, odd: bool = False, **kwargs: Any) -> None:
+        self.tensors = tensors_of(1, 0, odd, version=0)
+        self.pub = Publisher("d", url, host_store=host_store, token=TOKEN, **kwargs)
+        self.pub.register(self.tensors)
+
+    def step(self, seed: int, frac: float, timeout: float = 30.0) -> int:
+        """One training step that changes ``frac`` of the elements, then ``publish``."""
+        perturb(self.tensors, seed, frac)
+        return self.pub.publish(timeout=timeout)
+
+    def publish(self, timeout: float = 30.0) -> int:
+        return self.pub.publish(timeout=timeout)
+
+    def stats(self) -> dict:
+        st = self.pub.stats[-1]
+        return {"stall_s": st.stall_s, "delta_s": st.delta_s}
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+class DeltaSub:
+    """A subscriber of TP rank ``rank`` of ``tp`` (unfused), tensors filled with garbage first."""
+
+    def __init__(
+        self, url: str, tp: int = 1, rank: int = 0, fault: tuple[str, dict] | None = None, odd: bool = False, **kwargs
+    ) -> None:
+        self.odd = odd
+        self.tensors = tensors_of(tp, rank, odd, version=None, fill_value=0x5A)
+        self.sub = Subscriber("d", url, token=TOKEN, **kwargs)
+        if fault is not None:
+            from wbridge.testing.faults import inject, wrapper
+
+            inject(self.sub, wrapper(fault[0], **fault[1]))
+        self.sub.register(self.tensors)
+
+    def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
+        v = self.sub.pull(min_version=min_version, timeout=timeout)
+        last = self.sub.stats.last
+        # how the deltas were scattered: 2-byte words, or bytes where a read starts or ends on an odd byte
+        units = sorted({g.unit for g in self.sub._deltas._geo.values() if g is not None})
+        out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
+        return {**out, "retries": last.retries}
+
+    def bad(self, steps: Sequence[tuple[int, float]]) -> list[str]:
+        """Names of tensors that differ from the publisher's after ``steps`` (in this rank's box)."""
+        import torch
+
+        full = expected(steps, self.odd)
+        out = []
+        for name, (t, decl) in self.tensors.items():
+            offs = decl.offsets or (0,) * t.dim()
+            want = full[name][tuple(slice(o, o + s) for o, s in zip(offs, t.shape))]
+            if not torch.equal(t.view(torch.uint8), want.contiguous().view(torch.uint8)):
+                out.append(name)
+        return out
+
+    def scribble(self, name: str, byte: int = 0x33) -> None:
+        """Someone else writes into a registered tensor between pulls."""
+        import torch
+
+        t = self.tensors[name][0]
+        t.view(-1)[: t.numel() // 3].view(torch.uint8).fill_(byte)
+
+    def close(self) -> None:
+        self.sub.close()

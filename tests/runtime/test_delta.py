@@ -1,0 +1,196 @@
+"""Delta updates (``Publisher(delta=True)``): subscribers one or a few versions behind read only
+what changed, verified against the chunk checksums, and end bit-exact in every case: skipping
+versions, falling further behind than the ring, joining late, tensors overwritten between pulls,
+and a subscriber killed in the middle of a delta pull."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from wbridge import Publisher
+from wbridge.errors import UsageError
+
+from .delta_actors import DeltaPub, DeltaSub
+from .harness import Worker, free_port
+
+FRAC = 0.02  # elements changed per step: RL fine-tuning at lr 1e-6 changes 1-3% of bf16 elements
+
+
+def start_paused_delta_pull(pub: Worker, sub: Worker, signal: str) -> None:
+    """Publishes version 2 and starts ``sub``'s pull of it, which its pause fault stops half-way
+    through the delta entries; returns once it is stopped there (``signal`` written)."""
+    pub.call("step", 2, FRAC)
+    sub.send("pull", min_version=2)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(signal):
+        assert time.monotonic() < deadline, "the delta pull never reached its entries read"
+        time.sleep(0.02)
+
+
+def test_delta_needs_a_staging_copy() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    for kwargs in ({"zero_copy": True}, {"slots": 1}):
+        with pytest.raises(UsageError, match="delta=True"):
+            Publisher("d", url, host_store=True, delta=True, transport="tcp", connect_timeout=5.0, **kwargs)
+    with pytest.raises(UsageError, match="delta_history"):
+        Publisher("d", url, host_store=True, delta=True, delta_history=0, transport="tcp", connect_timeout=5.0)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("transport", "staged", "odd"),
+    [("tcp", False, False), ("local", True, False), ("tcp", True, False), ("tcp", False, True)],
+)
+def test_delta_pulls_are_bit_exact_and_read_little(transport: str, staged: bool, odd: bool) -> None:
+    # odd: a 1001-byte tensor last makes the slot end on an odd byte: deltas scatter bytes, not words
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("pub", DeltaPub, url, delta=True, transport=transport, odd=odd)
+    sub = Worker("sub", DeltaSub, url, transport=transport, staged=staged, odd=odd)
+    try:
+        steps: list = []
+        pub.call("publish")
+        first = sub.call("pull", min_version=1)
+        assert first["v"] == 1 and not first["delta"] and sub.call("bad", steps) == []
+        for v in range(2, 5):
+            steps.append((v, FRAC))
+            assert pub.call("step", v, FRAC) == v
+            got = sub.call("pull", min_version=v)
+            assert got["v"] == v and got["delta"] and got["repaired"] == 0, got
+            assert got["units"] == ([1] if odd else [2]), got
+            assert sub.call("bad", steps) == []
+            # 4-byte entries for ~2% of the 2-byte words, plus tables and headers
+            assert got["nbytes"] < 0.1 * first["nbytes"], (got, first)
+    finally:
+        sub.stop()
+        pub.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_skipping_falling_behind_and_joining_late() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("pub", DeltaPub, url, delta=True, delta_history=3, transport="tcp", mode="async", max_staleness=20)
+    sub = Worker("sub", DeltaSub, url, transport="tcp")
+    late = None
+    try:
+        steps: list = []
+        pub.call("publish")
+        assert not sub.call("pull", min_version=1)["delta"]
+        for v in (2, 3, 4):  # three versions at once: the union of three deltas
+            steps.append((v, FRAC))
+            pub.call("step", v, FRAC)
+        got = sub.call("pull", min_version=4)
+        assert got["v"] == 4 and got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", steps) == []
+        for v in range(5, 9):  # four versions: more than the ring of three holds -> full pull
+            steps.append((v, FRAC))
+            pub.call("step", v, FRAC)
+        got = sub.call("pull", min_version=8)
+        assert got["v"] == 8 and not got["delta"], got
+        assert sub.call("bad", steps) == []
+        late = Worker("late", DeltaSub, url, transport="tcp")  # joins at version 8: full pull first
+        got = late.call("pull", min_version=8)
+        assert got["v"] == 8 and not got["delta"] and late.call("bad", steps) == []
+        steps.append((9, FRAC))
+        pub.call("step", 9, FRAC)
+        for w in (sub, late):
+            got = w.call("pull", min_version=9)
+            assert got["v"] == 9 and got["delta"] and got["repaired"] == 0, got
+            assert w.call("bad", steps) == []
+    finally:
+        for w in (late, sub, pub):
+            if w is not None:
+                w.stop()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("staged", [False, True])
+def test_tensors_overwritten_between_pulls_are_repaired(staged: bool) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp")
+    # a TP=2 reader: its reads cover the checksum chunks only in part (row-split and column-split)
+    sub = Worker("sub", DeltaSub, url, 2, 1, transport="tcp", staged=staged)
+    try:
+        steps = [(2, FRAC)]
+        pub.call("publish")
+        sub.call("pull", min_version=1)
+        pub.call("step", 2, FRAC)
+        sub.call("scribble", "model.layers.1.mlp.up_proj.weight")
+        got = sub.call("pull", min_version=2)
+        assert got["v"] == 2 and got["delta"], got
+        if staged:  # the private buffer was not touched; the commit rewrites the live tensors
+            assert got["repaired"] == 0, got
+        else:
+            assert got["repaired"] >= 1, got
+        assert sub.call("bad", steps) == []
+    finally:
+        sub.stop()
+        pub.stop()
+
+
+@pytest.mark.timeout(180)
+def test_subscriber_killed_mid_delta_pull_restarts_bit_exact(tmp_path) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    signal = str(tmp_path / "paused")
+    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp")
+    # counted reads: 1 the first (full) pull, 2 the delta headers, 3 the delta entries: pause there
+    fault = ("pause", {"signal_path": signal, "on_reads": (3,), "min_bytes": 1024, "hold": 60.0})
+    sub = Worker("sub", DeltaSub, url, transport="tcp", lease_ttl=2.0, fault=fault)
+    again = None
+    try:
+        steps = [(2, FRAC)]
+        pub.call("publish")
+        assert not sub.call("pull", min_version=1)["delta"]
+        start_paused_delta_pull(pub, sub, signal)
+        sub.kill()
+        again = Worker("again", DeltaSub, url, transport="tcp")
+        got = again.call("pull", min_version=2)
+        assert got["v"] == 2 and not got["delta"] and again.call("bad", steps) == []
+        steps.append((3, FRAC))
+        pub.call("step", 3, FRAC)  # one_step_off: waits out the dead subscriber's lease
+        got = again.call("pull", min_version=3)
+        assert got["v"] == 3 and got["delta"] and got["repaired"] == 0, got
+        assert again.call("bad", steps) == []
+    finally:
+        for w in (again, sub, pub):
+            if w is not None:
+                w.stop()
+
+
+@pytest.mark.timeout(150)
+def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    signal, release = str(tmp_path / "paused"), str(tmp_path / "release")
+    kwargs = {"delta_history": 2, "slots": 4, "mode": "async", "max_staleness": 20}
+    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp", **kwargs)
+    # counted reads: 1 the first (full) pull, 2 the delta headers, 3 the delta entries: pause there
+    fault = ("pause", {"signal_path": signal, "release_path": release, "on_reads": (3,), "hold": 60.0})
+    sub = Worker("sub", DeltaSub, url, transport="tcp", fault=fault)
+    try:
+        pub.call("publish")
+        sub.call("pull", min_version=1)
+        start_paused_delta_pull(pub, sub, signal)
+        for v in (3, 4):  # v4 rewrites delta buffer 4 % 2 (v2's); v2's slot (2 of 4) stays
+            pub.call("step", v, FRAC)
+        open(release, "w").close()
+        got = sub.result(60.0)
+        # the headers read again no longer say v2: none of the torn entries is applied and v2 is
+        # read in full (without that check they would be, and the checksums would repair them)
+        assert got["v"] == 2 and not got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", [(2, FRAC)]) == []
+        steps = [(v, FRAC) for v in (2, 3, 4)]
+        steps.append((5, FRAC))
+        pub.call("step", 5, FRAC)
+        got = sub.call("pull", min_version=5)  # the union of the deltas of 3, 4 and 5 onto 2: too many
+        assert got["v"] == 5 and not got["delta"], got
+        steps.append((6, FRAC))
+        pub.call("step", 6, FRAC)
+        got = sub.call("pull", min_version=6)
+        assert got["v"] == 6 and got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", steps) == []
+    finally:
+        sub.stop()
+        pub.stop()
