@@ -18,7 +18,6 @@ import subprocess
 import time
 
 import pytest
-import tomllib
 import torch
 
 from .helpers import free_port
@@ -146,15 +145,9 @@ def _plugin_dist(where):
     """What installing wbridge leaves on the path for vLLM: the ``vllm.general_plugins`` entry
     point, taken from pyproject.toml (so a wrong one fails here). vLLM loads it in every process it
     starts (the workers are spawned on CPU), which registers the ``wbridge`` weight-transfer backend."""
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        plugins = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
-    info = where / "wbridge_vllm_plugin-0.0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wbridge-vllm-plugin\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in plugins.items())
-    )
-    return where
+    from wbridge.testing.vllm_plugin import plugin_dist
+
+    return plugin_dist(where, os.path.join(ROOT, "pyproject.toml"))
 
 
 @pytest.mark.timeout(900)
@@ -207,3 +200,45 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
         assert torch.equal(
             st[p + "self_attn.qkv_proj.weight"], torch.cat([tr[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
         )
+
+
+@pytest.mark.timeout(900)
+def test_vllm_background_update_pauses_only_to_commit(tmp_path):
+    """Pause only to commit (``wbridge.integrations.vllm_commit``): through vLLM's weight-transfer API
+    a background update is started before the trainer publishes, so the pull is in flight while
+    requests run; they complete on the old weights. After the trainer's step and publish the commit
+    (fused copy of the identity parameters, swap of the GEMM kernels rebuilt on the pull's thread)
+    leaves the engine bit-exact against a fresh engine loaded from the same weights: greedy tokens
+    and every tensor the engine exposes."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    logs = {n: str(tmp_path / f"{n}.log") for n in ("make", "engine", "reference")}
+    with open(logs["make"], "w") as f:
+        _wait([_spawn("make", ckpt, log=f)], 180, {"make": logs["make"]})
+    with open(logs["engine"], "w") as f:
+        plugin = _plugin_dist(tmp_path / "plugin")
+        _wait([_spawn("pause_engine", ckpt, out, free_port(), log=f, path=[plugin])], 400, {"engine": logs["engine"]})
+    (out / "published").touch()  # the reference role waits for it
+    with open(logs["reference"], "w") as f:
+        _wait([_spawn("reference", out / "perturbed", out, log=f)], 300, {"reference": logs["reference"]})
+    eng, ref = _load(out / "pause_engine.pt"), _load(out / "reference.pt")
+    plan = eng["plan"]
+    print(f"\nplan {plan}; stats {eng['stats']}; tokens before {eng['before']} after {eng['after']}")
+    # the new path is the one taken: linear layers swap kernels, norms / embeddings / biases copy
+    linear = {f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.qkv_proj", "self_attn.o_proj",
+              "mlp.gate_up_proj", "mlp.down_proj")}  # fmt: skip
+    assert linear | {"lm_head"} <= set(plan["repack"]), plan
+    assert {"model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.qkv_proj.bias"} <= set(
+        plan["direct"]
+    ), plan
+    assert plan["reload"] == [], plan
+    # generation went on while the pull was in flight, on the old weights
+    assert all(eng["in_flight"]), eng["in_flight"]
+    assert all(d == eng["before"] for d in eng["during"]), eng["during"]
+    # after the commit: bit-exact against the fresh engine
+    assert eng["after"] == ref["tokens"] and eng["after"] != eng["before"]
+    assert eng["params"].keys() == ref["params"].keys()
+    for k, v in eng["params"].items():
+        assert torch.equal(v, ref["params"][k]), k
+    (st,) = eng["stats"]
+    assert st["version"] == eng["version"] and st["commit_s"] >= 0 and st["prepare_s"] > 0

@@ -134,6 +134,67 @@ def moe_engine(ckpt: str, perturbed: str, out: str, port: int) -> None:
     )
 
 
+def pause_engine(ckpt: str, out: str, port: int) -> None:
+    """Pause only to commit: the engine (from ``ckpt``) starts a background update through vLLM's
+    weight-transfer API *before* the trainer has published, so the pull is certainly in flight
+    while requests run; they complete, on the old weights. Then the in-process trainer takes an
+    optimizer step, saves the result (for the reference engine) and publishes; the commit follows."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from wbridge import Publisher
+    from wbridge.integrations.dtensor import from_module
+
+    store = f"tcp://127.0.0.1:{port}"
+    llm = _llm(ckpt, extension=True, transfer="wbridge")
+    before = _generate(llm)
+    model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    with Publisher(CHANNEL, store, rank=0, world_size=1, host_store=True, token=TOKEN) as pub:
+        pub.register(from_module(model))
+        llm.init_weight_transfer_engine(
+            {
+                "init_info": {
+                    "channel": CHANNEL,
+                    "store": store,
+                    "token": TOKEN,
+                    "transport": "tcp",
+                    "cache_dir": os.path.join(out, "cache"),
+                }
+            }
+        )
+        plan = llm.collective_rpc("wbridge_commit_plan")[0]
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"min_version": 1, "timeout": 120.0, "background": True}})
+        during, in_flight = [], []
+        for _ in range(3):  # requests complete while the pull waits for the version
+            during.append(_generate(llm))
+            in_flight.append(not llm.collective_rpc("wbridge_pull_done")[0])
+        opt = torch.optim.SGD(model.parameters(), lr=5.0)
+        ids = torch.tensor([PROMPT])
+        model(input_ids=ids, labels=torch.flip(ids, [1])).loss.backward()
+        opt.step()
+        model.save_pretrained(os.path.join(out, "perturbed"), safe_serialization=True)
+        v = pub.publish(timeout=60.0)
+        llm.finish_weight_update(weight_version=str(v))
+        after = _generate(llm)
+        stats = llm.collective_rpc("wbridge_stats")[0]
+        params = llm.collective_rpc("wbridge_parameters")[0]
+        llm.shutdown_weight_transfer_engine()
+    torch.save(
+        {
+            "before": before,
+            "during": during,
+            "in_flight": in_flight,
+            "after": after,
+            "version": v,
+            "plan": plan,
+            "stats": stats,
+            "params": params,
+        },
+        os.path.join(out, "pause_engine.pt"),
+    )
+
+
 def _error(fn) -> str | None:
     """``"Type: message"`` of what ``fn()`` raised, or None."""
     try:
@@ -346,6 +407,8 @@ if __name__ == "__main__":
         make_moe(sys.argv[2], int(sys.argv[3]))
     elif role == "moe_engine":
         moe_engine(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif role == "pause_engine":
+        pause_engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif role == "moe_reference":
         moe_reference(sys.argv[2], sys.argv[3])
     else:

@@ -15,12 +15,16 @@ How a pull reaches the kernels
 ------------------------------
 vLLM post-processes weights after loading (on CPU it repacks linear weights for its GEMM kernels
 and drops the original parameter; on GPU it derives FP8 scales and kernel layouts), so writing
-into ``param.data`` after start-up changes nothing the kernels read. wbridge therefore keeps a
-*checkpoint-format* copy of each rank's parameters (fused ``qkv_proj``, ``gate_up_proj``, stacked
-experts, TP-sliced, as ``load_weights`` leaves them before processing) as the subscriber's
-destination, and after each pull replays vLLM's own reload lifecycle
-(``initialize_layerwise_reload`` -> load -> ``finalize_layerwise_reload``) with a loader that copies
-those tensors in, so vLLM re-runs its processing exactly as at start-up.
+into ``param.data`` after start-up changes nothing the kernels read for those layers. wbridge
+therefore pulls into a *checkpoint-format* copy of each rank's parameters (fused ``qkv_proj``,
+``gate_up_proj``, stacked experts, TP-sliced, as ``load_weights`` leaves them before processing),
+and then, per parameter (``vllm_commit``): copies it into the live parameter where vLLM's
+processing is the identity (one fused copy from a flat staging buffer on the parameter's device);
+rebuilds the kernel of an unquantised linear layer from staging on the pull's thread and swaps it
+in at commit; and replays vLLM's own reload lifecycle (``initialize_layerwise_reload`` -> load ->
+``finalize_layerwise_reload``) for the remaining layers, so vLLM re-runs its processing exactly as
+at start-up. With a background pull (``wbridge_pull_start`` / ``update_info["background"]``) the
+engine keeps generating on its old weights until the commit, which is the only pause.
 
 The destination layout is traced from the engine's own ``load_weights`` (``wbridge.integrations.trace``), run on
 the checkpoint-format parameters that the reload machinery restores, and cached as JSON keyed by
@@ -29,7 +33,6 @@ the model config, the vLLM version and the rank.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Mapping
@@ -37,6 +40,7 @@ from typing import Any
 
 from ..errors import LayoutError, UsageError, WaitTimeout, WBridgeError
 from .trace import TraceResult, cache_key, cached_trace, trace_load_weights
+from .vllm_commit import Reload, allocate_staging, commit, plan_commit, prepare
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
 
@@ -52,13 +56,6 @@ def hf_checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     return checkpoint_shapes(model)
-
-
-def _copy_loader(param: Any, loaded_weight: Any) -> None:
-    """A weight loader for tensors already in the parameter's (checkpoint) format."""
-    if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise LayoutError(f"reload: shape {tuple(loaded_weight.shape)} for a parameter of shape {tuple(param.shape)}")
-    param.data.copy_(loaded_weight)
 
 
 def _portable(t: Any) -> tuple[str, list[int], bytes]:
@@ -80,11 +77,12 @@ def portable_to_tensor(x: tuple[str, list[int], bytes]) -> Any:
 
 
 class _Background:
-    """One pull on a worker thread: its result ``(version, seconds)`` or its error."""
+    """One pull on a worker thread: its result ``(version, pull seconds, prepare seconds)`` or
+    its error."""
 
     def __init__(self) -> None:
         self.thread: Any = None
-        self.result: tuple[int, float] | None = None
+        self.result: tuple[int, float, float] | None = None
         self.error: BaseException | None = None
 
     def run(self, fetch: Any, timeout: float, min_version: int | None) -> None:
@@ -92,89 +90,6 @@ class _Background:
             self.result = fetch(timeout, min_version)
         except BaseException as e:  # noqa: BLE001 - handed to wbridge_commit
             self.error = e
-
-
-class _NothingLoaded(logging.Filter):
-    """Drops vLLM's "Failed to load weights" warning: a reload that only traces or reads shapes
-    loads nothing on purpose, and vLLM then puts every layer's kernel tensors back (as it says)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Failed to load weights" not in record.getMessage()
-
-
-_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-
-
-class _Reload:
-    """vLLM's layerwise reload of ``model``; inside it every layer holds its checkpoint-format
-    parameters (restored on the meta device) and processing runs when a layer is complete.
-    ``loads=False``: the block loads nothing (tracing, reading shapes), so vLLM's warning that a
-    layer loaded nothing is expected and silenced."""
-
-    def __init__(self, model: Any, model_config: Any, *, loads: bool = True) -> None:
-        self.model, self.model_config, self.loads = model, model_config, loads
-
-    def __enter__(self) -> _Reload:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        return self
-
-    def unwrapped(self) -> None:
-        """Puts the original weight loaders back (for tracing, which must not trigger processing)."""
-        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
-
-        for p in self.model.parameters():
-            if hasattr(p, "weight_loader"):
-                p.weight_loader = _get_original_loader(p)
-
-    def copy_loaders(self) -> None:
-        """Makes every parameter load a checkpoint-format tensor by plain copy, still deferred
-        through vLLM's layerwise wrappers (so processing runs once a layer is complete)."""
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _get_original_loader,
-            _wrap_parameters_weight_loader,
-        )
-        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
-
-        for layer in self.model.modules():
-            tensors = get_layer_tensors(layer)
-            for name, t in tensors.items():
-                if name in SKIP_LOAD_TENSORS:
-                    continue
-                _get_original_loader(t)  # raises early on an odd loader chain
-                t.weight_loader = _copy_loader
-            _wrap_parameters_weight_loader(layer)
-
-    def __exit__(self, *exc: Any) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        if self.loads:
-            finalize_layerwise_reload(self.model, self.model_config)
-            return
-        quiet, logger = _NothingLoaded(), logging.getLogger(_LAYERWISE_LOGGER)
-        logger.addFilter(quiet)
-        try:
-            finalize_layerwise_reload(self.model, self.model_config)
-        finally:
-            logger.removeFilter(quiet)
-
-
-def _repack_cpu_moe(model: Any) -> None:
-    """Works around vLLM 0.32 on CPU: a weight update of an unquantized fused-MoE layer copies the
-    new weights in kernel *input* format but skips the CPU grouped-GEMM prepack
-    (``fused_experts.process_weights_after_loading`` runs only on the first load), so the kernel
-    would read unpacked weights. Re-run that prepack, as start-up does."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
-    for mod in model.modules():
-        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and hasattr(mod, "w13_weight") and "CPU" in type(experts).__name__:
-            experts.process_weights_after_loading(mod)
 
 
 class WBridgeWorkerExtension:
@@ -211,7 +126,7 @@ class WBridgeWorkerExtension:
         parallel = getattr(self, "parallel_config", None) or self.model_runner.vllm_config.parallel_config
 
         def run() -> TraceResult:
-            with _Reload(model, mc, loads=False) as rl:
+            with Reload(model, mc, loads=False) as rl:
                 rl.unwrapped()
                 return trace_load_weights(model, model.load_weights, shapes)
 
@@ -242,16 +157,15 @@ class WBridgeWorkerExtension:
     ) -> int:
         """Traces the layout, allocates destination tensors and joins ``channel``; returns the
         number of destination tensors."""
-        import torch
 
         from ..subscriber import Subscriber
 
         if getattr(self, "_wbridge_sub", None) is not None:
             self._wbridge_sub.close()
         trace = self.wbridge_trace(cache_dir=cache_dir)
-        dtype = self._wbridge_model_config().dtype
         shapes = self._wbridge_checkpoint_shapes(trace)
-        staging = {n: torch.zeros(shapes[n], dtype=dtype) for n in trace.entries}
+        plan = plan_commit(self._wbridge_model(), shapes)  # on the live, processed model
+        staging = allocate_staging(self._wbridge_model(), plan, shapes, self._wbridge_model_config().dtype)
         entries = trace.bind(staging)
         sub = Subscriber(
             channel,
@@ -269,12 +183,13 @@ class WBridgeWorkerExtension:
             sub.close()
             raise
         self._wbridge_sub, self._wbridge_staging, self._wbridge_stats = sub, staging, []
+        self._wbridge_plan, self._wbridge_prepared = plan, None
         self._wbridge_version = None
         return len(entries)
 
     def _wbridge_checkpoint_shapes(self, trace: TraceResult) -> dict[str, tuple[int, ...]]:
         model, mc = self._wbridge_model(), self._wbridge_model_config()
-        with _Reload(model, mc, loads=False) as rl:
+        with Reload(model, mc, loads=False) as rl:
             rl.unwrapped()
             params = dict(model.named_parameters())
             missing = [n for n in trace.entries if n not in params]
@@ -285,14 +200,15 @@ class WBridgeWorkerExtension:
     def wbridge_pull(self, timeout: float = 60.0, min_version: int | None = None) -> int:
         """Pulls the newest version (at least ``min_version``) and reloads it into the engine;
         returns the version."""
-        v, pull_s = self._wbridge_fetch(timeout, min_version)
-        self._wbridge_commit(v, pull_s)
-        return v
+        fetched = self._wbridge_fetch(timeout, min_version)
+        self._wbridge_commit(*fetched)
+        return fetched[0]
 
     def wbridge_pull_start(self, timeout: float = 60.0, min_version: int | None = None) -> None:
         """Starts pulling the newest version (at least ``min_version``) into staging on a worker
         thread and returns at once: the engine keeps generating on its current weights. Then
-        ``wbridge_commit()`` (the only pause) waits for the pull and reloads the kernels."""
+        ``wbridge_commit()`` (the only pause) waits for the pull and commits it into the kernels.
+        The thread also builds the repacked layers' new kernels (``vllm_commit.prepare``)."""
         import threading
 
         holder = self._wbridge_holder()
@@ -309,7 +225,7 @@ class WBridgeWorkerExtension:
         return bg is None or not bg.thread.is_alive()
 
     def wbridge_commit(self, timeout: float = 60.0) -> int:
-        """Waits (at most ``timeout``) for the background pull, then reloads it into the engine;
+        """Waits (at most ``timeout``) for the background pull, then commits it into the engine;
         returns the version. A failed pull raises its error and leaves the kernels alone."""
         holder = self._wbridge_holder()
         bg = getattr(holder, "_wbridge_bg", None)
@@ -325,36 +241,41 @@ class WBridgeWorkerExtension:
         return bg.result[0]
 
     # The two halves of a pull, apart so that the weight-transfer backend (``vllm_transfer``) can
-    # fetch in ``update_weights`` and reload in ``finish_weight_update``.
-    def _wbridge_fetch(self, timeout: float, min_version: int | None = None) -> tuple[int, float]:
-        """Pulls into the checkpoint-format staging tensors (the kernels are untouched);
-        returns ``(version, seconds)``."""
+    # fetch in ``update_weights`` and commit in ``finish_weight_update``.
+    def _wbridge_fetch(self, timeout: float, min_version: int | None = None) -> tuple[int, float, float]:
+        """Pulls into the checkpoint-format staging tensors and builds the repacked layers' new
+        kernels from them (the live kernels are untouched); returns ``(version, pull seconds,
+        prepare seconds)``."""
         sub = getattr(self, "_wbridge_sub", None)
         if sub is None:
             raise UsageError("wbridge: pull before subscribe (wbridge_subscribe / init_weight_transfer_engine)")
+        self._wbridge_prepared = None  # staging is about to change: kernels built from it are stale
         t0 = time.perf_counter()
         v = sub.pull(min_version=min_version, timeout=timeout)
-        return v, time.perf_counter() - t0
-
-    def _wbridge_commit(self, version: int, pull_s: float) -> None:
-        """Reloads the staging tensors into the engine through vLLM's reload lifecycle."""
         t1 = time.perf_counter()
-        self._wbridge_version = None  # a failed reload leaves the kernels on no known version
-        self._wbridge_apply()
+        self._wbridge_prepared = prepare(self._wbridge_model(), self._wbridge_plan, self._wbridge_staging)
+        return v, t1 - t0, time.perf_counter() - t1
+
+    def _wbridge_commit(self, version: int, pull_s: float, prepare_s: float) -> None:
+        """Puts the staged version into the kernels (``vllm_commit.commit``): the only pause."""
+        t1 = time.perf_counter()
+        prepared, self._wbridge_prepared = self._wbridge_prepared, None
+        if prepared is None:
+            raise UsageError("wbridge: commit without a completed pull")
+        self._wbridge_version = None  # a failed commit leaves the kernels on no known version
+        commit(self._wbridge_model(), self._wbridge_model_config(), self._wbridge_plan, self._wbridge_staging, prepared)
         self._wbridge_version = version
-        self._wbridge_stats.append({"version": version, "pull_s": pull_s, "reload_s": time.perf_counter() - t1})
+        self._wbridge_stats.append(
+            {"version": version, "pull_s": pull_s, "prepare_s": prepare_s, "commit_s": time.perf_counter() - t1}
+        )
 
-    def _wbridge_apply(self) -> None:
-        import torch
-
-        model, mc = self._wbridge_model(), self._wbridge_model_config()
-        with torch.no_grad(), _Reload(model, mc) as rl:
-            rl.copy_loaders()
-            params = dict(model.named_parameters())
-            for name, t in self._wbridge_staging.items():
-                p = params[name]
-                p.weight_loader(p, t)
-        _repack_cpu_moe(model)
+    def wbridge_commit_plan(self) -> dict[str, list[str]]:
+        """How each staged parameter reaches the kernels: ``{"direct": [parameter names],
+        "repack": [module names], "reload": [module names]}`` (see ``vllm_commit``)."""
+        plan = getattr(self._wbridge_holder(), "_wbridge_plan", None)
+        if plan is None:
+            raise UsageError("wbridge: wbridge_commit_plan before subscribe")
+        return plan.as_dict()
 
     def _wbridge_holder(self) -> Any:
         """Who holds the subscription: this worker, or (when the engine was started with

@@ -12,7 +12,7 @@ extension's machinery (traced layout, subscriber, reload lifecycle) behind vLLM'
     # after each trainer publish (``wbridge.Publisher.publish`` returned v):
     llm.start_weight_update()
     llm.update_weights({"update_info": {"min_version": v, "timeout": 60.0}})   # pulls (kernels untouched)
-    llm.finish_weight_update(weight_version=str(v))                            # reloads into the kernels
+    llm.finish_weight_update(weight_version=str(v))                            # commits into the kernels
     llm.reset_prefix_cache()
 
 The trainer side is ``wbridge.Publisher``. To let vLLM's own trainer-side clients (HTTP routes,
@@ -27,9 +27,10 @@ another version fails instead of labelling the weights wrongly. ``collective_rpc
 Call protocol (worker side, driven by vLLM): ``init_transfer_engine`` once (traces the layout,
 allocates checkpoint-format staging, joins the channel); per update ``start_weight_update`` ->
 ``update_weights`` (one or more; each pulls the newest version into staging, the last wins) ->
-``finish_weight_update`` (replays vLLM's layerwise reload from staging, so the engine re-runs its
-weight processing); ``shutdown`` leaves the channel (idempotent). A failed pull leaves the kernels
-on the previous weights.
+``finish_weight_update`` (commits staging into the kernels, ``vllm_commit``: a fused copy where
+vLLM's processing is the identity, a swap of kernels rebuilt during the pull for unquantised linear
+layers, vLLM's layerwise reload for the rest); ``shutdown`` leaves the channel (idempotent). A
+failed pull leaves the kernels on the previous weights.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class WBridgeUpdateInfo(WeightTransferUpdateInfo):
     timeout: float = 60.0
     version: int | None = None  # exactly this version (the label the caller will give it), or fail
     # pull on a worker thread and return at once (generation goes on on the old weights);
-    # finish_weight_update waits for it and reloads: the reload is then the only pause
+    # finish_weight_update waits for it and commits: the commit is then the only pause
     background: bool = False
 
     def __post_init__(self) -> None:
@@ -132,7 +133,7 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
         super().__init__(config, vllm_config, device, model)
         self._wbridge_sub = None
         self._wbridge_bg = None
-        self._wbridge_pending: tuple[int, float] | _InFlight | None = None
+        self._wbridge_pending: tuple[int, float, float] | _InFlight | None = None
 
     # The extension's accessors, answered from what vLLM hands the engine.
     def _wbridge_model(self) -> Any:
@@ -216,7 +217,8 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
     def __repr__(self) -> str:
         sub = self._wbridge_sub
         state = "closed" if sub is None else f"subscribed {sub!r}"
-        pending = "" if self._wbridge_pending is None else f", pending v{self._wbridge_pending[0]}"
+        p = self._wbridge_pending
+        pending = "" if p is None else f", pending v{p.version if isinstance(p, _InFlight) else p[0]}"
         return f"WBridgeWeightTransferEngine(rank={self._wbridge_rank()}, {state}{pending})"
 
 
