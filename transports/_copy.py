@@ -5,7 +5,7 @@ per call). Copies within this process (out of a mapped memfd) are a ``CopyPlan``
 come in regular families (the rows of a column slice are copies of one length whose sources and
 destinations advance by constant strides), which ``CopyPlan`` finds once, vectorised, and runs as
 one strided copy each: rows shorter than ``TORCH_ROW`` by torch (``serial_chunks``: its vectorised
-copy loop moves a 2 KiB row at ~1.4-1.9x numpy's ``memmove`` per row here), longer rows by one numpy
+copy loop moved the 2 KiB rows of a column slice at 1.1-1.4x numpy's ``memmove`` per row here), longer rows by one numpy
 copy. Copies in no family go, if short, to ``process_vm_readv`` on this very process (a kernel copy
 of up to ``IOV_MAX`` pieces per call) and, if long (``LONG_COPY`` bytes or more, so few by
 construction), to ``memmove`` one by one.

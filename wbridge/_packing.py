@@ -112,9 +112,9 @@ class PackedCopy:
 
     On CPU a cell that is one run on both sides (a tensor stored verbatim, a block of whole rows)
     is one ``memcpy`` (numpy), as the plain snapshot copies; a strided cell (a column strip) is
-    torch's vectorised copy on this thread (``transports._copy.serial_chunks``: ~1.5-2x numpy's
-    ``memmove`` per row for the 0.5-3 KiB rows of column strips), its chunks ordered by source
-    address so that the strips cut from one source rows read them while they are still cached.
+    torch's vectorised copy on this thread (``transports._copy.serial_chunks``: as fast as numpy's
+    ``memmove`` per row for 1-3 KiB rows here, faster for shorter ones), its chunks ordered by
+    source address so that the strips cut from the same source rows read them while cached.
     On a GPU: one torch view copy per cell, queued on the current stream (``copy_torch``).
     """
 
