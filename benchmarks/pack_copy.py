@@ -1,11 +1,15 @@
 """The snapshot copy into a reader-ordered slot against the plain snapshot copy, side by side.
 
 A publisher rank of a synthetic Qwen-like model (``--model``: trainer TP=2, rank 0, separate
-q/k/v and gate/up) copies its live tensors into its staging slot two ways, alternating, in one
-process: the plain copy (one contiguous copy per tensor, what ``Publisher`` does without readers)
-and the copy program of a slot packed for the rollout layouts (TP=``--rollout-tp``, fused; one
-strided copy per cell, ``wbridge._packing.copy_packed``). Both slots are checked to hold the same
-mapped bytes. Prints ``pack_copy: packed_vs_plain=<median packed / median plain>`` last.
+q/k/v and gate/up) fills its staging slots two ways, alternating, in one process, with the
+publisher's own snapshot function (``wbridge._staging.snapshot``, on slots made as a ``Publisher``
+makes them: ``--transport``'s host buffers where it has them): the plain copy (one contiguous copy
+per tensor, what ``Publisher`` does without readers) and the copy program of a slot packed for
+rollout layouts that split the trainer's tensors differently (TP=``--rollout-tp``, fused: the
+row-parallel ``o_proj``/``down_proj`` are cut into column strips; ``wbridge._packing.copy_packed``).
+Both slots are checked to hold the same mapped bytes. Prints
+``pack_copy: packed_vs_plain=<r>`` last: the median over repetitions of packed time over the plain
+time next to it. ``benchmarks/stall.py`` prints the same measurement (``measure``) for its model.
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/pack_copy.py``.
 """
 
@@ -14,12 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import numpy as np
-import torch
 
-from planner.packing import pack_staging
-from wbridge._packing import copy_packed
+from planner.packing import copy_boxes, pack_staging
+from wbridge._staging import build_registration, snapshot
 from wbridge._tensors import build_layout, byte_view
 from wbridge.testing.synthetic import ModelConfig, make_tensors
 
@@ -29,48 +33,87 @@ MODELS = {
 }
 
 
+def measure(
+    cfg: ModelConfig,
+    tp: int,
+    rank: int,
+    rollout_tp: int,
+    repeat: int,
+    transport: str | None = None,
+    full_check: bool = True,
+) -> dict:
+    """Trainer rank ``rank`` of TP=``tp`` snapshots into a plain slot and into a slot packed for
+    the ``rollout_tp`` fused rollout layouts, alternating ``repeat`` times; returns the per-copy
+    seconds (``plain``, ``packed``), ``packed_vs_plain`` (median of the paired ratios), ``bytes``,
+    ``cells`` and ``slot_over_plain``. The packed slot is checked against the copy program run by
+    numpy (``planner.packing.copy_boxes``) and, with ``full_check``, every mapped element against
+    the plain slot (slow on large models). Raises ``RuntimeError`` if the bytes differ."""
+    import transports as _transports
+
+    layout, live, _ = build_layout(rank, make_tensors(cfg, tp, rank, fused=False, version=1), pack=True, who="trainer")
+    readers = [
+        build_layout(i, make_tensors(cfg, rollout_tp, i, fused=True, version=None), pack=False, who="rollout")[0]
+        for i in range(rollout_tp)
+    ]
+    ps = pack_staging(layout, readers)
+    packed_size = ps.layout.region_sizes[0]
+    served = {transport: _transports.get(transport)(token=b"pack-copy")} if transport else {}
+    try:
+        # two slots of the packed size (never smaller than the plain one), as a publisher's
+        plain_lay = layout if packed_size <= layout.region_sizes[0] else _grown(layout, packed_size)
+        reg = build_registration(served, plain_lay, live, {}, "cpu", None, {}, 2, False)
+        times: dict[str, list[float]] = {"plain": [], "packed": []}
+        for _ in range(repeat):  # alternating, so load from other work hits both alike
+            t0 = time.perf_counter()
+            snapshot(reg, 0, None, None, False)
+            t1 = time.perf_counter()
+            snapshot(reg, 1, None, ps, False)
+            t2 = time.perf_counter()
+            times["plain"].append(t1 - t0)
+            times["packed"].append(t2 - t1)
+        packed = reg.slots[1][0].numpy()
+        want = np.zeros_like(packed)
+        copy_boxes(ps.copies, [byte_view(t).numpy() for t in live.values()], [want])
+        if not np.array_equal(packed, want):
+            raise RuntimeError("pack_copy: the packed slot differs from the copy program run by numpy")
+        # same mapped bytes: every packed cell equals the canonical box the plain slot holds there
+        if full_check and not _same_bytes(layout, reg.slots[0][0].numpy(), ps.layout, packed):
+            raise RuntimeError("pack_copy: the packed slot differs from the plain one")
+    finally:
+        for t in served.values():
+            t.close()
+    return {
+        **times,
+        "packed_vs_plain": statistics.median(q / p for p, q in zip(times["plain"], times["packed"])),
+        "bytes": layout.nbytes,
+        "tensors": len(layout.tensors),
+        "cells": len(ps.copies),
+        "slot_over_plain": packed_size / layout.region_sizes[0],
+    }
+
+
+def _grown(layout: Any, size: int) -> Any:
+    from planner.layout import RankLayout
+
+    return RankLayout(layout.rank, layout.tensors, layout.specs, (size,))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
     ap.add_argument("--rollout-tp", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--transport", default="local", help="whose host buffers the slots are ('': plain memory)")
     ap.add_argument("--quiet", action="store_true", help="print only the summary line")
     args = ap.parse_args()
-    cfg = MODELS[args.model]
-    layout, live, _ = build_layout(0, make_tensors(cfg, 2, 0, fused=False, version=1), pack=True, who="trainer")
-    readers = [
-        build_layout(i, make_tensors(cfg, args.rollout_tp, i, fused=True, version=None), pack=False, who="rollout")[0]
-        for i in range(args.rollout_tp)
-    ]
-    ps = pack_staging(layout, readers)
-    plain = torch.zeros(layout.region_sizes[0], dtype=torch.uint8)
-    packed = torch.zeros(ps.layout.region_sizes[0], dtype=torch.uint8)
-    pairs = [
-        (plain[t.offset : t.offset + t.nbytes].numpy(), byte_view(x).numpy())
-        for x, t in zip(live.values(), layout.tensors)
-    ]
-    tensors = list(live.values())
-    times: dict[str, list[float]] = {"plain": [], "packed": []}
-    for _ in range(args.repeat):  # alternating, so load from other work hits both alike
-        t0 = time.perf_counter()
-        for dst, src in pairs:
-            np.copyto(dst, src)
-        t1 = time.perf_counter()
-        copy_packed(ps, tensors, packed)
-        t2 = time.perf_counter()
-        times["plain"].append(t1 - t0)
-        times["packed"].append(t2 - t1)
-    # same mapped bytes: every packed cell equals the canonical box the plain slot holds there
-    ok = _same_bytes(layout, plain.numpy(), ps.layout, packed.numpy())
-    if not ok:
-        raise SystemExit("pack_copy: the packed slot differs from the plain one")
-    p, q = statistics.median(times["plain"]), statistics.median(times["packed"])
+    r = measure(MODELS[args.model], 2, 0, args.rollout_tp, args.repeat, args.transport or None)
+    p, q = statistics.median(r["plain"]), statistics.median(r["packed"])
     if not args.quiet:
         print(
-            f"model={args.model} bytes={layout.nbytes} tensors={len(layout.tensors)} cells={len(ps.copies)} "
-            f"plain_ms={p * 1e3:.2f} packed_ms={q * 1e3:.2f} slot_over_plain={packed.numel() / plain.numel():.4f}"
+            f"model={args.model} bytes={r['bytes']} tensors={r['tensors']} cells={r['cells']} "
+            f"plain_ms={p * 1e3:.2f} packed_ms={q * 1e3:.2f} slot_over_plain={r['slot_over_plain']:.4f}"
         )
-    print(f"pack_copy: packed_vs_plain={q / p:.2f}")
+    print(f"pack_copy: packed_vs_plain={r['packed_vs_plain']:.2f}")
 
 
 def _same_bytes(a_layout, a: np.ndarray, b_layout, b: np.ndarray) -> bool:

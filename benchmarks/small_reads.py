@@ -13,8 +13,9 @@ round, ``rounds`` rounds), and every read is checked bit-exact. Per transport it
 
 ``small_vs_bulk`` is the bulk read's best time over the small reads' best time (1.0: the reads cost
 nothing beyond their bytes; target >= 0.5 on tcp and local). For ``local``, ``copy_ceiling`` is the
-same ratio for a bare in-process numpy copy of the same pattern against one ``memmove``: what this
-machine's memory allows a strided gather, with no transport at all. ``gc_per_read`` counts the
+same ratio for a bare in-process copy of the same pattern, by the executor ``local`` uses for it
+(``transports._copy.serial_chunks``: torch's copy loop on this thread), against one ``memmove``: what
+this machine's memory allows that strided gather, with no transport at all. ``gc_per_read`` counts the
 garbage collections this process ran per small read (Python objects made per read trigger them).
 """
 
@@ -27,8 +28,10 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 import transports
+from transports._copy import run_chunks, serial_chunks
 from transports._serve import ServingProcess, region_bytes
 from transports.base import ReadBatch
 
@@ -90,19 +93,18 @@ def measure(name: str, rows: int, repeat: int, rounds: int, timeout: float = 120
 
 
 def copy_ceiling(rows: int, repeat: int) -> float:
-    """Bulk ``memmove`` time over a strided numpy gather of the same bytes, in this process."""
+    """Bulk ``memmove`` time over the strided gather of the same bytes that ``local`` makes, in this process."""
     src = np.full(rows * COLS_BYTES, 7, dtype=np.uint8)
     dst = np.full(rows * TAKE_BYTES, 0xA5, dtype=np.uint8)
-    item = np.dtype((np.void, TAKE_BYTES))  # a row piece as one element: numpy copies it whole
-    rows_view = np.lib.stride_tricks.as_strided(src[: rows * COLS_BYTES].view(item), (rows,), (COLS_BYTES,))
-    out = dst.view(item)
+    rows_view = torch.from_numpy(src).view(rows, COLS_BYTES)[:, :TAKE_BYTES]
+    chunks = serial_chunks(torch.from_numpy(dst).view(rows, TAKE_BYTES), rows_view)
 
     def best(fn) -> float:
         fn()
         return min(_timed(fn) for _ in range(repeat))
 
     bulk = best(lambda: ctypes.memmove(dst.ctypes.data, src.ctypes.data, dst.nbytes))
-    return bulk / best(lambda: np.copyto(out, rows_view))
+    return bulk / best(lambda: run_chunks(chunks))
 
 
 def _timed(fn) -> float:

@@ -37,6 +37,18 @@ publish (the initial version) completed before them; that wait is reported as ``
 average is over all 6 processes (each stands for a GPU); ratios are baseline stall over mode stall
 (higher is better).
 
+Reader-ordered packing (``--pack-tp``, default 4; 0 skips it): the rollouts above split every
+tensor as the trainers do, so their slots need little reordering. After the modes, each trainer
+TP rank's snapshot copy runs twice over, alternating, in this process (``pack_copy.measure``: the
+publisher's own ``snapshot`` on slots made as a publisher makes them, ``--transport``'s): into the
+plain slot, and into a slot packed for fused rollouts of TP=``--pack-tp``, whose row-parallel
+``o_proj``/``down_proj`` are cut into column strips. Its line, before the last::
+
+    stall_pack: pack_vs_plain=<r> plain_ms=<ms> packed_ms=<ms> rollout_tp=<n> cells=<n>
+
+``pack_vs_plain``: the median over the ``--pack-repeat`` pairs of both TP ranks of the packed copy's
+time over the plain copy's next to it (the issue's target: <= 1.2); the times are medians.
+
 Last line: ``stall: async_vs_baseline=<r> one_step_off_vs_baseline=<r> sync_vs_baseline=<r>``.
 """
 
@@ -45,6 +57,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import sys
 import threading
 import time
@@ -445,6 +458,33 @@ def summarize(res: dict, steps: int) -> dict:
     }
 
 
+def measure_packing(cfg: Any, a: argparse.Namespace, log: Any) -> dict:
+    """The trainers' snapshot copy into slots packed for TP=``a.pack_tp`` rollouts against the
+    plain one (``pack_copy.measure``), for every trainer TP rank (DP replicas pack alike)."""
+    from pack_copy import measure
+
+    runs = []
+    for rank in range(TP):
+        transport = a.transport if a.transport in ("local", "tcp") else None
+        runs.append(measure(cfg, TP, rank, a.pack_tp, a.pack_repeat, transport, full_check=False))
+    plain = [x for r in runs for x in r["plain"]]
+    packed = [x for r in runs for x in r["packed"]]
+    out = {
+        "pack_vs_plain": statistics.median(q / p for p, q in zip(plain, packed)),
+        "plain_ms": statistics.median(plain) * 1e3,
+        "packed_ms": statistics.median(packed) * 1e3,
+        "cells": sum(r["cells"] for r in runs),
+        "slot_over_plain": max(r["slot_over_plain"] for r in runs),
+        "plain_s": plain,
+        "packed_s": packed,
+    }
+    log(
+        f"  packed snapshot copy (rollout TP={a.pack_tp}): {out['packed_ms']:.1f} ms against "
+        f"{out['plain_ms']:.1f} ms plain, {out['cells']} cells, slot/plain {out['slot_over_plain']:.4f}"
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import transports
 
@@ -467,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         default=10,
         help="CPU niceness of the emulated compute (0: equal priority with the transfer)",
     )
+    ap.add_argument("--pack-tp", type=int, default=4, help="rollout TP the packed snapshot copy packs for (0: skip)")
+    ap.add_argument("--pack-repeat", type=int, default=9, help="plain/packed snapshot pairs per trainer TP rank")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--json", action="store_true", help="write <out>/stall.json")
     ap.add_argument("--plot", action="store_true", help="also draw <out>/stall.png")
@@ -533,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         store.close()
 
+    pack = measure_packing(cfg, a, log) if a.pack_tp else None
     base = results["gather-bcast"]["stall_s"]
     for s in results.values():
         s["vs_baseline"] = ratio(base, s["stall_s"])
@@ -549,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {**vars(a), "model_bytes": cfg.nbytes, "tp": TP, "dp": DP, "rollouts": ROLLOUTS},
             "machine": info,
             "modes": results,
+            "packing": pack,
             "wall_s": wall,
         }
         path = write_json("stall.json", data, a.out)
@@ -557,6 +601,12 @@ def main(argv: list[str] | None = None) -> int:
             from plots import plot_stall
 
             print(f"plot: {os.path.relpath(plot_stall(data, a.out))}")
+
+    if pack is not None:
+        print(
+            f"stall_pack: pack_vs_plain={pack['pack_vs_plain']:.2f} plain_ms={pack['plain_ms']:.1f} "
+            f"packed_ms={pack['packed_ms']:.1f} rollout_tp={a.pack_tp} cells={pack['cells']}"
+        )
 
     def r(mode: str) -> str:
         return fmt_ratio(results[mode]["vs_baseline"]) if mode in results else "n/a"

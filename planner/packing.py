@@ -143,16 +143,14 @@ class StridedCopies:
         )
 
 
-def copy_boxes(copies: StridedCopies, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:
-    """Executes ``copies`` on ``uint8`` buffers: one strided numpy copy per box (never per row).
-
-    Raises ``PlanError`` naming the copy if one would run outside its buffers.
-    """
+def check_boxes(copies: StridedCopies, src_lens: Sequence[int], dst_lens: Sequence[int]) -> None:
+    """Raises ``PlanError`` naming the first copy of ``copies`` that would run outside its buffers
+    (source buffer ``i`` holding ``src_lens[i]`` bytes, destination buffer ``j`` ``dst_lens[j]``)."""
     if not len(copies):
         return
     s_end, d_end = copies.extents()
-    s_len = np.array([len(src[r]) if 0 <= r < len(src) else -1 for r in copies.src_region.tolist()])
-    d_len = np.array([len(dst[r]) if 0 <= r < len(dst) else -1 for r in copies.dst_region.tolist()])
+    s_len = np.array([src_lens[r] if 0 <= r < len(src_lens) else -1 for r in copies.src_region.tolist()])
+    d_len = np.array([dst_lens[r] if 0 <= r < len(dst_lens) else -1 for r in copies.dst_region.tolist()])
     bad = np.flatnonzero((s_end > s_len) | (d_end > d_len) | (copies.src_offset < 0) | (copies.dst_offset < 0))
     if len(bad):
         i = int(bad[0])
@@ -161,6 +159,14 @@ def copy_boxes(copies: StridedCopies, src: Sequence[np.ndarray], dst: Sequence[n
             f"{int(s_end[i])}, destination buffer {int(copies.dst_region[i])} bytes {int(copies.dst_offset[i])}:"
             f"{int(d_end[i])}) runs outside its buffers"
         )
+
+
+def copy_boxes(copies: StridedCopies, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> None:
+    """Executes ``copies`` on ``uint8`` buffers: one strided numpy copy per box (never per row).
+
+    Raises ``PlanError`` naming the copy if one would run outside its buffers (``check_boxes``).
+    """
+    check_boxes(copies, [len(b) for b in src], [len(b) for b in dst])
     for sr, so, dr, do, run, shape, ss, ds in copies.rows():
         s = as_strided(src[sr][so:], shape=(*shape, run), strides=(*ss, 1), writeable=False)
         d = as_strided(dst[dr][do:], shape=(*shape, run), strides=(*ds, 1))

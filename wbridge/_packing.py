@@ -19,8 +19,11 @@ import hashlib
 import json
 from typing import Any
 
+import numpy as np
+
 from planner.layout import RankLayout
-from planner.packing import ALIGN, PackedStaging, copy_boxes, pack_staging
+from planner.packing import ALIGN, PackedStaging, check_boxes, pack_staging
+from transports._copy import run_chunks, serial_chunks
 
 from ._tensors import byte_view
 from .errors import StoreError
@@ -100,13 +103,55 @@ class SlotPacker:
         self.store.set(key, seal(self.token, key, {"gen": gen}))
 
 
+class PackedCopy:
+    """The snapshot copy of a packed slot, its views made once: a publisher keeps one per slot
+    and runs it at every snapshot while the packing stays (``wbridge._staging.snapshot``).
+
+    ``ps``: the packing (its ``copies`` are the program). ``live``: the publisher's live tensors,
+    in layout order. ``slot``: the slot's flat ``torch.uint8`` buffer.
+
+    On CPU a cell that is one run on both sides (a tensor stored verbatim, a block of whole rows)
+    is one ``memcpy`` (numpy), as the plain snapshot copies; a strided cell (a column strip) is
+    torch's vectorised copy on this thread (``transports._copy.serial_chunks``: as fast as numpy's
+    ``memmove`` per row for 1-3 KiB rows here, faster for shorter ones), its chunks ordered by
+    source address so that the strips cut from the same source rows read them while cached.
+    On a GPU: one torch view copy per cell, queued on the current stream (``copy_torch``).
+    """
+
+    def __init__(self, ps: PackedStaging, live: list[Any], slot: Any) -> None:
+        self.ps = ps
+        srcs = [byte_view(t) for t in live]
+        self._gpu = (srcs, slot) if slot.device.type != "cpu" else None
+        self._flat: list[tuple[np.ndarray, np.ndarray]] = []
+        self._chunks: list[tuple[Any, Any]] = []
+        if self._gpu is not None:
+            return
+        check_boxes(ps.copies, [int(t.numel()) for t in srcs], [int(slot.numel())])
+        np_srcs, np_slot = [t.numpy() for t in srcs], slot.numpy()
+        for sr, so, _, do, run, shape, ss, ds in ps.copies.rows():
+            if all(n == 1 for n in shape):
+                self._flat.append((np_slot[do : do + run], np_srcs[sr][so : so + run]))
+            else:
+                src = srcs[sr]
+                self._chunks += serial_chunks(
+                    slot.as_strided((*shape, run), (*ds, 1), slot.storage_offset() + do),
+                    src.as_strided((*shape, run), (*ss, 1), src.storage_offset() + so),
+                )
+        self._chunks.sort(key=lambda c: c[1].data_ptr())
+
+    def run(self) -> None:
+        """Makes every copy of the program."""
+        if self._gpu is not None:
+            copy_torch(self.ps, *self._gpu)
+            return
+        for dst, src in self._flat:
+            np.copyto(dst, src)
+        run_chunks(self._chunks)
+
+
 def copy_packed(ps: PackedStaging, live: list[Any], slot: Any) -> None:
-    """The snapshot copy of a packed slot: one strided copy per cell (numpy on CPU, torch views
-    on a GPU, queued on the current stream)."""
-    if slot.device.type == "cpu":
-        copy_boxes(ps.copies, [byte_view(t).numpy() for t in live], [slot.numpy()])
-    else:
-        copy_torch(ps, [byte_view(t) for t in live], slot)
+    """The snapshot copy of a packed slot, once (``PackedCopy``, whose views a publisher keeps)."""
+    PackedCopy(ps, live, slot).run()
 
 
 def copy_torch(ps: PackedStaging, srcs: list[Any], slot: Any) -> None:

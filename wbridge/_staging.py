@@ -16,7 +16,7 @@ from planner.layout import Declaration, RankLayout
 
 from ._delta import release_ring
 from ._lifecycle import quietly
-from ._packing import SlotPacker, copy_packed
+from ._packing import PackedCopy, SlotPacker
 from ._selection import publisher_capabilities
 from ._tensors import address, alloc_bytes, byte_view, describe
 from .protocol import checksum as _checksum
@@ -40,6 +40,7 @@ class Registration:
     zero_copy: bool = False
     copy_stream: Any = None  # CUDA: the snapshot copy's own stream
     packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
+    packed_copies: dict[int, PackedCopy] = field(default_factory=dict)  # slot -> its last packed copy
     cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
     transforms: dict[str, str] = field(default_factory=dict)  # register(transforms=): name -> transform
     delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge._delta)
@@ -74,12 +75,12 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
             if ready is not None:
                 reg.copy_stream.wait_event(ready)
             if packed is not None:
-                copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
+                packed_copy(reg, slot, packed).run()
             for dst, src in [] if reg.zero_copy or packed is not None else reg.copies[slot]:
                 dst.copy_(src, non_blocking=True)
         reg.copy_stream.synchronize()
-    elif packed is not None:  # reader-ordered: one strided copy per cell (wbridge._packing)
-        copy_packed(packed, list(reg.tensors.values()), reg.slots[slot][0])
+    elif packed is not None:  # reader-ordered: one copy per cell (wbridge._packing)
+        packed_copy(reg, slot, packed).run()
     elif not reg.zero_copy:
         for dst, src in reg.copies[slot]:
             if isinstance(dst, np.ndarray):
@@ -89,6 +90,14 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
     if not checksums:
         return None
     return _checksum.chunk_sums(reg.slots[0] if reg.zero_copy else reg.slots[slot])
+
+
+def packed_copy(reg: Registration, slot: int, packed: Any) -> PackedCopy:
+    """``slot``'s copy program for the packing ``packed``, made when the packing changes."""
+    pc = reg.packed_copies.get(slot)
+    if pc is None or pc.ps is not packed:
+        pc = reg.packed_copies[slot] = PackedCopy(packed, list(reg.tensors.values()), reg.slots[slot][0])
+    return pc
 
 
 def copy_pairs(

@@ -97,6 +97,9 @@ def test_stall_tiny_prints_summary_line() -> None:
         rf"sync_vs_baseline={RATIO}",
         last,
     ), last
+    assert re.fullmatch(
+        rf"stall_pack: pack_vs_plain={RATIO} plain_ms=[0-9.]+ packed_ms=[0-9.]+ rollout_tp=4 cells=[0-9]+", lines[-2]
+    ), lines[-2]
     for mode in ("gather-bcast", "sync", "one_step_off", "async"):
         assert re.search(rf"^\s*{mode}\s+[0-9.]+\s", "\n".join(lines), re.M), lines
 

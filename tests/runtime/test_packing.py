@@ -95,3 +95,50 @@ def test_torch_copy_program_matches_numpy():
     got = torch.zeros(size + 7, dtype=torch.uint8)[7:]
     copy_torch(ps, [byte_view(t) for t in live], got)
     assert np.array_equal(got.numpy(), want.numpy()) and want.any()
+
+
+def test_snapshot_keeps_the_packed_copy_program_per_slot():
+    """The publisher's snapshot into a packed slot (column strips by torch, whole runs by numpy,
+    live tensors at unaligned offsets of a larger storage) equals the copy program run by numpy;
+    its views are made once per slot and packing, follow the live values, and are made again
+    when the packing changes."""
+    import numpy as np
+    import torch
+
+    from planner import LayoutBuilder, Shard
+    from planner.packing import copy_boxes, pack_staging
+    from wbridge._staging import build_registration, snapshot
+    from wbridge._tensors import build_layout, byte_view
+
+    store = torch.arange(40_000, dtype=torch.int16).to(torch.bfloat16)
+    live = {
+        "w": (store[3:3 + 64 * 48].view(64, 48), Shard("w", (64, 96), (0, 0))),
+        "o": (store[7000:7000 + 32 * 96].view(32, 96), Shard("o", (32, 96))),
+    }  # fmt: skip
+    layout, tensors, _ = build_layout(0, live, pack=True, who="trainer")
+
+    def reader(cols: int, rank: int):
+        b = LayoutBuilder(rank)
+        b.add("w", (64, cols), "bfloat16", Shard("w", (64, 96), (0, 8)))
+        b.add("o", (16, 96), "bfloat16", Shard("o", (32, 96), (16, 0)))
+        return b.build()
+
+    packs = [pack_staging(layout, [reader(24, 1)]), pack_staging(layout, [reader(12, 2)])]
+    assert not any(ps.identity for ps in packs)
+    reg = build_registration({}, layout, tensors, {}, "cpu", None, {}, 2, False)
+
+    def want(ps):
+        out = np.zeros(int(reg.slots[1][0].numel()), dtype=np.uint8)
+        copy_boxes(ps.copies, [byte_view(t).numpy() for t in tensors.values()], [out])
+        return out
+
+    snapshot(reg, 1, None, packs[0], False)
+    first = reg.packed_copies[1]
+    assert np.array_equal(reg.slots[1][0].numpy(), want(packs[0])) and want(packs[0]).any()
+    store.mul_(3)  # the trainer's next values
+    snapshot(reg, 1, None, packs[0], False)
+    assert reg.packed_copies[1] is first
+    assert np.array_equal(reg.slots[1][0].numpy(), want(packs[0]))
+    snapshot(reg, 1, None, packs[1], False)
+    assert reg.packed_copies[1] is not first and reg.packed_copies[1].ps is packs[1]
+    assert np.array_equal(reg.slots[1][0].numpy(), want(packs[1]))
