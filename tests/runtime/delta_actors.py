@@ -112,6 +112,9 @@ class DeltaSub:
                 out.append(name)
         return out
 
+    def sub_id(self) -> int | None:
+        return self.sub.id
+
     def scribble(self, name: str, byte: int = 0x33) -> None:
         """Someone else writes into a registered tensor between pulls."""
         import torch

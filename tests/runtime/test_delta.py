@@ -1,6 +1,7 @@
 """Delta updates (``Publisher(delta=True)``): subscribers one or a few versions behind read only
 what changed, verified against the chunk checksums, and end bit-exact in every case: skipping
-versions, falling further behind than the ring, joining late, tensors overwritten between pulls,
+versions, falling further behind than the ring, joining late, a lease lapsed while frozen, tensors
+overwritten between pulls,
 and a subscriber killed in the middle of a delta pull."""
 
 from __future__ import annotations
@@ -190,6 +191,39 @@ def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
         pub.call("step", 6, FRAC)
         got = sub.call("pull", min_version=6)
         assert got["v"] == 6 and got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", steps) == []
+    finally:
+        sub.stop()
+        pub.stop()
+
+
+@pytest.mark.timeout(150)
+def test_lease_lapsed_while_stalled_rejoins_and_reads_deltas() -> None:
+    """A one-step-off publisher waits for its subscribers' acks, so a subscriber frozen past its
+    lease is counted dead and versions go on without it. Once resumed it joins again (a new id),
+    and its tensors still hold the version it pulled: it reads the deltas since, bit-exact."""
+    import signal
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp", mode="one_step_off")
+    sub = Worker("sub", DeltaSub, url, transport="tcp", lease_ttl=2.0)
+    try:
+        steps: list = []
+        pub.call("publish")
+        first = sub.call("pull", min_version=1)
+        assert not first["delta"], first
+        old_id = sub.call("sub_id")
+        os.kill(sub.proc.pid, signal.SIGSTOP)  # frozen past its lease: versions 2 and 3 go on without it
+        try:
+            for v in (2, 3):
+                steps.append((v, FRAC))
+                pub.call("step", v, FRAC)
+        finally:
+            os.kill(sub.proc.pid, signal.SIGCONT)
+        got = sub.call("pull", min_version=3)
+        assert got["v"] == 3 and got["delta"], got
+        assert got["nbytes"] < first["nbytes"] / 5, (got, first)
+        assert sub.call("sub_id") != old_id, "the lapsed subscriber did not join again"
         assert sub.call("bad", steps) == []
     finally:
         sub.stop()
