@@ -1,8 +1,7 @@
 """Delta updates (``Publisher(delta=True)``): subscribers one or a few versions behind read only
 what changed, verified against the chunk checksums, and end bit-exact in every case: skipping
 versions, falling further behind than the ring, joining late, a lease lapsed while frozen, tensors
-overwritten between pulls,
-and a subscriber killed in the middle of a delta pull."""
+overwritten between pulls, and a subscriber killed in the middle of a delta pull."""
 
 from __future__ import annotations
 
