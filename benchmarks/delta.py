@@ -97,15 +97,16 @@ class SubActor:
 def run_lr(lr: float, args: argparse.Namespace) -> dict:
     import torch
 
-    from wbridge import Publisher, Shard
+    from wbridge import Publisher, Shard, open_store
 
     model = build_model(args.seed)
     params = {n: p.data for n, p in model.named_parameters()}
     shapes = {n: tuple(t.shape) for n, t in params.items()}
     url = f"tcp://127.0.0.1:{free_port()}"
     common = dict(token=TOKEN, transport=args.transport, mode="one_step_off")
+    store = open_store(url, host_store=True)  # hosted by neither publisher: their stalls compare alike
     pubs = {
-        "delta": Publisher("delta", url, host_store=True, delta=True, **common),
+        "delta": Publisher("delta", url, delta=True, **common),
         "full": Publisher("full", url, **common),
     }
     actors = []
@@ -145,6 +146,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
         stop_all(actors)
         for pub in pubs.values():
             pub.close()
+        store.close()
     after = rows[1:]
     full_bytes = rows[0]["full_bytes"]
     med = statistics.median
