@@ -37,9 +37,9 @@ and bytes of the pull). Per transport it prints::
     small_reads: mode=pull transport=<name> reads=<n> small_gbps=<g> bulk_gbps=<g> small_vs_bulk=<r> bit_exact=<b>
 
 ``reads`` is the most ops any timed column-sliced pull made; the GB/s are the **medians** over the
-timed pulls (a pull includes its store round trips, so single pulls jitter more than bare reads)
+timed pulls (a pull's time holds more than its read, so single pulls jitter more than bare reads)
 and ``small_vs_bulk`` is their ratio (target >= 0.5 on tcp and local). A mismatch anywhere makes the
-script exit non-zero (after printing its lines).
+script exit non-zero (after printing its lines). Without ``--quiet`` each pull's time and ops go to stderr.
 """
 
 from __future__ import annotations
