@@ -221,6 +221,15 @@ def init_groups(rank: int, trainers: int, rollouts: int, tp_size: int, port: int
     return Groups(dist.group.WORLD, tp_group, g if rank in bcast_ranks else None, trainers, rollouts, tp_size)
 
 
+def leave_groups(groups: Groups | None) -> None:
+    """Leaves the process group ``init_groups`` joined (an actor's close()); nothing where ``groups`` is None."""
+    if groups is None:
+        return
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
 def _shard_box(decl, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     offs = tuple(decl.offsets) if decl.offsets is not None else (0,) * len(shape)
     sizes = tuple(decl.sizes) if decl.sizes is not None else tuple(shape)

@@ -48,21 +48,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import random
 import sys
 import time
 from multiprocessing.connection import wait
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks._faults import Slowloris, lose_store  # noqa: E402
-from tests.faults.actors import FaultPub  # noqa: E402
-from tests.runtime.actors import SubActor  # noqa: E402
-from tests.runtime.harness import Worker, WorkerError, call_all, free_port  # noqa: E402
+from benchmarks._faults import Slowloris, lose_store
+from tests.faults.actors import FaultPub
+from tests.runtime.actors import SubActor
+from tests.runtime.harness import Worker, WorkerError, call_all, free_port
 
 TP, DP = 2, 2
 SUBSCRIBERS = (

@@ -76,6 +76,7 @@ from _common import (
     free_port,
     gather,
     init_groups,
+    leave_groups,
     load_targets,
     machine,
     model_config,
@@ -113,11 +114,8 @@ class _Side:
 
     def close(self) -> None:
         self.compute.close()
-        if self.groups is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self.groups = None
+        leave_groups(self.groups)
+        self.groups = None
 
 
 class Trainer(_Side):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -34,16 +35,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+import transports
+from transports.bench import iperf3_ceiling, parse_size, run_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import logging  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-import transports  # noqa: E402
-from transports.bench import iperf3_ceiling, parse_size, run_bench  # noqa: E402
 
 PERIOD = 251  # raw servers fill their buffer with i % PERIOD, so the reader can check what arrived
 

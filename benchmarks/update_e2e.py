@@ -58,6 +58,7 @@ from _common import (
     free_port,
     gather,
     init_groups,
+    leave_groups,
     load_targets,
     machine,
     median,
@@ -87,11 +88,8 @@ class _Member:
 
     def close(self) -> None:
         self.wb_close()
-        if self.groups is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self.groups = None
+        leave_groups(self.groups)
+        self.groups = None
 
 
 class Trainer(_Member):

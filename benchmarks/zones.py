@@ -13,8 +13,10 @@ For each of two runs, relays (``Subscriber(zone="rollout", relay=True)``) and no
 default), version 1 is pulled as a warm-up (connections, plans), then version 2 is measured: the
 link's byte counters (``/sys/class/net/<veth>/statistics``, both directions, on the train side)
 before and after, and the seconds from the start of ``publish()`` until the last replica returned
-from its pull. Each replica checks every element of its tensors against the version's values; a
-mismatch aborts the run. Namespaces are deleted on exit, also after an error.
+from its pull, and each replica's store requests during its pull (calls on wbridge's ``Store``
+interface, counted by ``control_plane.CountingStore``; lease refreshes not counted). Each replica
+checks every element of its tensors against the version's values; a mismatch aborts the run.
+Namespaces are deleted on exit, also after an error.
 
 Last line: ``zones: link_bytes_per_version_vs_model=<x> all_replicas_s=<t> vs_no_relay=<speedup>``
 (link bytes of the relay run over the model's bytes; its time; no-relay time over relay time).
@@ -144,17 +146,22 @@ class Trainer:
 class Replica:
     def __init__(self, ns: str, url: str, mb: int, relay: bool) -> None:
         enter(ns)
-        from wbridge import Subscriber
+        from control_plane import CountingStore
+
+        from wbridge import Subscriber, open_store
 
         self.t = tensors(mb, None)
         zone = "rollout" if relay else None
-        self.sub = Subscriber("z", url, token=TOKEN, transport="tcp", staged=True, zone=zone, relay=relay)
+        self.store = CountingStore(open_store(url))  # the subscriber closes it
+        self.sub = Subscriber("z", self.store, token=TOKEN, transport="tcp", staged=True, zone=zone, relay=relay)
         self.sub.register(self.t)
 
     def pull(self, v: int) -> dict:
         import torch
 
+        calls = self.store.total()
         got = self.sub.pull(min_version=v, timeout=120)
+        calls = self.store.total() - calls
         done = time.time()
         bad = 0
         for i, (t, _) in enumerate(self.t.values()):
@@ -162,7 +169,8 @@ class Replica:
             fill(want, i, got)
             bad += int((t != want).sum())
         s = self.sub.stats.last
-        return {"v": got, "t": done, "bad": bad, "pub": s.nbytes_from_publishers, "peers": s.nbytes_from_peers}
+        pub, peers = s.nbytes_from_publishers, s.nbytes_from_peers
+        return {"v": got, "t": done, "bad": bad, "pub": pub, "peers": peers, "requests": calls}
 
     def close(self) -> None:
         self.sub.close()
@@ -195,7 +203,8 @@ def run(link: Link, mb: int, relay: bool, replicas: int, quiet: bool) -> tuple[f
             if not quiet:
                 print(
                     f"  relay={relay} v{v}: {took:.2f}s link {used / (mb << 20):.2f}x model; from publishers "
-                    f"{[r['pub'] >> 20 for r in rs]} MiB, from peers {[r['peers'] >> 20 for r in rs]} MiB",
+                    f"{[r['pub'] >> 20 for r in rs]} MiB, from peers {[r['peers'] >> 20 for r in rs]} MiB, "
+                    f"store requests {[r['requests'] for r in rs]}",
                     flush=True,
                 )
         return took, used

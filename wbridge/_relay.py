@@ -15,8 +15,9 @@ and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
    by relay record): relay i of N reads range i from the publishers (the publisher plan clipped to
    it) in a background thread, in ``OWN_CHUNKS`` chunks, and announces each chunk once the
    publishers' stamps are checked; a non-relay subscriber reads no range.
-3. Meanwhile each reads the ranges it misses from the peers that announce them, as they appear
-   (polling the zone's records), checking each peer's stamp after the data. Once its own range is
+3. Meanwhile each reads the ranges it misses from the peers that announce them, as they appear,
+   checking each peer's stamp after the data; in between it blocks on the store until a relay of
+   the zone announces more (``RelayServer.announce``, ``ZoneReader.wait``). Once its own range is
    in, after twice the time that took without progress (at least ``STALL_MIN_S``: a relay died or
    is stuck), or halfway to the pull's deadline, the rest comes from the publishers.
 
@@ -59,7 +60,7 @@ from ._reads import check_stamps, read_sources, verify_sources
 from ._selection import candidates, publisher_capabilities
 from ._session import Source, SourcesFailed, connect_source
 from ._tensors import address, alloc_bytes
-from .errors import IntegrityError, StaleVersionError, StoreError, TransportError
+from .errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
 from .protocol.keys import Keys
 from .protocol.records import open_sealed, seal
 from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
@@ -67,8 +68,8 @@ from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITI
 log = logging.getLogger("wbridge")
 
 RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subscriber's own transports)
-POLL_S = 0.01  # how often a reader looks for newly announced ranges while it waits for them
 STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
+ANN_KEEP = 64  # a relay deletes announcement keys older than this many announcements, this many at a time
 ALIGN = 4096  # range boundaries (bytes)
 OWN_CHUNKS = 4  # a relay announces its own range in this many chunks, as they arrive
 
@@ -212,15 +213,28 @@ class RelayServer:
         self._write()
         self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, v, STAMP_STABLE, epoch)
 
-    def hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
+    def hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
         """Announces that ``ranges`` of the buffer now hold the version begun (verified), unless
         another ``version`` (v, epoch) was begun since; called from the thread fetching its own
-        range and the one reading peers."""
+        range and the one reading peers. ``wake``: bytes new to the zone (from publishers) wake the
+        zone's waiting readers; bytes read from peers do not (their owner's announcement did)."""
         with self.lock:
             if version is not None and version != (self.v, self.epoch):
                 return
             self.held = union(self.held + list(ranges))
             self._write()
+            if wake:
+                self.announce()
+
+    def announce(self) -> None:
+        """Wakes the zone's readers blocked in ``ZoneReader.wait`` (once the record is written): the
+        zone's next announcement key appears; each ``ANN_KEEP``-th deletes ``ANN_KEEP`` old ones."""
+        keys, zone = self.keys, self.zone
+        n = self.store.add(keys.zone_announced(zone), 1)
+        self.store.set(keys.zone_announcement(zone, n), b"1")
+        if n % ANN_KEEP == 0 and n >= 2 * ANN_KEEP:
+            old = [keys.zone_announcement(zone, k) for k in range(n - 2 * ANN_KEEP + 1, n - ANN_KEEP + 1)]
+            quietly(self.store.delete_many, old)
 
     def close(self) -> None:
         quietly(self.store.delete, self.key)
@@ -241,7 +255,7 @@ class ZoneReader:
 
     def __init__(self, sub: Any, zone: str, relay: RelayServer | None, layout: str, size: int) -> None:
         self.sub, self.zone, self.relay, self.layout, self.size = sub, zone, relay, layout, size
-        self.count = 0  # the zone's relay counter as last read
+        self.announced = 0  # the zone's announcement counter, read before the records by scan()
         self.absent: dict[int, float] = {}  # record number -> when first found missing
         self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
         self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
@@ -252,7 +266,9 @@ class ZoneReader:
         """The zone's live relays (itself aside); deletes the records of dead ones."""
         sub = self.sub
         store, keys = sub._store, sub.keys
-        count = int(store.get(keys.zone_count(self.zone)) or 0)
+        # the announcement counter before the records: every announcement up to it is in them
+        counters = store.get_many([keys.zone_count(self.zone), keys.zone_announced(self.zone)])
+        count, self.announced = (int(x or 0) for x in counters)
         now = time.monotonic()
         nums = [k for k in range(1, count + 1) if now - self.absent.get(k, now) < 10.0]
         rkeys = [keys.zone_relay(self.zone, k) for k in nums]
@@ -338,7 +354,7 @@ class ZoneReader:
             if got:
                 from_peers += sum(b - a for a, b in got)
                 missing = subtract(missing, got)
-                self._hold(got)
+                self._hold(got, wake=False)
                 continue
             now = time.monotonic()
             state = {(p.key, p.v, p.held) for p in peers}
@@ -352,19 +368,34 @@ class ZoneReader:
             if now > give_up or (now - last > stall and not busy):
                 log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.sub.name, self.zone)
                 break
-            time.sleep(POLL_S)
+            due = give_up if busy or (own is not None and not own.done()) else min(give_up, last + stall)
+            self.wait(min(max(0.001, due - now), STALL_MIN_S))
             peers = [p for p in self.scan() if p.key not in failed and p.layout == self.layout]
         return missing, from_peers
 
+    def wait(self, timeout: float) -> None:
+        """Blocks in the store (TCPStore wait, etcd watch) until the zone's announcement after the
+        last ``scan`` (at once if made since; one deleted before the wait costs ``timeout``)."""
+        sub = self.sub
+        try:
+            sub._store.wait(sub.keys.zone_announcement(self.zone, self.announced + 1), timeout)
+        except WaitTimeout:
+            pass
+
     def _own(self, session: Any, rec: Any, chunks: Ranges, deadline: float) -> tuple[Any, int, float]:
-        """A relay's own range, chunk by chunk from the publishers, each announced once checked;
-        returns the session, the bytes read and the seconds it took."""
+        """A relay's own range, chunk by chunk from the publishers, each announced once checked (and
+        a failure too: it wakes ``_complete``); returns the session, bytes read and seconds taken."""
         t0, n = time.monotonic(), 0
-        for chunk in chunks:
-            session, k = self._from_publishers(session, rec, [chunk], deadline)
-            self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
-            n += k
-            self._hold([chunk], (rec.v, rec.epoch))
+        try:
+            for chunk in chunks:
+                session, k = self._from_publishers(session, rec, [chunk], deadline)
+                self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
+                n += k
+                self._hold([chunk], (rec.v, rec.epoch))
+        except BaseException:
+            if self.relay is not None:
+                quietly(self.relay.announce)
+            raise
         return session, n, time.monotonic() - t0
 
     def _verify(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> None:
@@ -375,9 +406,9 @@ class ZoneReader:
             parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
             verify_sources(sub._store, sub.keys, sub.token, sub._transports, parts, rec, sub._dest, deadline)
 
-    def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None) -> None:
+    def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
-            self.relay.hold(ranges, version)
+            self.relay.hold(ranges, version, wake)
 
     def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
         """A subscriber whose layout no relay has: the planner's reads from the relays that hold

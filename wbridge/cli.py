@@ -50,8 +50,12 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    # a script of its own: its folder goes first on sys.path, so it finds its _common helpers
-    return subprocess.call([sys.executable, path, *rest])
+    # run as the README does (``PYTHONPATH=. python benchmarks/X.py``): the checkout's root on
+    # PYTHONPATH for its packages (soak imports benchmarks._faults and tests.*), the script's own
+    # folder first on sys.path for its _common helpers
+    root = os.path.dirname(_repo_benchmarks())
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.call([sys.executable, path, *rest], env=dict(os.environ, PYTHONPATH=pythonpath))
 
 
 def cmd_store(args: argparse.Namespace) -> int:

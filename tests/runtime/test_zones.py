@@ -208,3 +208,41 @@ def test_corrupt_relay_is_read_around(store) -> None:
         assert all(r["v"] == 1 and r["bad"] == [] for r in rs[1:]), rs[1:]
     finally:
         _stop(*good, bad, pub)
+
+
+class _CountingSub(SubActor):
+    """A ``SubActor`` whose subscriber's store calls (its zone reader's scans and waits among them)
+    are counted, by ``benchmarks/control_plane.CountingStore``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from benchmarks.control_plane import CountingStore
+
+        super().__init__(*args, **kwargs)
+        self.sub._store = CountingStore(self.sub._store)
+
+    def requests(self) -> int:
+        return self.sub._store.total()
+
+
+@pytest.mark.timeout(120)
+def test_relay_waits_for_a_slow_peer_on_the_store(store) -> None:
+    """A relay whose peer is slow to announce its range (its first read takes 2.5 s more) blocks on
+    the zone's next announcement key (a TCPStore wait) until it gives up on the peer after
+    ``STALL_MIN_S``: a few store requests for that second, where polling the records every 10 ms
+    made hundreds. Both end bit-exact."""
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
+    kw = {"fused": False, "zone": "b", "relay": True, "timeout": None}
+    waiting = Worker("waiting", _CountingSub, store.url, 1, 0, **kw)
+    slow = Worker("slow", SubActor, store.url, 1, 0, fault=("slow", {"delay": 2.5}), **kw)
+    try:
+        for w in (waiting, slow):
+            w.result(60)
+        pub.call("publish", 1)
+        before = waiting.call("requests")
+        rs = call_all([waiting, slow], "pull", 1, timeout=30.0)
+        used = waiting.call("requests") - before
+        assert all(r["v"] == 1 and r["bad"] == [] for r in rs), rs
+        assert rs[0]["t_ack"] - rs[0]["t_start"] > 1.0, rs[0]  # it did wait for the slow peer
+        assert used < 50, used
+    finally:
+        _stop(waiting, slow, pub)

@@ -25,6 +25,10 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/zone/<z>/n           relay counter of zone z; relay records are numbered 1, 2, ...
     wb/c/g/<g>/zone/<z>/relay/<k>   relay record: its layout hash, endpoints, regions, the version
                                     it holds and which byte ranges of it are complete (``_relay``)
+    wb/c/g/<g>/zone/<z>/ann         announcement counter of zone z: a relay bumps it each time it
+                                    announces bytes new to the zone (read from publishers)
+    wb/c/g/<g>/zone/<z>/ann/<n>     written by announcement n: readers waiting for ranges block on
+                                    the next one appearing
 
 ``Keys(c)`` (no generation) names only ``generation``; its other keys are those of a store
 without generations.
@@ -36,7 +40,8 @@ appearing (see ``wbridge._tracker``).
 Garbage collection: the committer of v deletes the ``v/<v - lag>/...`` keys (``lag`` = slots + 2,
 ``version_keys``), and the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
 subscriber once its lease lapsed, with the relay record its subscriber record names (readers of a
-zone delete those of dead relays too), so the store holds a bounded number of keys however many
+zone delete those of dead relays too; a relay deletes old ``ann/<n>`` keys as it announces, keeping
+at most the last ``2 * _relay.ANN_KEEP``), so the store holds a bounded number of keys however many
 versions are published and subscribers come and go.
 """
 
@@ -109,6 +114,12 @@ class Keys:
 
     def zone_relay(self, zone: str, k: int) -> str:
         return f"{self.p}zone/{zone}/relay/{k}"
+
+    def zone_announced(self, zone: str) -> str:
+        return f"{self.p}zone/{zone}/ann"
+
+    def zone_announcement(self, zone: str, n: int) -> str:
+        return f"{self.p}zone/{zone}/ann/{n}"
 
     def sub(self, i: int, what: str = "") -> str:
         return f"{self.p}sub/{i}" + (f"/{what}" if what else "")
