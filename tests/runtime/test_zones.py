@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+import transports
 from tests.etcd_fixture import etcd_server  # noqa: F401 - the fixture
 from wbridge import open_store
 
@@ -45,9 +46,14 @@ def _one_version_from_publishers(rs: list[dict], v: int, slack: float = 1.15) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("transport", ["tcp", "local"])
+@pytest.mark.parametrize("transport", ["tcp", "local", "nixl", "mooncake"])
 def test_relays_split_the_publisher_bytes(store, transport: str) -> None:
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
+    """Relays read from publishers and from each other over ``transport``: for the RDMA engines
+    (nixl, mooncake; over UCX shared memory and Mooncake's tcp protocol here) a relay serves its
+    staging buffer through the same transport contract a publisher does."""
+    if transport not in transports.available():
+        pytest.skip(f"{transport} is not installed here")
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train", transport=[transport])
     subs = _subs(store.url, 4, zone="b", relay=True, transport=transport)
     try:
         for v in (1, 2):
