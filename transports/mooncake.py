@@ -105,7 +105,7 @@ class MooncakeTransport(Transport):
             "deregister": "one-sided: the serving engine does not refuse reads of a deregistered buffer over tcp",
             "leaks": "closing an engine takes ~1 s (its handshake listener wakes once a second), so 100 cycles "
             "take minutes; tests/transports/test_mooncake.py counts fds, OS threads and registrations "
-            "over 10 cycles (100 under -m slow)",
+            "over 10 cycles",
         }
     )
 

@@ -169,7 +169,7 @@ class NixlTransport(Transport):
             "stopped": "one-sided: a stopped (hung) publisher does not stop reads of its memory on the same host",
             "leaks": "starting a NIXL agent and its UCX context takes ~0.3 s and a first connection ~0.2 s, so 100 "
             "cycles take over a minute; tests/transports/test_nixl.py counts fds, OS threads and "
-            "registrations over 10 cycles (100 under -m slow)",
+            "registrations over 10 cycles",
         }
     )
 

@@ -14,6 +14,7 @@ NUM = r"[0-9]+\.[0-9]+"
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # trains the small Llama in real processes
 @pytest.mark.timeout(300)
 def test_delta_benchmark_prints_its_line(tmp_path) -> None:
     lines = run_benchmark("delta.py", "--lr", "1e-6", "--steps", "2", "--out", str(tmp_path), timeout=280)

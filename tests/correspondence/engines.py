@@ -5,6 +5,8 @@ They stand in for an engine's model where running the engine itself is not the p
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -114,8 +116,45 @@ class Layer(nn.Module):
             self.mlp.down_proj = Col(H, cfg["inter"], tp, rank, dim=1, meta=meta)
 
 
+EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+@torch.no_grad()
+def load_stacked(model: nn.Module, weights, stacked) -> None:
+    """vLLM's ``load_weights`` loop (its ``stacked_params_mapping``). A checkpoint tensor that matches a
+    rule of ``stacked``, ``(pattern, fused, shards)`` with groups (owner, shard name, parameter), is
+    loaded by module ``owner + fused`` into that parameter as shard ``shards[name]``; an expert's goes to
+    its layer's stacked ``Experts``; any other goes whole to the parameter it names (a weight through
+    its module's ``load``, which slices it for this rank)."""
+    mods = dict(model.named_modules())
+    for name, w in weights:
+        m = EXPERT.match(name)
+        if m:
+            mods[m.group(1) + ".mlp.experts"].load(name, w, int(m.group(2)), m.group(3))
+            continue
+        for pattern, fused, shards in stacked:
+            m = re.match(pattern, name)
+            if m:
+                mod = mods[m.group(1) + fused]
+                mod.load(getattr(mod, m.group(3)), w, shards[m.group(2)])
+                break
+        else:
+            owner, attr = name.rsplit(".", 1)
+            mod = mods[owner]
+            p = getattr(mod, attr)
+            if attr == "weight" and hasattr(mod, "load"):
+                mod.load(p, w)
+            else:
+                p.data.copy_(w)
+
+
 class VllmStyleModel(nn.Module):
     """model.embed_tokens (vocab-parallel, padded to 64 * tp), layers, norm, lm_head."""
+
+    STACKED = (
+        (r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)$", ".self_attn.qkv_proj", {"q": "q", "k": "k", "v": "v"}),
+        (r"(.*)\.mlp\.(gate|up)_proj\.(weight)$", ".mlp.gate_up_proj", {"gate": 0, "up": 1}),
+    )
 
     def __init__(self, cfg, tp=1, rank=0, ep=1, meta=False, qkv_order="qkv", scale=1.0, skip=()):
         super().__init__()
@@ -145,34 +184,9 @@ class VllmStyleModel(nn.Module):
         self.model.norm = Norm(H, meta)
         self.lm_head = Col(V, H, tp, rank, 0, meta, pad_to=pad)
 
-    @torch.no_grad()
     def load_weights(self, weights):
-        import re
-
-        mods = dict(self.named_modules())
-        for name, w in weights:
-            if any(s in name for s in self.skip):
-                continue
-            w = w * self.scale if self.scale != 1.0 else w
-            m = re.match(r"(.*)\.self_attn\.([qkv])_proj\.(weight|bias)$", name)
-            if m:
-                mod = mods[m.group(1) + ".self_attn.qkv_proj"]
-                mod.load(getattr(mod, m.group(3)), w, m.group(2))
-                continue
-            m = re.match(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
-            if m:
-                mods[m.group(1) + ".mlp.experts"].load(name, w, int(m.group(2)), m.group(3))
-                continue
-            m = re.match(r"(.*)\.mlp\.(gate|up)_proj\.weight$", name)
-            if m:
-                mod = mods[m.group(1) + ".mlp.gate_up_proj"]
-                mod.load(mod.weight, w, 0 if m.group(2) == "gate" else 1)
-                continue
-            mod = mods[name.rsplit(".", 1)[0]]
-            if hasattr(mod, "load"):
-                mod.load(mod.weight, w)
-            else:
-                mod.weight.data.copy_(w)
+        kept = ((n, w) for n, w in weights if not any(s in n for s in self.skip))
+        load_stacked(self, ((n, w * self.scale if self.scale != 1.0 else w) for n, w in kept), self.STACKED)
 
 
 def assert_like_loaded(models: list, cfg: dict, full) -> None:
@@ -240,6 +254,15 @@ class DeepseekStyleModel(nn.Module):
     ``gate_up_proj`` for dense and shared experts, stacked ``w13``/``w2`` experts (EP), padded
     vocab-parallel embeddings. ``meta=True`` allocates nothing."""
 
+    STACKED = (
+        (r"(.*)\.(gate|up)_proj\.(weight)$", ".gate_up_proj", {"gate": 0, "up": 1}),
+        (
+            r"(.*)\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.(weight)$",
+            ".self_attn.fused_qkv_a_proj",
+            {"q_a_proj": 0, "kv_a_proj_with_mqa": 1},
+        ),
+    )
+
     def __init__(self, c, tp=8, rank=0, ep=8, meta=True, layers=None, experts=None):
         super().__init__()
         H, V = c["hidden_size"], c["vocab_size"]
@@ -281,33 +304,8 @@ class DeepseekStyleModel(nn.Module):
         self.model.norm = Norm(H, meta)
         self.lm_head = Col(V, H, tp, rank, 0, meta, pad_to=pad)
 
-    @torch.no_grad()
     def load_weights(self, weights):
-        import re
-
-        mods = dict(self.named_modules())
-        for name, w in weights:
-            m = re.match(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$", name)
-            if m:
-                mods[m.group(1) + ".mlp.experts"].load(name, w, int(m.group(2)), m.group(3))
-                continue
-            m = re.match(r"(.*)\.(gate|up)_proj\.weight$", name)
-            if m:
-                mod = mods[m.group(1) + ".gate_up_proj"]
-                mod.load(mod.weight, w, 0 if m.group(2) == "gate" else 1)
-                continue
-            m = re.match(r"(.*)\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$", name)
-            if m:
-                mod = mods[m.group(1) + ".self_attn.fused_qkv_a_proj"]
-                mod.load(mod.weight, w, 0 if m.group(2) == "q_a_proj" else 1)
-                continue
-            owner, attr = name.rsplit(".", 1)
-            mod = mods[owner]
-            p = getattr(mod, attr)
-            if attr == "weight" and hasattr(mod, "load"):
-                mod.load(p, w)
-            else:
-                p.data.copy_(w)
+        load_stacked(self, weights, self.STACKED)
 
 
 def deepseek_shapes(c, layers=None, experts=None) -> dict[str, tuple[int, ...]]:

@@ -15,6 +15,8 @@ from .helpers import assemble, check_entries, run_ranks, scatter, to_numpy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 4
+# 4 gloo processes train and shard models: CPU-bound, so one at a time with the other heavy tests
+pytestmark = pytest.mark.heavy
 
 
 def _load(tmp, kind):

@@ -56,6 +56,7 @@ def test_missing_ray_is_a_typed_error():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 @pytest.mark.timeout(420)
 def test_ray_async_rl_with_rollout_restart(tmp_path):

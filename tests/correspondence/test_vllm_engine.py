@@ -28,6 +28,7 @@ VLLM_PY = os.environ.get("WBRIDGE_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm",
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.heavy,
     pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"),
 ]
 

@@ -23,6 +23,7 @@ from .test_vllm_engine import ROOT, VLLM_PY, _plugin_dist, _spawn, _wait
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.heavy,
     pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"),
 ]
 

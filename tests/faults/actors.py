@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tests.runtime.actors import TOKEN, PubActor, SubActor
+from tests.runtime.harness import Worker
 from wbridge import StoreError, Subscriber, WaitTimeout
 from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
 
@@ -38,6 +39,21 @@ def in_netns(netns: str, factory: Callable[..., Any], *args: Any, **kwargs: Any)
     """A ``Worker`` factory: ``Worker("pub", in_netns, host.name, FaultPub, ...)`` runs on that test host."""
     join_netns(netns)
     return factory(*args, **kwargs)
+
+
+def pub_on(host: Any, url: str, **kwargs: Any) -> Worker:
+    """A ``FaultPub`` worker on test host ``host`` (a ``tests.hosts.Host``): rank 0 of 1 for 1
+    subscriber, tiny model, serving tcp on the host's address, ``async`` (``max_staleness=10``);
+    ``kwargs`` add to or override those."""
+    opts = dict(model_kind="tiny", host=host.addr, transport="tcp", mode="async", max_staleness=10) | kwargs
+    return Worker(f"pub@{host.addr}", in_netns, host.name, FaultPub, url, 0, 1, 1, **opts)
+
+
+def sub_on(host: Any, url: str, **kwargs: Any) -> Worker:
+    """A ``FaultSub`` worker (rank 1, not fused, tiny model, tcp) on test host ``host``; ``kwargs``
+    add to or override those."""
+    opts = dict(fused=False, model_kind="tiny", host=host.addr, transport="tcp") | kwargs
+    return Worker(f"sub@{host.addr}", in_netns, host.name, FaultSub, url, 1, 0, **opts)
 
 
 class FaultPub(PubActor):

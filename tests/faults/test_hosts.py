@@ -2,7 +2,7 @@
 restored, the publisher's side (store on a third host) or the subscriber's (store behind the cut).
 (Listening addresses: ``test_listen.py``.)
 
-Workers are forked from the harness's forkserver and then join their host's namespace (``in_netns``),
+Workers (``pub_on``, ``sub_on``) are forked from the harness's forkserver and then join their host's namespace,
 so every process has its own address: 10.123.0.1 (A), 10.123.0.2 (B), 10.123.0.3 (C)."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.etcd_fixture import EtcdServer, etcd_binary
-from tests.runtime.harness import Worker
 
-from .actors import FaultPub, FaultSub, in_netns, pause_fault, release, wait_paused
+from .actors import pause_fault, pub_on, release, sub_on, wait_paused
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 
@@ -31,35 +30,8 @@ def test_link_cut_mid_pull_then_restored(network, tmp_path) -> None:
     try:
         server.start()
         url = server.url + "/cut/"
-        pub = Worker(
-            "pub@A",
-            in_netns,
-            a.name,
-            FaultPub,
-            url,
-            0,
-            1,
-            1,
-            model_kind="tiny",
-            host=a.addr,
-            transport="tcp",
-            mode="async",
-            max_staleness=10,
-        )
-        sub = Worker(
-            "sub@B",
-            in_netns,
-            b.name,
-            FaultSub,
-            url,
-            1,
-            0,
-            fused=False,
-            model_kind="tiny",
-            host=b.addr,
-            transport="tcp",
-            fault=fault,
-        )
+        pub = pub_on(a, url)
+        sub = sub_on(b, url, fault=fault)
         pub.call("publish", 1)
         first = sub.call("pull", min_version=1)
         assert first["bad"] == [] and first["transports"][0][0] == "tcp"
@@ -96,38 +68,8 @@ def test_subscriber_cut_off_with_its_store_errors_within_its_timeout(network, tm
     a, b = net.hosts
     url = f"tcp://{a.addr}:29700"
     fault, paused, go = pause_fault(tmp_path, on_reads=(2,))
-    pub = Worker(
-        "pub@A",
-        in_netns,
-        a.name,
-        FaultPub,
-        url,
-        0,
-        1,
-        1,
-        host_store=True,
-        model_kind="tiny",
-        host=a.addr,
-        transport="tcp",
-        mode="async",
-        max_staleness=10,
-    )
-    sub = Worker(
-        "sub@B",
-        in_netns,
-        b.name,
-        FaultSub,
-        url,
-        1,
-        0,
-        fused=False,
-        model_kind="tiny",
-        host=b.addr,
-        transport="tcp",
-        fault=fault,
-        connect_timeout=5.0,
-        lease_ttl=1.0,
-    )
+    pub = pub_on(a, url, host_store=True)
+    sub = sub_on(b, url, fault=fault, connect_timeout=5.0, lease_ttl=1.0)
     try:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []

@@ -10,7 +10,7 @@ import pytest
 import transports
 from tests.runtime.harness import Worker, free_port
 
-from .actors import FaultPub, FaultSub, in_netns
+from .actors import FaultPub, FaultSub, pub_on, sub_on
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,25 +45,8 @@ def test_servers_bind_only_the_address_given(network) -> None:
     net = network(2)
     a, b = net.hosts
     url = f"tcp://{a.addr}:29700"
-    pub = Worker(
-        "pub@A",
-        in_netns,
-        a.name,
-        FaultPub,
-        url,
-        0,
-        1,
-        1,
-        host_store=True,
-        model_kind="tiny",
-        host=a.addr,
-        transport=SERVED,
-        mode="async",
-        max_staleness=10,
-    )
-    sub = Worker(
-        "sub@B", in_netns, b.name, FaultSub, url, 1, 0, fused=False, model_kind="tiny", host=b.addr, transport="tcp"
-    )
+    pub = pub_on(a, url, host_store=True, transport=SERVED)
+    sub = sub_on(b, url)
     try:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []

@@ -121,8 +121,8 @@ def test_lease_regranted_after_etcd_dropped_it(etcd_server):
         client.post(client.get_url("/kv/lease/revoke"), json={"ID": first})
         assert not other.is_alive("live/x", 2.0)
         # ... and the holder's next keep-alive notices, takes a new lease and rewrites the key.
-        eventually(lambda: other.is_alive("live/x", 2.0), 5.0, "the lease to be re-granted")
-        assert lease.lease_id != first
+        # (The key is rewritten before the holder records the new id: wait for both.)
+        eventually(lambda: lease.lease_id != first and other.is_alive("live/x", 2.0), 5.0, "the lease to be re-granted")
         lease.revoke()
         assert not other.is_alive("live/x", 2.0)
 

@@ -100,6 +100,7 @@ def open_read_close_cycles(name: str, cycles: int, options: dict | None = None) 
         assert not grown(), (
             f"fds, OS threads, Python threads: {base} -> {(fds(), os_threads(), threading.active_count())}"
         )
+        deadline = time.monotonic() + TIMEOUT  # the server's own wait: it notices closed connections later
         while True:
             now = server.command(op="stats")
             if (

@@ -83,9 +83,3 @@ def test_listeners_are_the_engines_known_limitation():
 @pytest.mark.slow
 def test_no_leaks_over_10_cycles():
     open_read_close_cycles("mooncake", 10)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_no_leaks_over_100_cycles():
-    open_read_close_cycles("mooncake", 100)

@@ -26,6 +26,7 @@ if "nccl" not in transports.available():
 Nccl = transports.get("nccl")
 
 SIZE = 8 << 20
+SERVE_TIMEOUT = 60.0  # serving process start-up and stop: under 4 xdist workers a stop once took over 20 s
 
 # A reader in its own process that pulls in a loop until killed.
 LOOP_READER = """
@@ -44,7 +45,8 @@ while True:
 @pytest.fixture(scope="module")
 def server():
     """One serving process for the module: region 0 of SIZE bytes (seed 4), region 1 of 4096 (seed 2)."""
-    with Peer("nccl", [{"size": SIZE, "seed": 4}, {"size": 4096, "seed": 2}], token=TOKEN, timeout=TIMEOUT) as peer:
+    regions = [{"size": SIZE, "seed": 4}, {"size": 4096, "seed": 2}]
+    with Peer("nccl", regions, token=TOKEN, timeout=SERVE_TIMEOUT) as peer:
         yield peer
         assert peer.stop() == 0, "serving process did not exit cleanly"
 

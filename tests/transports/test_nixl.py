@@ -113,9 +113,3 @@ def test_process_exits_zero_after_use():
 
 def test_no_leaks_over_10_cycles():
     open_read_close_cycles("nixl", 10)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_no_leaks_over_100_cycles():
-    open_read_close_cycles("nixl", 100)
