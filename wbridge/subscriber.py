@@ -133,7 +133,6 @@ class Subscriber(Closeable):
         self._local_regions: dict[str, list[Any]] = {}
         self._session: Session | None = None
         self._zone: ZoneReader | None = None
-        self._from = (0, 0)  # bytes the last read took from publishers, from relays
         self._deltas = DeltaReader()  # delta pulls (publishers with delta=True), see wbridge._delta_pull
         self._held: tuple | None = None  # (version, epoch, packing gens) the destination holds whole
         self._layout: RankLayout | None = None
@@ -298,7 +297,7 @@ class Subscriber(Closeable):
                 return rec.v
             t0 = time.perf_counter()
             try:
-                nbytes, ops, repaired, delta = self._apply(rec, fence, deadline)
+                (pub, peers), ops, repaired, delta = self._apply(rec, fence, deadline)
             except StaleVersionError:
                 retries += 1
                 want = rec.v + 1
@@ -308,12 +307,11 @@ class Subscriber(Closeable):
                         f"and no newer version arrived within {timeout:.1f}s"
                     ) from None
                 continue
-            pub, peers = self._from
             self.stats.pulls.append(
                 PullStats(
                     rec.v,
                     time.perf_counter() - t0,
-                    nbytes,
+                    pub + peers,
                     ops,
                     retries,
                     nbytes_from_publishers=pub,
@@ -359,13 +357,14 @@ class Subscriber(Closeable):
             except (WaitTimeout, StoreError):
                 pass  # a store down for the slice: the next read retries it within its own timeout
 
-    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[int, int, int, bool]:
+    def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[tuple[int, int], int, int, bool]:
         """Reads ``rec`` (whose slot's fence read ``fence`` along with it): as deltas onto the version
         held where it can (``wbridge._delta_pull``), else in full. The state key says
         "reading v" from before the first read until the reads are checked: publishers do not
         overwrite the slot meanwhile (sync and one-step-off modes). The slot stamps, read after the
         data, are what proves the slot did not change (the store is untrusted, so its fence is only
-        a hint). Returns bytes read, reads, chunks repaired, and whether it applied deltas."""
+        a hint). Returns the bytes read (from publishers, from relays), reads, chunks repaired, and
+        whether it applied deltas."""
         session = self._session
         gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
         if session is None or session.epoch != rec.epoch or session.gens != gens:
@@ -378,7 +377,7 @@ class Subscriber(Closeable):
                 raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
             if not self.staged:
                 self.version = None  # the live tensors are about to hold a mix until we finish
-            self._from = (session.plan.total_bytes, 0)
+            nbytes = (session.plan.total_bytes, 0)  # from publishers, from relays
             done = None  # deltas: (bytes, reads, chunks repaired); a zone's readers read whole versions
             if self._zone is None and self._deltas.usable(self._transports, session, rec, held, gens):
                 try:
@@ -388,7 +387,7 @@ class Subscriber(Closeable):
                     self._check_stamps(session, rec, deadline)  # a slot reused under us is staleness
                     raise
                 if done is not None:
-                    self._from = (done[0], 0)
+                    nbytes = (done[0], 0)
             while done is None and self._zone is None:
                 try:
                     self._read_all(session, rec.slot, deadline)
@@ -396,8 +395,8 @@ class Subscriber(Closeable):
                 except SourcesFailed as failed:  # a source died: its replicas stand in, if any
                     session = self._failover(session, failed, deadline)
             if self._zone is not None:  # relays of the zone first, publishers for the rest
-                session, *sizes = self._zone.read(session, rec, deadline)
-                self._from = tuple(sizes)
+                session, from_pub, from_peers = self._zone.read(session, rec, deadline)
+                nbytes = (from_pub, from_peers)
             if done is None and self.verify and rec.checksums:
                 try:
                     self._verify(session, rec, deadline)
@@ -420,8 +419,8 @@ class Subscriber(Closeable):
         self._held = (rec.v, rec.epoch, gens)
         self._store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
         if done is not None:
-            return done[0], done[1], done[2], True
-        return sum(self._from), len(session.plan), 0, False
+            return nbytes, done[1], done[2], True
+        return nbytes, len(session.plan), 0, False
 
     def _read_all(self, session: Session, slot: int, deadline: float) -> None:
         read_sources(self._transports, self._local_regions, self._pool, session.sources, slot, deadline, self.name)
