@@ -41,6 +41,7 @@ import collections
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -61,6 +62,14 @@ LEASE_TTL = 30.0  # generous: 256 parties on 2 cores must not miss refreshes
 CTX = mp.get_context("forkserver")
 
 
+def _key_kind(key) -> str:
+    """A store key without its channel, generation and numbers: ``v/N/e/N/snap``, ``sub/N/state``;
+    a list of keys as the set of its kinds."""
+    if isinstance(key, (list, tuple)):
+        return "[" + ",".join(sorted({_key_kind(k) for k in key})) + "]"
+    return re.sub(r"\d+", "N", re.sub(r"^wb/[^/]+/(g/[^/]+/)?", "", str(key)))
+
+
 class CountingStore(Store):
     """A ``Store`` that forwards every call to ``inner`` and counts it. Helpers that the inner
     store does not override (``wait`` polling with ``get``, say) run here, so that their own calls
@@ -68,53 +77,57 @@ class CountingStore(Store):
 
     def __init__(self, inner: Store) -> None:
         self.inner, self.url = inner, inner.url
-        self.calls: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def total(self) -> int:
         return sum(self.calls.values())
+
+    def _count(self, op: str, key) -> None:
+        """One call of ``op``, filed under the kind of key it names (``--breakdown``)."""
+        self.calls[op, _key_kind(key)] += 1
 
     def _own(self, name: str) -> bool:
         return getattr(type(self.inner), name, None) is not getattr(Store, name, None)
 
     def get(self, key):
-        self.calls["get"] += 1
+        self._count("get", key)
         return self.inner.get(key)
 
     def get_many(self, keys):
         if self._own("get_many"):
-            self.calls["get_many"] += 1
+            self._count("get_many", keys)
             return self.inner.get_many(keys)
         return [self.get(k) for k in keys]
 
     def set(self, key, value):
-        self.calls["set"] += 1
+        self._count("set", key)
         self.inner.set(key, value)
 
     def compare_set(self, key, expected, value):
-        self.calls["compare_set"] += 1
+        self._count("compare_set", key)
         return self.inner.compare_set(key, expected, value)
 
     def add(self, key, delta):
-        self.calls["add"] += 1
+        self._count("add", key)
         return self.inner.add(key, delta)
 
     def delete(self, key):
-        self.calls["delete"] += 1
+        self._count("delete", key)
         self.inner.delete(key)
 
     def delete_many(self, keys):
         if self._own("delete_many"):
-            self.calls["delete_many"] += 1
+            self._count("delete_many", keys)
             return self.inner.delete_many(keys)
         for k in keys:
             self.delete(k)
 
     def lease(self, key, ttl):
-        self.calls["lease"] += 1
+        self._count("lease", key)
         return self.inner.lease(key, ttl)
 
     def is_alive(self, key, ttl):
-        self.calls["is_alive"] += 1
+        self._count("is_alive", key)
         return self.inner.is_alive(key, ttl)
 
     def judge_alive(self, key, value, ttl):
@@ -122,13 +135,13 @@ class CountingStore(Store):
 
     def wait(self, key, timeout):
         if self._own("wait"):
-            self.calls["wait"] += 1
+            self._count("wait", key)
             return self.inner.wait(key, timeout)
         return Store.wait(self, key, timeout)
 
     def wait_change(self, key, old, timeout):
         if self._own("wait_change"):
-            self.calls["wait_change"] += 1
+            self._count("wait_change", key)
             return self.inner.wait_change(key, old, timeout)
         return Store.wait_change(self, key, old, timeout)
 
@@ -175,7 +188,7 @@ def _subscriber_proc(url: str, ids: Sequence[int], p: int, conn, stop) -> None:
     while True:
         msg = conn.recv()
         if msg == "count":
-            conn.send((sum(s.total() for s in stores), dict(errors)))
+            conn.send((sum((s.calls for s in stores), collections.Counter()), dict(errors)))
         elif msg == "churn":
             store = open_store(url, connect_timeout=60)
             sub = Subscriber(CHANNEL, store, token=TOKEN, transport="tcp", lease_ttl=LEASE_TTL, name="churn")
@@ -207,8 +220,8 @@ class Publishers:
             pub.register({"w": (t, Shard("w", (p, COLS), offsets=(r, 0), sizes=(1, COLS)))})
             self.pubs.append(pub)
 
-    def requests(self) -> int:
-        return sum(s.total() for s in self.stores)
+    def requests(self) -> collections.Counter:
+        return sum((s.calls for s in self.stores), collections.Counter())
 
     def publish(self, n: int, timeout: float = 300.0) -> tuple[list[float], list[float]]:
         """Publishes ``n`` versions; returns per version (barrier -> commit, barrier -> all returned)."""
@@ -269,15 +282,16 @@ class Run:
         for c in self.conns:
             c.send("go")
 
-    def requests(self) -> tuple[int, dict]:
-        total, errors = self.pubs.requests(), collections.Counter()
+    def requests(self) -> tuple[collections.Counter, collections.Counter, dict]:
+        """Calls so far by (op, key kind): the publishers', the subscribers'; subscriber errors."""
+        subs, errors = collections.Counter(), collections.Counter()
         for c in self.conns:
             c.send("count")
         for c in self.conns:
-            n, errs = c.recv()
-            total += n
+            calls, errs = c.recv()
+            subs.update(calls)
             errors.update(errs)
-        return total, dict(errors)
+        return self.pubs.requests(), subs, dict(errors)
 
     def churn(self) -> None:
         self.conns[0].send("churn")
@@ -346,13 +360,15 @@ def measure(env: StoreEnv, p: int, s: int, args) -> dict:
     run = Run(env, p, s, args.procs)
     try:
         run.pubs.publish(args.warmup)
-        before, _ = run.requests()
+        pubs0, subs0, _ = run.requests()
         commit_ms, round_ms = run.pubs.publish(args.versions)
-        after, errors = run.requests()
+        pubs1, subs1, errors = run.requests()
     finally:
         run.close()
+    pubs, subs = pubs1 - pubs0, subs1 - subs0
     return {
-        "requests_per_version": (after - before) / args.versions,
+        "requests_per_version": (pubs.total() + subs.total()) / args.versions,
+        "breakdown": {"publisher": (pubs, p), "subscriber": (subs, s)},
         "publish_ms": statistics.median(commit_ms),
         "round_ms": statistics.median(round_ms),
         "errors": errors,
@@ -390,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gc-versions", type=int, default=1000)
     ap.add_argument("--churn-every", type=int, default=100)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="calls per party and version by op and key")
     args = ap.parse_args(argv)
     p, s = args.publishers, args.subscribers
     for kind in args.stores.split(","):
@@ -413,6 +430,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"errors={many['errors'] or one['errors'] or {}}",
                 flush=True,
             )
+        if args.breakdown:
+            for who, (calls, n) in many["breakdown"].items():
+                print(f"  {kind} {who}: {calls.total() / args.versions / n:.2f} calls per party and version")
+                for (op, key), c in calls.most_common():
+                    print(f"    {c / args.versions / n:8.2f}  {op} {key}")
         n = many["requests_per_version"]
         print(
             f"control_plane: store={kind} P={p} S={s} requests_per_version={n:.0f} per_party={n / (p + s):.2f} "
