@@ -6,7 +6,8 @@ empty, in a new generation (see ``_generation``): the subscriber joins that one.
 and stopped waiting for it, so it joins again under a new id and they wait for it again. Or its
 record is gone: a publisher evicted it (``Publisher.evict``: someone reported it dead, wrongly
 here) or collected it as dead; it joins again under a new id just the same. All three are noticed
-at the subscriber's next pull (``check()``, one batched read of the generation and the record).
+at the subscriber's next pull (``check()``, one batched read of the generation and the record,
+with the version record and fences the pull reads next).
 """
 
 from __future__ import annotations
@@ -84,30 +85,33 @@ class Membership:
         self.layout, self.relay = layout, relay
         self._write_record(self.keys, self.id)
 
-    def check(self) -> int:
+    def check(self, also: list[str] | None = None) -> tuple[int, list]:
         """``NEW_GENERATION`` (joined the store's new one: what was known of the old is void),
-        ``REJOINED`` (the lease had lapsed: joined again under a new id) or ``STILL``."""
+        ``REJOINED`` (the lease had lapsed: joined again under a new id) or ``STILL``; and the
+        values of the keys ``also``, read in the same batch (of the generation joined before)."""
+        also = also or []
         mine = [self.keys.sub(self.id)] if self.id is not None else []
-        raw, *record = self.store.get_many([self.base.generation, *mine])
+        raw, *values = self.store.get_many([self.base.generation, *mine, *also])
+        record, values = values[: len(mine)], values[len(mine) :]
         gen = _generation.parse(self.base, self.token, raw)
         if gen != self.gen and gen not in self._left:
             log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
             self.acked = 0  # nothing of the new generation is held
             self.join(gen)
-            return NEW_GENERATION
+            return NEW_GENERATION, values
         if self.lease is None:
-            return STILL
+            return STILL, values
         if record == [None]:  # nobody counts this id any more: a publisher evicted or collected it
             log.warning("subscriber %s: publishers no longer count it (evicted?); joining again", self.name)
             old = self.keys.sub(self.id, "live"), self.keys.sub(self.id, "state")
             self.join(self.gen, self.acked)
             quietly(self.store.delete_many, old)  # what it wrote after the eviction: nobody collects it
-            return REJOINED
+            return REJOINED, values
         if self.lease.lapsed:
             log.warning("subscriber %s: its lease lapsed (frozen > %.1fs?); joining again", self.name, self.ttl)
             self.join(self.gen, self.acked)
-            return REJOINED
-        return STILL
+            return REJOINED, values
+        return STILL, values
 
     def leave(self) -> None:
         lease, self.lease = self.lease, None

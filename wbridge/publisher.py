@@ -418,8 +418,7 @@ class Publisher(Closeable):
                 packing=()
                 if reg.packer is None
                 else packing_gens(self._store, self.keys, self.token, v, self.world_size),
-            ).write(self._store, self.keys, self.token)
-            self._store.set(self.keys.ready(v), b"1")  # wakes the subscribers blocked on it
+            ).write(self._store, self.keys, self.token)  # and its ready key: subscribers wake
             self._collect(v, reg.epoch)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:

@@ -188,18 +188,18 @@ class Subscriber(Closeable):
         self._zone = None  # (if joining fails, no closed reader is left behind)
         self._zone = join_zone(self, self._dest[0] if self.staged else None, layout_hash(self._layout))
 
-    def _check_membership(self) -> bool:
-        """Whether the membership stands; if the store was found in a new generation (it was lost
-        and came back empty), forgets what it knew: the tensors keep their bytes but ``version`` is
-        None (no version of the new generation) until a pull. A lapsed lease is joined again, and
-        the version held is acked under the new id."""
-        found = self._member.check()
+    def _check_membership(self) -> list | None:
+        """If the membership stands, the values of ``VersionRecord.keys_with_fence`` (read with it
+        in one batch), else None. A store found in a new generation (it was lost and came back
+        empty) voids what was known: the tensors keep their bytes but ``version`` is None until a
+        pull. A lapsed lease is joined again, the version held acked under the new id."""
+        found, values = self._member.check(VersionRecord.keys_with_fence(self.keys, self._nslots))
         if found == NEW_GENERATION:
             self._drop_session()
             self.version, self._newest, self._held = None, 0, None
         if found != STILL and self._zone is not None:
             self._join_zone()  # a new id (or generation): a new relay record
-        return found == STILL
+        return values if found == STILL else None
 
     def latest(self) -> int | None:
         """The newest committed version in the store (``None`` before the first); never blocks."""
@@ -287,10 +287,11 @@ class Subscriber(Closeable):
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
         want = max(1, min_version or 1)
         retries = 0
-        self._check_membership()
+        known = self._check_membership()  # with the version record: one batched read
         while True:
+            first, known = known, None
             try:
-                rec, fence = self._wait_version(want, deadline, timeout)
+                rec, fence = self._wait_version(want, deadline, timeout, first)
             except _GenerationChanged:
                 continue
             if rec.v == self.version:
@@ -322,15 +323,19 @@ class Subscriber(Closeable):
             )
             return rec.v
 
-    def _wait_version(self, want: int, deadline: float, timeout: float) -> tuple[VersionRecord, int]:
-        """The newest version record (at least ``want``) and its slot's fence. Blocks on the
-        ``ready`` key of the version it needs next (a TCPStore wait, an etcd watch), not polling."""
+    def _wait_version(
+        self, want: int, deadline: float, timeout: float, known: list | None
+    ) -> tuple[VersionRecord, int]:
+        """The newest version record (at least ``want``) and its slot's fence (``known``: those read
+        already). Blocks on the ``ready`` key of the version it needs next (a TCPStore wait, an etcd
+        watch), not polling; that key holds the version's record: no further read after a wait."""
         # Never go back: a store replaying an older (genuinely signed) version record must not
         # roll this subscriber back to stale weights.
         want = max(want, self._newest)
         while True:
-            rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots)
-            if rec is None and not self._check_membership():
+            rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots, known)
+            known = None
+            if rec is None and self._check_membership() is None:
                 raise _GenerationChanged
             if rec is not None and rec.slot >= self._nslots:
                 self._nslots = min(rec.slot + 1, 64)
@@ -353,9 +358,14 @@ class Subscriber(Closeable):
                 )
             nxt = want if rec is None or rec.v < want else rec.v + 1
             try:
-                self._store.wait(self.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))
+                raw = self._store.wait(self.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))
             except (WaitTimeout, StoreError):
-                pass  # a store down for the slice: the next read retries it within its own timeout
+                continue  # a store down for the slice: the next read retries it within its own timeout
+            rec = VersionRecord.parse_ready(self.keys, self.token, nxt, raw)
+            if not rec.zero_copy:  # (readable only while its publish() runs: read its fence)
+                self._nslots = min(max(self._nslots, rec.slot + 1), 64)
+                self._newest = max(self._newest, rec.v)
+                return rec, rec.fence
 
     def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[tuple[int, int], int, int, bool]:
         """Reads ``rec`` (whose slot's fence read ``fence`` along with it): as deltas onto the version

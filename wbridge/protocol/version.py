@@ -33,14 +33,20 @@ class VersionRecord:
     def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:
         return cls.parse(keys, token, store.get(keys.version))
 
+    @staticmethod
+    def keys_with_fence(keys: Keys, nslots: int) -> list[str]:
+        """What ``read_with_fence`` reads: the record and the fences of slots ``0 .. nslots - 1``."""
+        return [keys.version] + [keys.fence(i) for i in range(nslots)]
+
     @classmethod
     def read_with_fence(
-        cls, store: Store, keys: Keys, token: bytes | None, nslots: int
+        cls, store: Store, keys: Keys, token: bytes | None, nslots: int, values: list | None = None
     ) -> tuple[VersionRecord | None, int]:
         """The record and the current fence of its slot (0 when there is no record), in one
-        batched read with the fences of slots ``0 .. nslots - 1`` (another read if its slot is not
-        among them)."""
-        values = store.get_many([keys.version] + [keys.fence(i) for i in range(nslots)])
+        batched read of ``keys_with_fence`` (another read if its slot is not among them);
+        ``values``: those keys' values, read already in a batch of the caller's."""
+        if values is None:
+            values = store.get_many(cls.keys_with_fence(keys, nslots))
         rec = cls.parse(keys, token, values[0])
         if rec is None:
             return None, 0
@@ -63,5 +69,20 @@ class VersionRecord:
         except TypeError as e:
             raise StoreError(f"malformed version record: {e}") from None
 
+    @classmethod
+    def parse_ready(cls, keys: Keys, token: bytes | None, v: int, raw: bytes) -> VersionRecord:
+        """The record of ``v`` from the bytes of ``keys.ready(v)``, which the commit writes with
+        it: a subscriber blocked on that key has the record without reading ``keys.version``."""
+        try:
+            rec = cls(**open_sealed(token, keys.ready(v), raw))
+        except TypeError as e:
+            raise StoreError(f"malformed version record at {keys.ready(v)!r}: {e}") from None
+        if rec.v != v:
+            raise StoreError(f"store key {keys.ready(v)!r} holds the record of version {rec.v}")
+        return rec
+
     def write(self, store: Store, keys: Keys, token: bytes | None) -> None:
+        """Commits the version: the record, then the ``ready`` key of its version, which carries
+        the record too and wakes the subscribers blocked on it."""
         store.set(keys.version, seal(token, keys.version, self.__dict__))
+        store.set(keys.ready(self.v), seal(token, keys.ready(self.v), self.__dict__))
