@@ -166,10 +166,9 @@ def copy_torch(ps: PackedStaging, srcs: list[Any], slot: Any) -> None:
 def packing_gens(store: Store, keys: Keys, token: bytes | None, v: int, world_size: int) -> tuple[int, ...]:
     """The packing generation of every publisher rank's slot for version ``v`` (0 where a rank
     recorded none), read by the rank that commits ``v`` into its version record."""
+    names = [keys.packing(v, r) for r in range(world_size)]
     gens = []
-    for r in range(world_size):
-        key = keys.packing(v, r)
-        raw = store.get(key)
+    for key, raw in zip(names, store.get_many(names)):
         gens.append(int(open_sealed(token, key, raw)["gen"]) if raw is not None else 0)
     return tuple(gens)
 
