@@ -8,6 +8,10 @@ reads the slot that v is about to overwrite). The other ranks block on the key a
 wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggregator died, or is
 not waiting for the same thing) scans by itself, at doubling intervals, and writes the key too.
 
+Publishers pack their staging slots for the layouts their readers announced (``_packing``); the
+aggregator's scans keep the set of those layouts in one sealed key (``Keys.readers``), which the
+other ranks read once per publish instead of scanning every subscriber themselves.
+
 A scan also collects dead subscribers: once a lease lapsed, the subscriber's three keys are deleted,
 and its relay record if it relayed (a subscriber that comes back registers under a new id).
 ``evict`` collects a subscriber reported dead at once, lease or not: with its record, lease and
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from . import _generation
 from .errors import StoreError, UsageError, WaitTimeout
 from .protocol.keys import Keys
-from .protocol.records import open_sealed
+from .protocol.records import open_sealed, seal
 from .store import Store
 
 FALLBACK_S = 2.0  # a non-aggregating rank scans by itself after waiting this long for a key, then
@@ -84,11 +88,28 @@ class SubscriberTracker:
     known: dict[int, SubscriberView] = field(default_factory=dict)
     pending: dict[int, float] = field(default_factory=dict)  # id -> when first counted, no record yet
     counted: int = 0  # the subscriber counter as of the last scan
+    layouts: tuple[str, ...] | None = None  # the reader layouts last written to Keys.readers
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def live(self) -> list[SubscriberView]:
         with self.lock:
             return self._scan()
+
+    def reader_layouts(self) -> tuple[str, ...]:
+        """The distinct layout hashes that live subscribers announced, sorted. The aggregator
+        scans (every scan of its writes them to ``Keys.readers`` when they changed, before it
+        writes the key of a condition); another rank reads that key: one small read, not a scan of
+        every subscriber, as of the aggregator's last scan (in sync and one-step-off modes the one
+        that ended the wait before this snapshot; none until the aggregator has scanned)."""
+        if self.aggregator:
+            self.live()
+            return self.layouts or ()
+        key = self.keys.readers
+        raw = self.store.get(key)
+        try:
+            return tuple(str(h) for h in open_sealed(self.token, key, raw)) if raw is not None else ()
+        except Exception:  # noqa: BLE001 - a forged or malformed record packs nothing
+            return ()
 
     def _scan(self) -> list[SubscriberView]:
         views = list(self.known.values())
@@ -138,6 +159,11 @@ class SubscriberTracker:
                 self.known[v.id] = v
         if dead:
             self.store.delete_many(self._keys_of(dead))
+        if self.aggregator:
+            layouts = tuple(sorted({s.layout for s in out if s.layout}))
+            if layouts != self.layouts:
+                self.store.set(self.keys.readers, seal(self.token, self.keys.readers, list(layouts)))
+                self.layouts = layouts
         return out
 
     def evict(self, who: int | str) -> list[int]:

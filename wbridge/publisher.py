@@ -384,8 +384,7 @@ class Publisher(Closeable):
         self._wait_before_snapshot(v, slot, deadline)
         gen, packed = 0, None
         if reg.packer is not None:  # pack for the readers known now; later ones from the next version
-            hashes = [s.layout for s in self._tracker.live() if s.layout]
-            gen, packed = reg.packer.choose(reg.epoch, self.rank, hashes)
+            gen, packed = reg.packer.choose(reg.epoch, self.rank, list(self._tracker.reader_layouts()))
         t1 = time.perf_counter()
         self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
         stamp = reg.stamps[slot].numpy().view(np.uint64)

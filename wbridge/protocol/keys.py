@@ -17,6 +17,8 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/v/<v>/free           written once no live subscriber reads (an older version in)
                                     the slot that v is about to overwrite
     wb/c/g/<g>/layout/<hash>        a subscriber layout, announced once per distinct layout
+    wb/c/g/<g>/readers              the layout hashes of the live subscribers, as of the
+                                    aggregating publisher rank's last scan (``_tracker``)
     wb/c/g/<g>/slot/<s>/fence       bumped by every rank before it overwrites slot s
     wb/c/g/<g>/subs                 subscriber counter; subscriber ids are 1, 2, ...
     wb/c/g/<g>/sub/<i>              subscriber record
@@ -62,6 +64,7 @@ class Keys:
     reg = property(lambda self: self.p + "reg")
     version = property(lambda self: self.p + "version")
     subs = property(lambda self: self.p + "subs")
+    readers = property(lambda self: self.p + "readers")
 
     def at(self, gen: str) -> Keys:
         """The keys of this channel in store generation ``gen``."""
