@@ -66,7 +66,6 @@ from typing import Any
 from _common import (
     BUCKET_BYTES,
     MODEL_SIZES,
-    TOKEN,
     Compute,
     baseline_rollout_update,
     baseline_trainer_update,
@@ -75,20 +74,14 @@ from _common import (
     fmt_ratio,
     free_port,
     gather,
-    init_groups,
-    leave_groups,
-    load_targets,
     machine,
     model_config,
-    open_publisher,
     ratio,
-    start_actors,
     stop_all,
-    trainer_boxes,
     write_json,
 )
+from _ranks import DP, ROLLOUTS, TP, RolloutRank, TrainerRank, start_ranks
 
-TP, DP, ROLLOUTS = 2, 2, 2
 STALENESS = {"sync": 0, "one_step_off": 1, "async": 2}
 # In the baseline and sync loops the benchmark's own memory-heavy work (writing a version's values,
 # checking one) runs a quarter into a step, away from the step boundaries where pulls and swaps
@@ -98,13 +91,12 @@ BOOKKEEPING_AT = 0.25
 
 
 class _Side:
-    """What trainers and rollouts share: a model, emulated compute, the baseline's groups."""
+    """What trainers and rollouts of this benchmark add to their ``_ranks`` class (the next base
+    class): emulated compute at niceness ``nice``, the baseline's buckets, a barrier."""
 
-    def __init__(self, model: str, store_url: str, nice: int) -> None:
-        self.cfg = model_config(model)
-        self.store_url = store_url
+    def __init__(self, *args: Any, nice: int) -> None:
+        super().__init__(*args)
         self.compute = Compute(nice)
-        self.groups = None
         self.buckets = bucket_plan(self.cfg.specs(), BUCKET_BYTES)
 
     def barrier(self) -> None:
@@ -113,19 +105,15 @@ class _Side:
         dist.barrier(group=self.groups.world)
 
     def close(self) -> None:
+        # the compute thread stops before the groups are left: the other order ends the actor
+        # processes with "terminate called without an active exception"
         self.compute.close()
-        leave_groups(self.groups)
-        self.groups = None
+        super().close()
 
 
-class Trainer(_Side):
+class Trainer(_Side, TrainerRank):
     def __init__(self, rank: int, model: str, store_url: str, nice: int) -> None:
-        from wbridge.testing.synthetic import make_tensors
-
-        super().__init__(model, store_url, nice)
-        self.rank = rank
-        self.tensors = make_tensors(self.cfg, TP, rank % TP, fused=False, version=None)
-        self.pub = None
+        super().__init__(rank, model, store_url, nice=nice)
         self.fut = None  # the publish_async() in flight
         self.write_s = 0.0  # the last optimizer write's duration
 
@@ -153,10 +141,6 @@ class Trainer(_Side):
         return stall + time.perf_counter() - t1
 
     # -- baseline ------------------------------------------------------------------------------
-    def dist_init(self, port: int) -> None:
-        self.groups = init_groups(self.rank, TP * DP, ROLLOUTS, TP, port)
-        self.boxes = trainer_boxes(self.cfg, TP)
-
     def baseline_update(self) -> float:
         t0 = time.perf_counter()
         baseline_trainer_update(self.groups, self.rank, self.cfg, self.tensors, self.boxes, self.buckets)
@@ -166,8 +150,7 @@ class Trainer(_Side):
     # -- wbridge -------------------------------------------------------------------------------
     def open(self, channel: str, mode: str, transport: str) -> None:
         staleness = STALENESS[mode] if mode == "async" else None
-        self.pub = open_publisher(channel, self.store_url, self.rank, TP * DP, self.tensors, transport, mode=mode,
-                                  max_staleness=staleness)  # fmt: skip
+        self.open_publisher(channel, transport, mode=mode, max_staleness=staleness)
 
     def publish(self, timeout: float) -> float:
         t0 = time.perf_counter()
@@ -189,24 +172,13 @@ class Trainer(_Side):
 
     def close_channel(self) -> None:
         self.fut = None
-        if self.pub is not None:
-            self.pub.close()
-            self.pub = None
-
-    def close(self) -> None:
-        self.close_channel()
-        super().close()
+        super().close_channel()
 
 
-class Rollout(_Side):
+class Rollout(_Side, RolloutRank):
     def __init__(self, idx: int, model: str, store_url: str, nice: int) -> None:
-        from wbridge.testing.synthetic import make_tensors
-
-        super().__init__(model, store_url, nice)
-        self.idx = idx
-        self.tensors = make_tensors(self.cfg, TP, idx, fused=True, version=None, fill_value=0xFF)
+        super().__init__(idx, model, store_url, nice=nice)
         self.shadow = None
-        self.sub = None
         self.held = 0  # content version in the live tensors (0: none)
         self.checked_version = 0  # the last content version checked
         self.checked = 0
@@ -233,10 +205,6 @@ class Rollout(_Side):
         return self.compute.step(seconds, fn, at=BOOKKEEPING_AT)[0]
 
     # -- baseline ------------------------------------------------------------------------------
-    def dist_init(self, port: int) -> None:
-        self.groups = init_groups(TP * DP + self.idx, TP * DP, ROLLOUTS, TP, port)
-        self.targets = load_targets(self.tensors)
-
     def baseline_update(self, content: int) -> float:
         t0 = time.perf_counter()
         baseline_rollout_update(self.groups, self.cfg, self.targets, self.buckets)
@@ -246,13 +214,9 @@ class Rollout(_Side):
 
     # -- wbridge -------------------------------------------------------------------------------
     def open(self, channel: str, transport: str, background: bool) -> None:
-        from wbridge import Subscriber
-        from wbridge.testing.synthetic import make_tensors
-
         if background and self.shadow is None:
-            self.shadow = make_tensors(self.cfg, TP, self.idx, fused=True, version=None, fill_value=0xFF)
-        self.sub = Subscriber(channel, self.store_url, token=TOKEN, transport=transport, name=f"rollout-{self.idx}")
-        self.sub.register(self.shadow if background else self.tensors)
+            self.shadow = self.new_tensors()
+        self.open_subscriber(channel, transport, self.shadow if background else None)
         self.background = background
 
     def pull(self, version: int, base: int, timeout: float) -> float:
@@ -345,15 +309,6 @@ class Rollout(_Side):
         self.compute.step(0.0, self._check(self.held))
         self.checked_version = self.held
         return {"stalls": stalls, "wall_s": wall, "final": self.held - base, "checked": self.checked}
-
-    def close_channel(self) -> None:
-        if self.sub is not None:
-            self.sub.close()
-            self.sub = None
-
-    def close(self) -> None:
-        self.close_channel()
-        super().close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,13 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     store = open_store(store_url, host_store=True)
     import stall as mod  # the actor classes by an importable name (also under runpy)
 
-    nice = a.nice
-    specs = [(f"trainer-{r}", mod.Trainer, (r, a.model, store_url, nice), {}) for r in range(TP * DP)]
-    specs += [(f"rollout-{i}", mod.Rollout, (i, a.model, store_url, nice), {}) for i in range(ROLLOUTS)]
     results: dict[str, Any] = {}
     try:
-        acts = start_actors(specs, timeout=max(a.timeout, 300.0))
-        trainers, rollouts = acts[: TP * DP], acts[TP * DP :]
+        trainers, rollouts = start_ranks(mod.Trainer, mod.Rollout, (a.model, store_url, a.nice), max(a.timeout, 300.0))
+        acts = trainers + rollouts
         try:
             call_all(acts, "dist_init", free_port(), call_timeout=a.timeout)
             a.base = 0

@@ -49,7 +49,6 @@ from typing import Any
 from _common import (
     BUCKET_BYTES,
     MODEL_SIZES,
-    TOKEN,
     bucket_plan,
     call_all,
     concurrent_bulk_gbps,
@@ -57,52 +56,18 @@ from _common import (
     fmt_ratio,
     free_port,
     gather,
-    init_groups,
-    leave_groups,
-    load_targets,
     machine,
     median,
     model_config,
-    open_publisher,
-    peak_rss_mib,
     ratio,
-    start_actors,
     stop_all,
-    trainer_boxes,
     write_json,
 )
-
-TP, DP, ROLLOUTS = 2, 2, 2
-
-
-class _Member:
-    """What trainer and rollout ranks share: peak RSS, leaving the channel and the groups."""
-
-    groups = None
-
-    def rss(self) -> float:
-        return peak_rss_mib()
-
-    def wb_close(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self.wb_close()
-        leave_groups(self.groups)
-        self.groups = None
+from _ranks import DP, ROLLOUTS, TP, RolloutRank, TrainerRank, start_ranks
 
 
-class Trainer(_Member):
+class Trainer(TrainerRank):
     """One trainer rank: live shards, a wbridge publisher or a place in the baseline's groups."""
-
-    def __init__(self, rank: int, model: str, store_url: str) -> None:
-        from wbridge.testing.synthetic import make_tensors
-
-        self.rank, self.store_url = rank, store_url
-        self.cfg = model_config(model)
-        self.tensors = make_tensors(self.cfg, TP, rank % TP, fused=False, version=None)
-        self.pub = None
-        self.groups = None
 
     def set_version(self, content: int) -> None:
         from wbridge.testing.synthetic import set_version
@@ -110,8 +75,7 @@ class Trainer(_Member):
         set_version(self.tensors, content)
 
     def wb_open(self, channel: str, zero_copy: bool, transport: str) -> None:
-        self.pub = open_publisher(channel, self.store_url, self.rank, TP * DP, self.tensors, transport, mode="sync",
-                                  zero_copy=zero_copy)  # fmt: skip
+        self.open_publisher(channel, transport, mode="sync", zero_copy=zero_copy)
 
     def wb_publish(self, timeout: float) -> dict:
         t0 = time.perf_counter()
@@ -119,15 +83,6 @@ class Trainer(_Member):
         t1 = time.perf_counter()
         s = self.pub.stats[-1]
         return {"v": v, "t0": t0, "t1": t1, "stall_s": s.stall_s, "wait_s": s.wait_s}
-
-    def wb_close(self) -> None:
-        if self.pub is not None:
-            self.pub.close()
-            self.pub = None
-
-    def dist_init(self, port: int) -> None:
-        self.groups = init_groups(self.rank, TP * DP, ROLLOUTS, TP, port)
-        self.boxes = trainer_boxes(self.cfg, TP)
 
     def baseline(self, bucket_bytes: int) -> dict:
         from _common import baseline_trainer_update
@@ -138,23 +93,11 @@ class Trainer(_Member):
         return {"t0": t0, "t1": time.perf_counter()}
 
 
-class Rollout(_Member):
+class Rollout(RolloutRank):
     """One rollout rank: fused TP layout, a wbridge subscriber or a place in the baseline's groups."""
 
-    def __init__(self, idx: int, model: str, store_url: str) -> None:
-        from wbridge.testing.synthetic import make_tensors
-
-        self.idx, self.store_url = idx, store_url
-        self.cfg = model_config(model)
-        self.tensors = make_tensors(self.cfg, TP, idx, fused=True, version=None, fill_value=0xFF)
-        self.sub = None
-        self.groups = None
-
     def wb_open(self, channel: str, transport: str) -> None:
-        from wbridge import Subscriber
-
-        self.sub = Subscriber(channel, self.store_url, token=TOKEN, transport=transport, name=f"rollout-{self.idx}")
-        self.sub.register(self.tensors)
+        self.open_subscriber(channel, transport)
 
     def garbage(self) -> None:
         fill_garbage(self.tensors)
@@ -172,19 +115,10 @@ class Rollout(_Member):
             "transports": sorted({n for n, _ in self.sub.stats.transports.values()}),
         }
 
-    def wb_close(self) -> None:
-        if self.sub is not None:
-            self.sub.close()
-            self.sub = None
-
     def check(self, content: int) -> list[str]:
         from wbridge.testing.synthetic import mismatches
 
         return mismatches(self.tensors, content)
-
-    def dist_init(self, port: int) -> None:
-        self.groups = init_groups(TP * DP + self.idx, TP * DP, ROLLOUTS, TP, port)
-        self.targets = load_targets(self.tensors)
 
     def baseline(self, bucket_bytes: int) -> dict:
         from _common import baseline_rollout_update
@@ -284,8 +218,8 @@ class Run:
         try:
             self.versions(method, trainers, rollouts, trainers, update)
         finally:
-            call_all(rollouts, "wb_close", call_timeout=a.timeout)
-            call_all(trainers, "wb_close", call_timeout=a.timeout)
+            call_all(rollouts, "close_channel", call_timeout=a.timeout)
+            call_all(trainers, "close_channel", call_timeout=a.timeout)
 
     def baseline(self, trainers, rollouts, method: str, bucket_bytes: int) -> None:
         a = self.args
@@ -370,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     import update_e2e as mod  # the actor classes by an importable name (also under runpy)
 
     def actors():
-        specs = [(f"trainer-{r}", mod.Trainer, (r, a.model, store_url), {}) for r in range(TP * DP)]
-        specs += [(f"rollout-{i}", mod.Rollout, (i, a.model, store_url), {}) for i in range(ROLLOUTS)]
-        acts = start_actors(specs, timeout=max(a.timeout, 300.0))
-        return acts[: TP * DP], acts[TP * DP :]
+        return start_ranks(mod.Trainer, mod.Rollout, (a.model, store_url), max(a.timeout, 300.0))
 
     def record_rss(label: str, trainers, rollouts) -> None:
         rss[label] = {"trainer0_mib": trainers[0].call("rss"), "rollout0_mib": rollouts[0].call("rss")}

@@ -51,18 +51,12 @@ from .builder import (
 from .dtypes import itemsize as _itemsize
 from .errors import PlanError
 from .layout import Box, LocalTensor, Piece, RankLayout, row_major_strides
-from .plan import Plan
+from .plan import Plan, freeze_columns, frozen_int64
 from .runs import box_geometry, box_runs
 
 ALIGN = 64  # byte alignment of every cell and tensor in a slot and a receive buffer
 
 Geometry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]  # runs.box_geometry's result
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int64)
-    a.setflags(write=False)
-    return a
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,15 +79,11 @@ class StridedCopies:
     dst_strides: np.ndarray
 
     def __post_init__(self) -> None:
-        for name in ("src_region", "src_offset", "dst_region", "dst_offset", "run"):
-            object.__setattr__(self, name, _ro(getattr(self, name)))
-        n = len(self.run)
+        n = freeze_columns(self, ("src_region", "src_offset", "dst_region", "dst_offset", "run"), "strided copies")
         for name in ("shape", "src_strides", "dst_strides"):
-            a = _ro(getattr(self, name))
+            a = frozen_int64(getattr(self, name))
             object.__setattr__(self, name, a.reshape(n, -1) if a.size else a.reshape(n, 0))
-        if {len(getattr(self, c)) for c in ("src_region", "src_offset", "dst_region", "dst_offset")} != {n} or not (
-            self.shape.shape == self.src_strides.shape == self.dst_strides.shape
-        ):
+        if not self.shape.shape == self.src_strides.shape == self.dst_strides.shape:
             raise PlanError("strided copies: columns of different lengths")
 
     @classmethod

@@ -8,7 +8,7 @@ Offsets are byte offsets inside the named regions of the source and destination 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +16,25 @@ import numpy as np
 from .errors import PlanError
 
 COLUMNS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes")
+
+
+def frozen_int64(a: np.ndarray) -> np.ndarray:
+    """``a`` as a read-only, contiguous ``int64`` array: the form of every column of a plan (no
+    copy where ``a`` already has it)."""
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.setflags(write=False)
+    return a
+
+
+def freeze_columns(obj: object, names: Sequence[str], what: str) -> int:
+    """Turns the fields ``names`` of the frozen dataclass ``obj`` into ``frozen_int64`` columns
+    and returns their common length; ``PlanError`` naming ``what`` when the lengths differ."""
+    for c in names:
+        object.__setattr__(obj, c, frozen_int64(getattr(obj, c)))
+    lengths = {len(getattr(obj, c)) for c in names}
+    if len(lengths) > 1:
+        raise PlanError(f"{what}: columns of different lengths")
+    return lengths.pop()
 
 
 @dataclass(frozen=True)
@@ -43,15 +62,7 @@ class SourceOps:
     nbytes: np.ndarray
 
     def __post_init__(self) -> None:
-        n = None
-        for c in COLUMNS:
-            arr = np.ascontiguousarray(getattr(self, c), dtype=np.int64)
-            arr.setflags(write=False)
-            object.__setattr__(self, c, arr)
-            if n is None:
-                n = len(arr)
-            elif len(arr) != n:
-                raise PlanError(f"source rank {self.src_rank}: columns of different lengths")
+        freeze_columns(self, COLUMNS, f"source rank {self.src_rank}")
 
     def __len__(self) -> int:
         return len(self.nbytes)

@@ -91,6 +91,32 @@ class Region:
     handle: Any = field(default=None, repr=False)
 
 
+@dataclass(eq=False)
+class PreparedBatch:
+    """What ``prepare`` returns where a transport keeps state per batch (a subclass adds what its
+    ``read`` posts): the batch's peer and size, and whether it was released.
+
+    peer: the peer the reads go to (messages name it by its ``label``; ``closed`` once disconnected)
+    count: reads in the batch
+    nbytes: bytes they move
+    released: set once ``release`` (or the transport's ``close``) freed the batch
+    """
+
+    peer: Any
+    count: int
+    nbytes: int
+    released: bool = field(default=False, kw_only=True)
+
+    def check_readable(self, kind: str) -> None:
+        """Raises ``TransportError`` when the batch was released or its peer disconnected."""
+        if self.released or self.peer.closed:
+            raise TransportError(f"{kind}: read of a released batch or closed peer {self.peer.label}")
+
+    def __repr__(self) -> str:
+        name, label = type(self).__name__, self.peer.label
+        return f"{name}({label}, reads={self.count}, bytes={self.nbytes}, released={self.released})"
+
+
 def encode_descriptor(kind: str, **fields: Any) -> bytes:
     return json.dumps({"transport": kind, **fields}, separators=(",", ":"), sort_keys=True).encode()
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from ._host import rdma_devices
 from ._util import check_host_memory, int_field, str_field
-from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import TransportError
 
 try:
@@ -66,25 +66,21 @@ class MooncakePeer:
     protocol: str
     closed: bool = False
 
+    @property
+    def label(self) -> str:
+        return self.session
+
     def __repr__(self) -> str:
         return f"MooncakePeer({self.session}, {self.protocol}, closed={self.closed})"
 
 
 @dataclass(eq=False)
-class MooncakePrepared:
+class MooncakePrepared(PreparedBatch):
     """A validated batch: the engine's argument lists, built once and posted on every read."""
 
     peer: MooncakePeer
     chunks: list[tuple[list[int], list[int], list[int]]]  # (local, remote, lengths), at most max_batch each
-    count: int
-    nbytes: int
-    released: bool = False
     inflight: Future | None = field(default=None, repr=False)
-
-    def __repr__(self) -> str:
-        return (
-            f"MooncakePrepared({self.peer.session}, reads={self.count}, bytes={self.nbytes}, released={self.released})"
-        )
 
 
 class MooncakeTransport(Transport):
@@ -210,7 +206,7 @@ class MooncakeTransport(Transport):
         chunks = [
             (local[i : i + step], remote[i : i + step], lengths[i : i + step]) for i in range(0, len(lengths), step)
         ]
-        prep = MooncakePrepared(peer, chunks, len(batch), batch.total_bytes)
+        prep = MooncakePrepared(peer, len(batch), batch.total_bytes, chunks=chunks)
         with self._lock:
             self._check_open()
             self._prepared.add(prep)
@@ -220,8 +216,7 @@ class MooncakeTransport(Transport):
         peer = prepared.peer
         with self._lock:
             self._check_open()
-            if prepared.released or peer.closed:
-                raise TransportError(f"mooncake: read of a released batch or closed peer {peer.session}")
+            prepared.check_readable("mooncake")
             if prepared.inflight is not None and not prepared.inflight.done():
                 raise TransportError(
                     f"mooncake: an earlier read from {peer.session} has not finished yet (it timed out); retry later"

@@ -41,7 +41,7 @@ from . import _nccl_proto as p
 from ._nccl_serve import Server, ServerConfig
 from ._regions import RegionTable, Served
 from ._util import hex_field, int_field, str_field, time_left, token_key, wake
-from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import TransportError
 
 try:
@@ -76,7 +76,7 @@ class NcclPeer:
 
 
 @dataclass(eq=False)
-class NcclPrepared:
+class NcclPrepared(PreparedBatch):
     peer: NcclPeer
     id: int
     entries: bytes
@@ -84,10 +84,7 @@ class NcclPrepared:
     packed: g.Packed | None  # the short reads: one receive buffer, scattered after each pull
     backend: str
     device: str
-    count: int
-    nbytes: int
     generation: int = -1  # the peer connection that knows this batch
-    released: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -241,14 +238,14 @@ class NcclTransport(Transport):
         entries["offset"], entries["nbytes"] = batch.src_offset, batch.nbytes
         prep = NcclPrepared(
             peer,
-            next(_ids),
-            entries.tobytes(),
-            direct_views,
-            small,
-            backend,
-            device,
             len(batch),
             batch.total_bytes,
+            id=next(_ids),
+            entries=entries.tobytes(),
+            direct_views=direct_views,
+            packed=small,
+            backend=backend,
+            device=device,
         )
         with self._lock:
             self._check_open()
@@ -278,8 +275,7 @@ class NcclTransport(Transport):
         peer = prepared.peer
         deadline = time.monotonic() + timeout
         self._check_open()
-        if prepared.released or peer.closed:
-            raise TransportError(f"nccl: read of a released batch or closed peer {peer.label}")
+        prepared.check_readable("nccl")
         if prepared.count == 0:
             return
         if peer.sock is None or prepared.generation != peer.generation:

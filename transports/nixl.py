@@ -47,7 +47,7 @@ import numpy as np
 
 from ._host import rdma_ports
 from ._util import int_field, str_field
-from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
 from .errors import TransportError
 
 # The nixl-cu12 wheel bundles UCX with its own libibverbs/libnl but not libefa. Where the system has
@@ -132,24 +132,22 @@ class NixlPeer:
     regions: set = field(default_factory=set)  # region ids whose partial metadata is loaded
     closed: bool = False
 
+    @property
+    def label(self) -> str:
+        return self.name
+
     def __repr__(self) -> str:
         return f"NixlPeer({self.name}, regions={len(self.regions)}, closed={self.closed})"
 
 
 @dataclass(eq=False)
-class NixlPrepared:
+class NixlPrepared(PreparedBatch):
     """Prepared lists and transfer requests (one per memory-type pair), re-posted on every read."""
 
     peer: NixlPeer
-    dlists: list[Any]
-    xfers: list[Any]
-    count: int
-    nbytes: int
-    released: bool = False
+    dlists: list[Any] = field(default_factory=list)
+    xfers: list[Any] = field(default_factory=list)
     posted: bool = False  # NIXL refuses a status check of a request never posted
-
-    def __repr__(self) -> str:
-        return f"NixlPrepared({self.peer.name}, reads={self.count}, bytes={self.nbytes}, released={self.released})"
 
 
 class NixlTransport(Transport):
@@ -293,7 +291,7 @@ class NixlTransport(Transport):
                 if rid not in peer.regions:
                     self._load(peer.name, md)
                     peer.regions.add(rid)
-            prep = NixlPrepared(peer, [], [], len(batch), batch.total_bytes)
+            prep = NixlPrepared(peer, len(batch), batch.total_bytes)
             try:
                 self._build(prep, batch, remote, local_regions)
             except BaseException:
@@ -334,8 +332,7 @@ class NixlTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._lock:
             self._check_open()
-            if prepared.released or peer.closed:
-                raise TransportError(f"nixl: read of a released batch or closed peer {peer.name}")
+            prepared.check_readable("nixl")
             pending = list(prepared.xfers)
             if prepared.posted and "PROC" in [self._state(x, peer, post=False) for x in pending]:
                 raise TransportError(f"nixl: an earlier read from {peer.name} is still in flight (it timed out)")

@@ -22,17 +22,11 @@ def tiny_qwen2(hf: bool) -> torch.nn.Module:
     (the same parameter names and shapes, imports in a second instead of twenty)."""
     torch.manual_seed(0)
     if hf:
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import Qwen2ForCausalLM
 
-        cfg = Qwen2Config(
-            vocab_size=131,
-            hidden_size=128,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            tie_word_embeddings=False,
-        )
+        from wbridge.testing.hf import qwen2_config
+
+        cfg = qwen2_config(vocab_size=131, intermediate_size=96, num_key_value_heads=1)
         return Qwen2ForCausalLM(cfg).float()
     nn = torch.nn
     H, I, V, hd = 128, 96, 131, 32

@@ -10,6 +10,7 @@ import torch
 
 from wbridge.integrations.dtensor import from_module
 from wbridge.integrations.trace import trace_load_weights
+from wbridge.testing.hf import qwen2_config, qwen3_moe_config
 
 from .engines import VllmStyleModel, assert_like_loaded, hf_shapes
 from .helpers import check_entries, plan_transfer
@@ -19,37 +20,19 @@ pytestmark = pytest.mark.slow
 
 
 def qwen2(seed):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=131,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    )
+    cfg = qwen2_config(vocab_size=131, hidden_size=64, intermediate_size=48, num_key_value_heads=1, head_dim=16)
     return Qwen2ForCausalLM(cfg).float()
 
 
 def qwen3_moe(seed):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=131,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
+    cfg = qwen3_moe_config(
+        vocab_size=131, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=1
     )
     return Qwen3MoeForCausalLM(cfg).float()
 

@@ -29,25 +29,9 @@ def tiny_config():
 
 
 def tiny_moe_config():
-    from transformers import Qwen3MoeConfig
+    from wbridge.testing.hf import qwen3_moe_config
 
-    return Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    return qwen3_moe_config()
 
 
 def make_moe(ckpt: str, seed: int = 0) -> None:

@@ -128,3 +128,16 @@ def test_validate_catches_spec_disagreement():
     other = _one(3, "w", (4, 4), "bfloat16")
     with pytest.raises(PlanError, match=r"'w'.*float16 on source rank 0.*bfloat16 on destination rank 3"):
         validate_plan(plan, src, other)
+
+
+def test_columns_of_different_lengths():
+    from planner.packing import StridedCopies
+
+    with pytest.raises(PlanError, match=r"source rank 3: columns of different lengths"):
+        SourceOps(3, [0, 0], [0, 8], [0], [0, 8], [8, 8])
+    with pytest.raises(PlanError, match=r"strided copies: columns of different lengths"):
+        StridedCopies([0], [0], [0, 0], [0], [4], [[1]], [[0]], [[0]])
+    with pytest.raises(PlanError, match=r"strided copies: columns of different lengths"):
+        StridedCopies([0], [0], [0], [0], [4], [[1]], [[0]], [[0, 0]])
+    ops = SourceOps(1, [0, 0], [0, 8], [0, 0], [0, 8], [8, 8])
+    assert ops.nbytes.dtype == np.int64 and not ops.nbytes.flags.writeable and ops.total_bytes == 16

@@ -7,6 +7,7 @@ Building blocks (each returns a planner declaration for the calling rank's local
 - ``qkv_interleaved``: Megatron's ``linear_qkv``, per query group ``[q_g; k_g; v_g]``, TP-split by
   groups. ``qkv_fused``: the rollout-engine layout ``[q_r; k_r; v_r]`` (vLLM ``qkv_proj``) with kv
   heads replicated when there are fewer kv heads than TP ranks.
+  Both take ``QKVGeometry``'s keywords and call its ``interleaved`` / ``fused``.
 - ``gate_up_fused``: ``linear_fc1`` / ``gate_up_proj``: ``[gate_r; up_r]``.
 - ``pp_layers`` / ``ep_experts``: which global layers a PP stage holds, which global experts an EP
   rank holds.
@@ -19,7 +20,7 @@ of the rank's Megatron parameters and gives its local shape and declaration, so
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.layout import Declaration, Fused, Shard
@@ -73,73 +74,82 @@ def _names(pattern: str | Sequence[str]) -> tuple[str, str, str]:
     return q, k, v
 
 
-def qkv_interleaved(
-    names: str | Sequence[str],
-    *,
-    hidden: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    tp_rank: int,
-    tp_size: int,
-    bias: bool = False,
-) -> Fused:
+@dataclass(frozen=True, kw_only=True)
+class QKVGeometry:
+    """The q, k and v projections of one attention layer as one TP rank holds them: the keywords
+    of ``qkv_interleaved`` and ``qkv_fused``, which build one and call its method of that name.
+
+    hidden: the model width (the weights' second dimension; a bias has none)
+    num_heads: query heads
+    num_kv_heads: key/value heads (Megatron's query groups)
+    head_dim: rows per head
+    tp_rank: this rank's tensor-parallel rank
+    tp_size: tensor-parallel ranks
+    bias: declare the 1-D bias instead of the weight
+    """
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int
+    tp_size: int
+    bias: bool = False
+
+    def heads(self, name: str, of: int, first: int, count: int) -> Shard:
+        """Heads ``first .. first + count - 1`` of ``name``, a projection of ``of`` heads."""
+        hd = self.head_dim
+        tail = () if self.bias else (self.hidden,)
+        zero = () if self.bias else (0,)
+        return Shard(name, (of * hd,) + tail, (first * hd,) + zero, (count * hd,) + tail)
+
+    def interleaved(self, names: str | Sequence[str]) -> Fused:
+        """Megatron ``linear_qkv``; see ``qkv_interleaved``."""
+        q, k, v = _names(names)
+        if self.num_heads % self.num_kv_heads:
+            raise LayoutError(f"{q}: {self.num_heads} heads not divisible by {self.num_kv_heads} query groups")
+        g0, ng = _split(self.num_kv_heads, self.tp_size, self.tp_rank, f"{q} query groups")
+        hpg = self.num_heads // self.num_kv_heads
+        parts: list[Shard] = []
+        for g in range(g0, g0 + ng):
+            parts += [
+                self.heads(q, self.num_heads, g * hpg, hpg),
+                self.heads(k, self.num_kv_heads, g, 1),
+                self.heads(v, self.num_kv_heads, g, 1),
+            ]
+        return Fused(0, tuple(parts))
+
+    def fused(self, names: str | Sequence[str]) -> Fused:
+        """A rollout engine's ``qkv_proj``; see ``qkv_fused``."""
+        q, k, v = _names(names)
+        q0, nq = _split(self.num_heads, self.tp_size, self.tp_rank, f"{q} heads")
+        if self.num_kv_heads >= self.tp_size:
+            k0, nk = _split(self.num_kv_heads, self.tp_size, self.tp_rank, f"{k} heads")
+        else:
+            if self.tp_size % self.num_kv_heads:
+                raise LayoutError(f"{k}: {self.tp_size} TP ranks not divisible by {self.num_kv_heads} kv heads")
+            k0, nk = self.tp_rank * self.num_kv_heads // self.tp_size, 1
+        kv = self.num_kv_heads
+        return Fused(0, (self.heads(q, self.num_heads, q0, nq), self.heads(k, kv, k0, nk), self.heads(v, kv, k0, nk)))
+
+
+def qkv_interleaved(names: str | Sequence[str], **geometry: int) -> Fused:
     """Megatron ``linear_qkv``: per query group ``[q_g (heads/groups rows of heads); k_g; v_g]``.
 
-    ``names`` is a pattern with ``{}`` for q/k/v or a (q, k, v) triple. TP splits the groups, so
-    ``num_kv_heads`` must be divisible by ``tp_size``. ``bias=True`` declares the 1-D bias."""
-    q, k, v = _names(names)
-    if num_heads % num_kv_heads:
-        raise LayoutError(f"{q}: {num_heads} heads not divisible by {num_kv_heads} query groups")
-    g0, ng = _split(num_kv_heads, tp_size, tp_rank, f"{q} query groups")
-    hpg = num_heads // num_kv_heads
-    tail = () if bias else (hidden,)
-    zero = () if bias else (0,)
-    qs, ks = (num_heads * head_dim,) + tail, (num_kv_heads * head_dim,) + tail
-    parts = []
-    for g in range(g0, g0 + ng):
-        parts += [
-            Shard(q, qs, (g * hpg * head_dim,) + zero, (hpg * head_dim,) + tail),
-            Shard(k, ks, (g * head_dim,) + zero, (head_dim,) + tail),
-            Shard(v, ks, (g * head_dim,) + zero, (head_dim,) + tail),
-        ]
-    return Fused(0, tuple(parts))
+    ``names`` is a pattern with ``{}`` for q/k/v or a (q, k, v) triple; the keywords are
+    ``QKVGeometry``'s (``hidden``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``tp_rank``,
+    ``tp_size``, optional ``bias``). TP splits the groups, so ``num_kv_heads`` must be divisible by
+    ``tp_size``. ``bias=True`` declares the 1-D bias."""
+    return QKVGeometry(**geometry).interleaved(names)
 
 
-def qkv_fused(
-    names: str | Sequence[str],
-    *,
-    hidden: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    tp_rank: int,
-    tp_size: int,
-    bias: bool = False,
-) -> Fused:
+def qkv_fused(names: str | Sequence[str], **geometry: int) -> Fused:
     """A rollout engine's ``qkv_proj`` (vLLM ``QKVParallelLinear``): ``[q_r; k_r; v_r]``.
 
-    With fewer kv heads than TP ranks each kv head is replicated on ``tp_size / num_kv_heads``
-    consecutive ranks (rank ``r`` holds kv head ``r * num_kv_heads // tp_size``)."""
-    q, k, v = _names(names)
-    q0, nq = _split(num_heads, tp_size, tp_rank, f"{q} heads")
-    if num_kv_heads >= tp_size:
-        k0, nk = _split(num_kv_heads, tp_size, tp_rank, f"{k} heads")
-    else:
-        if tp_size % num_kv_heads:
-            raise LayoutError(f"{k}: {tp_size} TP ranks not divisible by {num_kv_heads} kv heads")
-        k0, nk = tp_rank * num_kv_heads // tp_size, 1
-    tail = () if bias else (hidden,)
-    zero = () if bias else (0,)
-    qs, ks = (num_heads * head_dim,) + tail, (num_kv_heads * head_dim,) + tail
-    return Fused(
-        0,
-        (
-            Shard(q, qs, (q0 * head_dim,) + zero, (nq * head_dim,) + tail),
-            Shard(k, ks, (k0 * head_dim,) + zero, (nk * head_dim,) + tail),
-            Shard(v, ks, (k0 * head_dim,) + zero, (nk * head_dim,) + tail),
-        ),
-    )
+    ``names`` and the keywords as for ``qkv_interleaved``. With fewer kv heads than TP ranks each
+    kv head is replicated on ``tp_size / num_kv_heads`` consecutive ranks (rank ``r`` holds kv head
+    ``r * num_kv_heads // tp_size``)."""
+    return QKVGeometry(**geometry).fused(names)
 
 
 def gate_up_fused(names: str | Sequence[str], *, hidden: int, intermediate: int, tp_rank: int, tp_size: int) -> Fused:
@@ -226,21 +236,22 @@ class MegatronGPT:
                     "lm_head.weight", self.vocab, H, r, tp, self.vocab_divisible_by
                 )
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        rows = (qd + 2 * kd) // tp
+        qkv = QKVGeometry(
+            hidden=H,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            tp_rank=r,
+            tp_size=tp,
+        )
         for local, g in enumerate(layers):
             m, h = f"decoder.layers.{local}.", f"model.layers.{g}."
             att = h + "self_attn.{}_proj"
-            rows = (qd + 2 * kd) // tp
-            kw = dict(
-                hidden=H,
-                num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                tp_rank=r,
-                tp_size=tp,
-            )
-            out[m + "self_attention.linear_qkv.weight"] = ((rows, H), qkv_interleaved(att + ".weight", **kw))
+            out[m + "self_attention.linear_qkv.weight"] = ((rows, H), qkv.interleaved(att + ".weight"))
             if self.qkv_bias:
-                out[m + "self_attention.linear_qkv.bias"] = ((rows,), qkv_interleaved(att + ".bias", bias=True, **kw))
+                bias = replace(qkv, bias=True).interleaved(att + ".bias")
+                out[m + "self_attention.linear_qkv.bias"] = ((rows,), bias)
             out[m + "self_attention.linear_qkv.layer_norm_weight"] = ((H,), Shard(h + "input_layernorm.weight", (H,)))
             out[m + "self_attention.linear_proj.weight"] = (
                 (H, qd // tp),

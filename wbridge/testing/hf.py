@@ -4,25 +4,37 @@ from __future__ import annotations
 
 from typing import Any
 
+# The small shape both configs share: GQA, head_dim 32 (which vLLM's CPU attention needs at
+# least), fp32, untied embeddings.
+_SMALL: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
 
 def qwen2_config(**overrides: Any) -> Any:
     """A small random-init Qwen2 config (GQA; head_dim 32, which vLLM's CPU attention needs at
     least), fp32, untied embeddings; ``overrides`` replace any field."""
     from transformers import Qwen2Config
 
-    fields: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-        bos_token_id=0,
-        eos_token_id=1,
+    return Qwen2Config(**{**_SMALL, **overrides})
+
+
+def qwen3_moe_config(**overrides: Any) -> Any:
+    """A small random-init Qwen3-MoE config: ``qwen2_config``'s shape with 4 experts (2 per token)
+    of intermediate size 64 in every layer; ``overrides`` replace any field."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **{**_SMALL, "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, **overrides}
     )
-    fields.update(overrides)
-    return Qwen2Config(**fields)
