@@ -208,8 +208,10 @@ def test_connection_limit():
         addr = (ep["host"], ep["port"])
         silent = _connect(addr)  # in its handshake: takes no authenticated slot
         peer = client.connect(t.endpoint(), timeout=10)  # one authenticated stream: the cap
-        deadline = time.monotonic() + 5
-        while t.num_connections < 2 and time.monotonic() < deadline:
+        # until the server holds both and has let the authenticated one out of its handshake gate
+        # (the client's connect returns when its side of the handshake is done, a little earlier)
+        srv, deadline = t._server, time.monotonic() + 10
+        while (srv.connections < 2 or srv.connections - len(srv._gate) < 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         with _connect(addr) as extra:
             assert _closed_within(extra, 3.0) < 2.0  # refused at once, not after the handshake timeout
