@@ -30,6 +30,9 @@ Per store, two runs side by side:
 etcd runs from a data directory on tmpfs (``/dev/shm``) where there is one, so that this machine's
 disk (etcd fsyncs every write) does not dominate the times.
 
+``--breakdown`` lists, per store, the calls per party and version of the S-subscriber run by
+operation and kind of key (``get_many [gen,slot/N/fence,sub/N,version]``: a subscriber's first read).
+
 Last line per store: ``control_plane: store=<tcp|etcd> P=<p> S=<s> requests_per_version=<n>
 per_party=<n/(p+s)> publish_ms=<t> keys_after_10=<a> keys_after_1000=<b>``.
 """
