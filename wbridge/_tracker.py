@@ -5,8 +5,12 @@ the aggregator (rank 0), reads every subscriber's lease and state in one batched
 (``Store.get_many``); once a condition that every rank waits for holds, it writes that condition's
 key (``Keys.acked(v)``: every live subscriber acked v or later; ``Keys.free(v)``: no live subscriber
 reads the slot that v is about to overwrite). The other ranks block on the key appearing (a TCPStore
-wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it (the aggregator died, or is
-not waiting for the same thing) scans by itself, at doubling intervals, and writes the key too.
+wait, an etcd watch). A rank that has waited ``FALLBACK_S`` without it scans by itself, at doubling
+intervals, and writes the key too, unless the aggregator is at work on that same key: while a wait
+of its lasts, the aggregator says so every ``BEAT_S`` (``Keys.aggregating``: the key and a count),
+and a rank that finds the count moved since its last look waits on. So a slow round (subscribers
+pulling for many seconds) costs the other ranks one small read per look, not a scan of every
+subscriber, and a dead aggregator (or one waiting for something else) is scanned around.
 
 Publishers pack their staging slots for the layouts their readers announced (``_packing``); the
 aggregator's scans keep the set of those layouts in one sealed key (``Keys.readers``), which the
@@ -35,6 +39,7 @@ from .store import Store
 FALLBACK_S = 2.0  # a non-aggregating rank scans by itself after waiting this long for a key, then
 # after twice as long again each time (a long wait on slow subscribers costs O(log) scans per rank)
 PENDING_GRACE_S = 10.0  # an id whose record never appears (collected, or its owner died) is dropped
+BEAT_S = 0.5  # how often the aggregator, while it waits, says for which key (Keys.aggregating)
 MAX_POLL_S = 0.02  # the aggregator's poll backoff cap; a tenth of the time waited so far if longer
 # (up to FALLBACK_S)
 
@@ -89,6 +94,7 @@ class SubscriberTracker:
     pending: dict[int, float] = field(default_factory=dict)  # id -> when first counted, no record yet
     counted: int = 0  # the subscriber counter as of the last scan
     layouts: tuple[str, ...] | None = None  # the reader layouts last written to Keys.readers
+    beats: int = 0  # how often this (aggregating) rank said it was at work on a wait
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def live(self) -> list[SubscriberView]:
@@ -210,13 +216,22 @@ class SubscriberTracker:
         ``deadline`` (``time.monotonic()``)."""
         poll, started, fallback = 0.0005, time.monotonic(), FALLBACK_S
         next_scan = time.monotonic() + (0.0 if self.aggregator else FALLBACK_S)
+        beat_at, seen = started + BEAT_S, None  # the aggregator's next beat; the last beat seen
         while True:
             check_stop()
             now = time.monotonic()
             if now >= next_scan:
-                if all(pred(s) for s in self.live()):
+                beat = None if self.aggregator else self._beat(key)
+                if beat is not None and beat != seen:
+                    seen = beat  # the aggregator scanned for this key since the last look: leave it
+                elif all(pred(s) for s in self.live()):
                     self.store.set(key, b"1")
                     return
+                if self.aggregator and now >= beat_at:
+                    self.beats += 1
+                    at = self.keys.aggregating
+                    self.store.set(at, seal(self.token, at, {"key": key, "n": self.beats}))
+                    beat_at = now + BEAT_S
                 if self.aggregator:
                     # a long wait (slow subscribers) costs O(log) scans, a short one stays prompt
                     grown = min(max(MAX_POLL_S, (now - started) / 10), FALLBACK_S)
@@ -235,6 +250,16 @@ class SubscriberTracker:
                 return
             except (WaitTimeout, StoreError):
                 pass  # a store down for the slice: the next scan retries it within its own timeout
+
+    def _beat(self, key: str) -> int | None:
+        """The aggregator's beat count if it last said it waits for ``key``, else None."""
+        at = self.keys.aggregating
+        raw = self.store.get(at)
+        try:
+            d = open_sealed(self.token, at, raw) if raw is not None else None
+            return int(d["n"]) if d is not None and d["key"] == key else None
+        except Exception:  # noqa: BLE001 - forged or malformed: as if none, so this rank scans
+            return None
 
 
 def evict(store: Store, keys: Keys, token: bytes | None, who: int | str) -> list[int]:

@@ -19,6 +19,8 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/layout/<hash>        a subscriber layout, announced once per distinct layout
     wb/c/g/<g>/readers              the layout hashes of the live subscribers, as of the
                                     aggregating publisher rank's last scan (``_tracker``)
+    wb/c/g/<g>/aggregating          the key the aggregating rank waits for and a count of its
+                                    beats, while a wait of its lasts (``_tracker``)
     wb/c/g/<g>/slot/<s>/fence       bumped by every rank before it overwrites slot s
     wb/c/g/<g>/subs                 subscriber counter; subscriber ids are 1, 2, ...
     wb/c/g/<g>/sub/<i>              subscriber record
@@ -65,6 +67,7 @@ class Keys:
     version = property(lambda self: self.p + "version")
     subs = property(lambda self: self.p + "subs")
     readers = property(lambda self: self.p + "readers")
+    aggregating = property(lambda self: self.p + "aggregating")
 
     def at(self, gen: str) -> Keys:
         """The keys of this channel in store generation ``gen``."""
