@@ -216,22 +216,24 @@ class SubscriberTracker:
         ``deadline`` (``time.monotonic()``)."""
         poll, started, fallback = 0.0005, time.monotonic(), FALLBACK_S
         next_scan = time.monotonic() + (0.0 if self.aggregator else FALLBACK_S)
-        beat_at, seen = started + BEAT_S, None  # the aggregator's next beat; the last beat seen
+        # the aggregator's next beat (the first soon: a wait that ends at once costs none); the
+        # aggregator's beat last seen by another rank
+        beat_at, seen = started + BEAT_S / 10, None
         while True:
             check_stop()
             now = time.monotonic()
             if now >= next_scan:
-                beat = None if self.aggregator else self._beat(key)
-                if beat is not None and beat != seen:
-                    seen = beat  # the aggregator scanned for this key since the last look: leave it
-                elif all(pred(s) for s in self.live()):
-                    self.store.set(key, b"1")
-                    return
                 if self.aggregator and now >= beat_at:
                     self.beats += 1
                     at = self.keys.aggregating
                     self.store.set(at, seal(self.token, at, {"key": key, "n": self.beats}))
                     beat_at = now + BEAT_S
+                beat = None if self.aggregator else self._beat(key)
+                if beat is not None and beat != seen:
+                    seen = beat  # the aggregator is at work on this key since the last look: leave it
+                elif all(pred(s) for s in self.live()):
+                    self.store.set(key, b"1")
+                    return
                 if self.aggregator:
                     # a long wait (slow subscribers) costs O(log) scans, a short one stays prompt
                     grown = min(max(MAX_POLL_S, (now - started) / 10), FALLBACK_S)
