@@ -82,6 +82,8 @@ class SubscriberTracker:
     aggregator: whether this rank scans while it waits (True) or blocks on the keys another
         rank's scans write, scanning by itself only after ``FALLBACK_S``, then at doubling
         intervals (False)
+    others: whether other publisher ranks wait on the keys this aggregator writes (only then does
+        it beat for them while it waits)
 
     Thread-safe: a background publish and the caller's ``subscribers()``/``wait_acked()`` may scan
     at once, and a scan updates ``known`` and the store's lease clock, so one scan at a time."""
@@ -90,6 +92,7 @@ class SubscriberTracker:
     keys: Keys
     token: bytes | None
     aggregator: bool = True
+    others: bool = True
     known: dict[int, SubscriberView] = field(default_factory=dict)
     pending: dict[int, float] = field(default_factory=dict)  # id -> when first counted, no record yet
     counted: int = 0  # the subscriber counter as of the last scan
@@ -223,7 +226,7 @@ class SubscriberTracker:
             check_stop()
             now = time.monotonic()
             if now >= next_scan:
-                if self.aggregator and now >= beat_at:
+                if self.aggregator and self.others and now >= beat_at:
                     self.beats += 1
                     at = self.keys.aggregating
                     self.store.set(at, seal(self.token, at, {"key": key, "n": self.beats}))
