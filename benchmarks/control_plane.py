@@ -202,8 +202,11 @@ def _subscriber_proc(url: str, ids: Sequence[int], p: int, conn, stop) -> None:
         else:
             break
     stop.set()
+    # a pull blocked on the ready key of a version never published does not return: the threads
+    # are daemons, given 2 s in all (not 10 s each) to finish what they were doing
+    deadline = time.monotonic() + 2.0
     for t in threads:
-        t.join(10)
+        t.join(max(0.0, deadline - time.monotonic()))
     for s in subs:
         s.close()
     conn.send("closed")

@@ -12,13 +12,12 @@ once rank 0 is gone mid-wait, they scan by themselves and the publish still comp
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 
 import pytest
 
-from benchmarks.control_plane import CHANNEL, TOKEN, Publishers, Run, StoreEnv, _sub_tensors, measure
+from benchmarks.control_plane import CHANNEL, TOKEN, Publishers, Run, StoreEnv, _sub_tensors
 from tests.etcd_fixture import etcd_binary
 from tests.runtime.harness import Worker
 from wbridge import Subscriber, open_store
@@ -35,19 +34,19 @@ def test_calls_per_version_subscribers_four_and_only_rank0_scans(kind: str) -> N
         pytest.skip("etcd is not installed (apt-get install -y etcd-server)")
     env = StoreEnv(kind)
     try:
-        got = measure(env, P, S, argparse.Namespace(versions=VERSIONS, warmup=2, procs=2))
-        assert not got["errors"], got["errors"]
-        subs, _ = got["breakdown"]["subscriber"]
-        per_sub = subs.total() / (VERSIONS * S)
-        # 4 exactly, but a subscriber's read and wait for the version after the last may or may
-        # not have begun when the count is taken: up to 2 calls more each over VERSIONS versions
-        assert per_sub <= 4.0 + 2 / VERSIONS, f"{per_sub:.2f} calls per subscriber and version: {dict(subs)}"
-
-        run = Run(env, P, 1, 1)  # per rank this time: which ranks read subscribers' keys
+        run = Run(env, P, S, 2)
         try:
             run.pubs.publish(2)
+            pubs0, subs0, _ = run.requests()
             before = [store.calls.copy() for store in run.pubs.stores]
             run.pubs.publish(VERSIONS)
+            _, subs1, errors = run.requests()
+            assert not errors, errors
+            subs = subs1 - subs0
+            per_sub = subs.total() / (VERSIONS * S)
+            # 4 exactly, but a subscriber's read and wait for the version after the last may or
+            # may not have begun when the count is taken: up to 2 calls more each
+            assert per_sub <= 4.0 + 2 / VERSIONS, f"{per_sub:.2f} calls per subscriber and version: {dict(subs)}"
             for rank, (store, old) in enumerate(zip(run.pubs.stores, before)):
                 scans = {k: n for k, n in (store.calls - old).items() if "sub/" in k[1]}
                 assert (rank == 0) == bool(scans), f"rank {rank} read subscriber keys: {scans}"
