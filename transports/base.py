@@ -46,28 +46,43 @@ from .errors import TransportError
 BATCH_COLUMNS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class ReadBatch:
-    """Reads from one peer, column-wise ``int64`` arrays of equal length."""
+    """Reads from one peer, held as one read-only ``(5, n)`` ``int64`` table whose rows are the
+    columns named in ``BATCH_COLUMNS``: one allocation to check and freeze, and no column can
+    differ in length from the others. Each argument is one value per read:
 
-    src_region: np.ndarray
-    src_offset: np.ndarray
-    dst_region: np.ndarray
-    dst_offset: np.ndarray
-    nbytes: np.ndarray
+    src_region: index into the remote region descriptors given to ``prepare``
+    src_offset: byte offset inside that remote region
+    dst_region: index into the local regions given to ``prepare``
+    dst_offset: byte offset inside that local region
+    nbytes: bytes to read
+    """
 
-    def __post_init__(self) -> None:
-        lengths = set()
-        for c in BATCH_COLUMNS:
-            arr = np.ascontiguousarray(getattr(self, c), dtype=np.int64)
-            arr.setflags(write=False)
-            object.__setattr__(self, c, arr)
-            lengths.add(len(arr))
+    table: np.ndarray
+
+    def __init__(self, src_region: Any, src_offset: Any, dst_region: Any, dst_offset: Any, nbytes: Any) -> None:
+        cols = [
+            np.ravel(np.asarray(c, dtype=np.int64)) for c in (src_region, src_offset, dst_region, dst_offset, nbytes)
+        ]
+        lengths = sorted({len(c) for c in cols})
         if len(lengths) > 1:
-            raise TransportError(f"read batch columns differ in length: {sorted(lengths)}")
+            raise TransportError(f"read batch columns differ in length: {lengths}")
+        table = np.stack(cols) if lengths[0] else np.zeros((5, 0), dtype=np.int64)
+        table.setflags(write=False)
+        object.__setattr__(self, "table", table)
+
+    src_region = property(lambda self: self.table[0])
+    src_offset = property(lambda self: self.table[1])
+    dst_region = property(lambda self: self.table[2])
+    dst_offset = property(lambda self: self.table[3])
+    nbytes = property(lambda self: self.table[4])
 
     def __len__(self) -> int:
-        return len(self.nbytes)
+        return self.table.shape[1]
+
+    def __repr__(self) -> str:
+        return f"ReadBatch(reads={len(self)}, bytes={self.total_bytes})"
 
     @property
     def total_bytes(self) -> int:
@@ -75,8 +90,8 @@ class ReadBatch:
 
     @classmethod
     def of(cls, rows: Sequence[tuple[int, int, int, int, int]]) -> ReadBatch:
-        arr = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
-        return cls(*(arr[:, i] for i in range(5)))
+        """A batch from ``(src_region, src_offset, dst_region, dst_offset, nbytes)`` rows."""
+        return cls(*np.asarray(rows, dtype=np.int64).reshape(-1, 5).T)
 
 
 @dataclass(eq=False)
