@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import _generation
 from .errors import StoreError, UsageError, WaitTimeout
@@ -113,12 +114,8 @@ class SubscriberTracker:
         if self.aggregator:
             self.live()
             return self.layouts or ()
-        key = self.keys.readers
-        raw = self.store.get(key)
-        try:
-            return tuple(str(h) for h in open_sealed(self.token, key, raw)) if raw is not None else ()
-        except Exception:  # noqa: BLE001 - a forged or malformed record packs nothing
-            return ()
+        hashes = self._read_sealed(self.keys.readers)
+        return tuple(str(h) for h in hashes) if isinstance(hashes, list) else ()  # forged: packs nothing
 
     def _scan(self) -> list[SubscriberView]:
         views = list(self.known.values())
@@ -258,12 +255,17 @@ class SubscriberTracker:
 
     def _beat(self, key: str) -> int | None:
         """The aggregator's beat count if it last said it waits for ``key``, else None."""
-        at = self.keys.aggregating
-        raw = self.store.get(at)
+        d = self._read_sealed(self.keys.aggregating)  # forged or malformed: as if none, so this rank scans
+        n = d.get("n") if isinstance(d, dict) and d.get("key") == key else None
+        return n if isinstance(n, int) else None
+
+    def _read_sealed(self, key: str) -> Any:
+        """The value sealed at ``key`` (written by the aggregator), or None where it is absent,
+        forged or malformed."""
+        raw = self.store.get(key)
         try:
-            d = open_sealed(self.token, at, raw) if raw is not None else None
-            return int(d["n"]) if d is not None and d["key"] == key else None
-        except Exception:  # noqa: BLE001 - forged or malformed: as if none, so this rank scans
+            return open_sealed(self.token, key, raw) if raw is not None else None
+        except Exception:  # noqa: BLE001 - the store is not trusted
             return None
 
 
