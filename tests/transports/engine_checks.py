@@ -60,6 +60,43 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fd_targets(pid: int | str = "self") -> list[str]:
+    """What each open fd of process ``pid`` points at (``socket:[inode]``, a path, ``anon_inode:...``)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # the fd of the listdir itself, or one closed meanwhile
+            continue
+    return sorted(out)
+
+
+def thread_names(pid: int | str = "self") -> list[str]:
+    """The kernel name (``comm``) of every OS thread of process ``pid``; for this process, then every
+    Python thread's name too (``py:...``)."""
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    py = [f"py:{t.name}" for t in threading.enumerate()] if pid == "self" else []
+    return sorted(names) + sorted(py)
+
+
+def _added(before: list[str], after: list[str]) -> list[str]:
+    """The entries of ``after`` beyond those of ``before`` (a multiset difference)."""
+    rest = list(before)
+    out = []
+    for x in after:
+        if x in rest:
+            rest.remove(x)
+        else:
+            out.append(x)
+    return out
+
+
 def open_read_close_cycles(name: str, cycles: int, options: dict | None = None) -> None:
     """``cycles`` x (open, register, connect, prepare, read, release, disconnect, deregister, close) against
     one serving process; afterwards this process has the fds, OS threads and Python threads it had,
@@ -78,15 +115,17 @@ def open_read_close_cycles(name: str, cycles: int, options: dict | None = None) 
                 prep = t.prepare(peer, server.descriptors, [local], ReadBatch.of([(0, 0, 0, 0, size)]))
                 dst.fill(GARBAGE)
                 t.read(prep, timeout=TIMEOUT)
-                assert np.array_equal(dst, want)
+                assert np.array_equal(dst, want), f"{name}: read {np.count_nonzero(dst != want)} wrong bytes"
                 t.release(prep)
                 t.disconnect(peer)
                 t.deregister(local)
-                assert t.num_regions == 0
+                assert t.num_regions == 0, f"{name}: {t.num_regions} regions left after deregister"
 
         cycle()  # warm-up: imports, lazily loaded engine libraries
         base_server = server.command(op="stats")
+        server_fds, server_threads = fd_targets(server.pid), thread_names(server.pid)
         base = (fds(), os_threads(), threading.active_count())
+        base_fds, base_threads = fd_targets(), thread_names()
         for _ in range(cycles):
             cycle()
         # engine threads wind down asynchronously; "no growth" (other tests' leftovers may still end)
@@ -97,17 +136,26 @@ def open_read_close_cycles(name: str, cycles: int, options: dict | None = None) 
 
         while grown() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not grown(), (
-            f"fds, OS threads, Python threads: {base} -> {(fds(), os_threads(), threading.active_count())}"
-        )
+        if grown():
+            raise AssertionError(
+                f"{name}: after {cycles} cycles this process grew: fds, OS threads, Python threads "
+                f"{base} -> {(fds(), os_threads(), threading.active_count())}; "
+                f"new fds {_added(base_fds, fd_targets())}, new threads {_added(base_threads, thread_names())}"
+            )
         deadline = time.monotonic() + TIMEOUT  # the server's own wait: it notices closed connections later
+        keys = [k for k in base_server if k != "ok"]
         while True:
             now = server.command(op="stats")
-            if (
-                all(now[k] == base_server[k] for k in ("fds", "threads", "regions", "connections"))
-                or time.monotonic() > deadline
-            ):
+            if all(now[k] == base_server[k] for k in keys) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert {k: now[k] for k in base_server if k != "ok"} == {k: base_server[k] for k in base_server if k != "ok"}
-        assert server.stop() == 0
+        if any(now[k] != base_server[k] for k in keys):
+            raise AssertionError(
+                f"{name}: after {cycles} cycles the server's stats differ: "
+                f"{ {k: base_server[k] for k in keys} } -> { {k: now[k] for k in keys} }; fds gone "
+                f"{_added(fd_targets(server.pid), server_fds)}, new {_added(server_fds, fd_targets(server.pid))}; "
+                f"OS threads gone {_added(thread_names(server.pid), server_threads)}, "
+                f"new {_added(server_threads, thread_names(server.pid))}"
+            )
+        status = server.stop()
+        assert status == 0, f"{name}: the serving process exited with status {status}"
