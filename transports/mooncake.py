@@ -74,7 +74,7 @@ class MooncakePeer:
         return f"MooncakePeer({self.session}, {self.protocol}, closed={self.closed})"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # keeps PreparedBatch's repr
 class MooncakePrepared(PreparedBatch):
     """A validated batch: the engine's argument lists, built once and posted on every read."""
 

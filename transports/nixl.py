@@ -140,7 +140,7 @@ class NixlPeer:
         return f"NixlPeer({self.name}, regions={len(self.regions)}, closed={self.closed})"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)  # keeps PreparedBatch's repr
 class NixlPrepared(PreparedBatch):
     """Prepared lists and transfer requests (one per memory-type pair), re-posted on every read."""
 

@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ import transports
 from transports import AuthError, TransportError
 from transports.base import ReadBatch
 
+from .engine_checks import fd_targets
 from .peer import Peer, region_bytes, run_client
 
 pytestmark = pytest.mark.timeout(120)
@@ -362,18 +362,6 @@ def test_close_idempotent(variant, server, reader_factory):
     assert "closed=True" in repr(t)
 
 
-def _fds() -> Counter:
-    """What this process's descriptors point at (socket inodes, files): a multiset, so that descriptors
-    an earlier test's garbage releases meanwhile do not hide (or fake) a leak of this one."""
-    targets: Counter = Counter()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            targets[os.readlink(f"/proc/self/fd/{fd}")] += 1
-        except OSError:  # the descriptor listdir itself used, closed by now
-            pass
-    return targets
-
-
 def _threads() -> set:
     return {t.ident for t in threading.enumerate()}
 
@@ -405,11 +393,11 @@ def test_no_leaks_over_100_cycles(variant, server, expected):
     cycle()  # warm-up: lazily created pools, imports
     base = _settled(server)
     gc.collect()
-    fds, threads = _fds(), _threads()
+    fds, threads = fd_targets(), _threads()
     for _ in range(100):
         cycle()
     gc.collect()
-    new_fds = _fds() - fds
+    new_fds = fd_targets() - fds
     assert not new_fds, f"{sum(new_fds.values())} client file descriptors left open: {list(new_fds)[:5]}"
     new_threads = [t for t in threading.enumerate() if t.ident not in threads]
     assert not new_threads, f"client threads left running: {new_threads}"

@@ -49,6 +49,7 @@ def test_many_ops_span_engine_calls():
         batch = ReadBatch(np.zeros(n), starts, np.zeros(n), size - starts - lens, lens)
         prep = t.prepare(peer, server.descriptors, [local], batch)
         assert len(prep.chunks) == 7
+        assert repr(prep) == f"MooncakePrepared({peer.session}, reads=2000, bytes={int(lens.sum())}, released=False)"
         t.read(prep, timeout=TIMEOUT)
         src = region_bytes(size, 8)
         for s, ln in zip(starts.tolist(), lens.tolist()):

@@ -47,8 +47,10 @@ def test_region_registered_after_the_endpoint_is_readable():
             t.read(prep, timeout=TIMEOUT)
             assert np.array_equal(dst[:300_001], region_bytes(300_001, 42))
             assert np.array_equal(dst[300_001:], region_bytes(4096, 1)[100:164])
+        assert repr(prep) == f"NixlPrepared({peer.name}, reads=2, bytes=300065, released=False)"
         t.release(prep)
         t.release(prep)
+        assert repr(prep) == f"NixlPrepared({peer.name}, reads=2, bytes=300065, released=True)"
         t.disconnect(peer)
         assert server.stop() == 0
 
