@@ -15,10 +15,12 @@ from .harness import Worker, free_port
 DELAY = 1.0
 
 
-def pair(mode: str, **pub_kwargs) -> tuple[Worker, Worker]:
+def pair(mode: str, lease_ttl: float = 10.0, **pub_kwargs) -> tuple[Worker, Worker]:
+    """A publisher and a subscriber. The lease outlasts a process frozen for seconds by a loaded
+    machine: a lapsed lease would end the publisher's wait for the ack these tests time."""
     url = f"tcp://127.0.0.1:{free_port()}"
     pub = Worker("pub", PubActor, url, 0, 1, 1, host_store=True, model_kind="tiny", mode=mode, **pub_kwargs)
-    sub = Worker("sub", SubActor, url, 1, 0, fused=False, model_kind="tiny", lease_ttl=2.0)
+    sub = Worker("sub", SubActor, url, 1, 0, fused=False, model_kind="tiny", lease_ttl=lease_ttl)
     return pub, sub
 
 
@@ -72,7 +74,7 @@ def test_async_blocks_only_past_max_staleness(k: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_sync_publisher_stops_waiting_for_a_dead_subscriber() -> None:
-    pub, sub = pair("sync")
+    pub, sub = pair("sync", lease_ttl=2.0)
     try:
         assert pub.call("live_subscribers") == 1
         sub.kill()
