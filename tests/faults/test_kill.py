@@ -71,7 +71,9 @@ def test_publisher_killed_mid_pull_then_restarted(store_url: str, staged: bool, 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["tcp", "etcd"])
 def test_subscriber_killed_mid_pull_sync_publisher_stops_waiting(kind: str, tmp_path, request) -> None:
-    ttl = 2.0
+    # short, to time how soon a dead subscriber stops counting; not so short that a live one, its
+    # lease thread starved on a loaded machine (or etcd slow to keep it alive), lapses before the kill
+    ttl = 3.0
     if kind == "tcp":
         url = f"tcp://127.0.0.1:{free_port()}"
         pub = Worker("pub", FaultPub, url, 0, 1, 1, host_store=True, model_kind="tiny", mode="sync")
