@@ -43,14 +43,12 @@ import numpy as np
 
 from .errors import TransportError
 
-BATCH_COLUMNS = ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes")
-
 
 @dataclass(frozen=True, eq=False, init=False)
 class ReadBatch:
     """Reads from one peer, held as one read-only ``(5, n)`` ``int64`` table whose rows are the
-    columns named in ``BATCH_COLUMNS``: one allocation to check and freeze, and no column can
-    differ in length from the others. Each argument is one value per read:
+    columns below, in this order: one allocation to check and freeze, and no column can differ in
+    length from the others. Each argument is one value per read:
 
     src_region: index into the remote region descriptors given to ``prepare``
     src_offset: byte offset inside that remote region
@@ -68,7 +66,7 @@ class ReadBatch:
         lengths = sorted({len(c) for c in cols})
         if len(lengths) > 1:
             raise TransportError(f"read batch columns differ in length: {lengths}")
-        table = np.stack(cols) if lengths[0] else np.zeros((5, 0), dtype=np.int64)
+        table = np.stack(cols)
         table.setflags(write=False)
         object.__setattr__(self, "table", table)
 
