@@ -184,7 +184,9 @@ class Publisher(Closeable):
         self._worker_ident: int | None = None
         self._store = open_store(store, host_store=host_store, connect_timeout=connect_timeout)
         # rank 0 aggregates subscriber progress for every rank (see _tracker)
-        self._tracker = SubscriberTracker(self._store, self.keys, self.token, rank == 0, world_size > 1)
+        self._tracker = SubscriberTracker(
+            self._store, self.keys, self.token, aggregator=rank == 0, others=world_size > 1
+        )
         self._next_version = 0
         names = served_transports(transport)
         opts = transport_options or {}
@@ -274,7 +276,9 @@ class Publisher(Closeable):
             if self._gen is not None:
                 log.warning("publisher rank %d: the store was lost; joined its new generation", self.rank)
             self._gen, self.keys = gen, keys
-            self._tracker = SubscriberTracker(self._store, self.keys, self.token, self.rank == 0, self.world_size > 1)
+            self._tracker = SubscriberTracker(
+                self._store, self.keys, self.token, aggregator=self.rank == 0, others=self.world_size > 1
+            )
         self._next_version = (latest.v if latest else 0) + 1
         with self._snap_lock:
             self._reg = reg

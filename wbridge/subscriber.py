@@ -332,9 +332,13 @@ class Subscriber(Closeable):
         # Never go back: a store replaying an older (genuinely signed) version record must not
         # roll this subscriber back to stale weights.
         want = max(want, self._newest)
+        ready: VersionRecord | None = None  # the record in the ready key a wait returned
         while True:
-            rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots, known)
-            known = None
+            if ready is not None and not ready.zero_copy:  # (zero-copy: readable only while its publish() runs)
+                rec, fence = ready, ready.fence
+            else:
+                rec, fence = VersionRecord.read_with_fence(self._store, self.keys, self.token, self._nslots, known)
+            known = ready = None
             if rec is None and self._check_membership() is None:
                 raise _GenerationChanged
             if rec is not None and rec.slot >= self._nslots:
@@ -361,11 +365,7 @@ class Subscriber(Closeable):
                 raw = self._store.wait(self.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))
             except (WaitTimeout, StoreError):
                 continue  # a store down for the slice: the next read retries it within its own timeout
-            rec = VersionRecord.parse_ready(self.keys, self.token, nxt, raw)
-            if not rec.zero_copy:  # (readable only while its publish() runs: read its fence)
-                self._nslots = min(max(self._nslots, rec.slot + 1), 64)
-                self._newest = max(self._newest, rec.v)
-                return rec, rec.fence
+            ready = VersionRecord.parse_ready(self.keys, self.token, nxt, raw)
 
     def _apply(self, rec: VersionRecord, fence: int, deadline: float) -> tuple[tuple[int, int], int, int, bool]:
         """Reads ``rec`` (whose slot's fence read ``fence`` along with it): as deltas onto the version
