@@ -12,8 +12,8 @@ from typing import Any
 
 from tests.runtime.actors import TOKEN
 from transports.base import decode_descriptor
-from wbridge import _generation as generation
 from wbridge import open_store
+from wbridge.protocol import generation
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed
 

@@ -56,7 +56,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from wbridge import Publisher, Shard, Store, Subscriber, _generation, open_store
+from wbridge import Publisher, Shard, Store, Subscriber, open_store
+from wbridge.protocol import generation as _generation
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.version import VersionRecord
 

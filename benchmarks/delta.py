@@ -42,6 +42,8 @@ from typing import Any
 
 from _common import TOKEN, free_port, start_actors, stop_all
 
+from wbridge import Delta, Staging
+
 HIDDEN, LAYERS, VOCAB = 256, 4, 4096
 
 
@@ -106,7 +108,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
     common = dict(token=TOKEN, transport=args.transport, mode="one_step_off")
     store = open_store(url, host_store=True)  # hosted by neither publisher: their stalls compare alike
     pubs = {
-        "delta": Publisher("delta", url, delta=True, **common),
+        "delta": Publisher("delta", url, staging=Staging(delta=Delta()), **common),
         "full": Publisher("full", url, **common),
     }
     actors = []

@@ -2,11 +2,11 @@
 
 A publisher rank of a synthetic Qwen-like model (``--model``: trainer TP=2, rank 0, separate
 q/k/v and gate/up) fills its staging slots two ways, alternating, in one process, with the
-publisher's own snapshot function (``wbridge._staging.snapshot``, on slots made as a ``Publisher``
+publisher's own snapshot function (``wbridge.publish.staging.snapshot``, on slots made as a ``Publisher``
 makes them: ``--transport``'s host buffers where it has them): the plain copy (one contiguous copy
 per tensor, what ``Publisher`` does without readers) and the copy program of a slot packed for
 rollout layouts that split the trainer's tensors differently (TP=``--rollout-tp``, fused: the
-row-parallel ``o_proj``/``down_proj`` are cut into column strips; ``wbridge._packing.copy_packed``).
+row-parallel ``o_proj``/``down_proj`` are cut into column strips; ``wbridge.publish.packing.copy_packed``).
 Both slots are checked to hold the same mapped bytes. Prints
 ``pack_copy: packed_vs_plain=<r>`` last: the median over repetitions of packed time over the plain
 time next to it. ``benchmarks/stall.py`` prints the same measurement (``measure``) for its model.
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from planner.packing import copy_boxes, pack_staging
-from wbridge._staging import build_registration, snapshot
 from wbridge._tensors import build_layout, byte_view
+from wbridge.publish.staging import build_registration, snapshot
 from wbridge.testing.synthetic import ModelConfig, make_tensors
 
 MODELS = {

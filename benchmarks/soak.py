@@ -3,8 +3,8 @@
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/soak.py`` (or ``wbridge bench soak``); ``--versions``
 changes the number of versions (200 by default), ``--seed`` the random kills.
 
-4 publisher processes (TP=2 x DP=2, ``checksums=True``, ``mode="async"``, ``max_staleness=3``,
-2 staging slots, serving tcp and local) publish ``--versions`` versions of a synthetic model
+4 publisher processes (TP=2 x DP=2, ``mode=Async(max_staleness=3)``, ``Staging(slots=2, checksums=True)``,
+serving tcp and local) publish ``--versions`` versions of a synthetic model
 (``tiny``: 1.5 MiB). 3 subscriber processes pull them with ``verify=True``: TP=2 rank 0 fused
 (``auto``: local), TP=2 rank 1 fused and staged (tcp), TP=1 unfused (tcp), each reading from both
 DP replicas. The store is hosted by this driver process, outside everything that gets killed.
@@ -58,6 +58,7 @@ from benchmarks._faults import Slowloris, lose_store
 from tests.faults.actors import FaultPub
 from tests.runtime.actors import SubActor
 from tests.runtime.harness import Worker, WorkerError, call_all, free_port
+from wbridge import Async, Staging
 
 TP, DP = 2, 2
 SUBSCRIBERS = (
@@ -123,10 +124,8 @@ class Soak:
             TP * DP,
             TP,
             model_kind=a.model,
-            checksums=True,
-            mode="async",
-            max_staleness=a.max_staleness,
-            slots=2,
+            mode=Async(max_staleness=a.max_staleness),
+            staging=Staging(slots=2, checksums=True),
             transport=["tcp", "local"],
         )
 

@@ -149,8 +149,9 @@ class Trainer(_Side, TrainerRank):
 
     # -- wbridge -------------------------------------------------------------------------------
     def open(self, channel: str, mode: str, transport: str) -> None:
-        staleness = STALENESS[mode] if mode == "async" else None
-        self.open_publisher(channel, transport, mode=mode, max_staleness=staleness)
+        from wbridge import Async
+
+        self.open_publisher(channel, transport, mode=Async(max_staleness=STALENESS[mode]) if mode == "async" else mode)
 
     def publish(self, timeout: float) -> float:
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ netem: no added delay). Inside each namespace processes talk over its own loopba
 carries only what crosses between the clusters. Every process is a worker forked from a preloaded
 forkserver that enters its namespace (``setns``) before it opens a socket; all use tcp.
 
-For each of two runs, relays (``Subscriber(zone="rollout", relay=True)``) and no relays (the
+For each of two runs, relays (``Subscriber(zone=Zone("rollout", relay=True))``) and no relays (the
 default), version 1 is pulled as a warm-up (connections, plans), then version 2 is measured: the
 link's byte counters (``/sys/class/net/<veth>/statistics``, both directions, on the train side)
 before and after, and the seconds from the start of ``publish()`` until the last replica returned

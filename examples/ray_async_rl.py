@@ -32,6 +32,7 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process per engine 
 
 import ray  # noqa: E402
 
+from wbridge import Async  # noqa: E402  # wbridge
 from wbridge.integrations.ray import EXTENSION, VLLMRollout, close_channel, host_channel  # noqa: E402  # wbridge
 
 PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
@@ -85,7 +86,7 @@ class Trainer:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)  # parameters are now DTensor row shards (fp32 masters)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.pub = ch.publisher(rank, world, mode="async", max_staleness=1)  # wbridge
+        self.pub = ch.publisher(rank, world, mode=Async(max_staleness=1))  # wbridge
         self.pub.register(from_module(self.model), dtype=torch.bfloat16)  # wbridge: fp32 shards -> bf16
         self.published = [(self.pub.publish(timeout=120.0), time.time(), 0.0)]  # wbridge: v1, the initial weights
 

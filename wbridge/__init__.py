@@ -19,6 +19,7 @@ from .errors import (
     WaitTimeout,
     WBridgeError,
 )
+from .options import Async, Delta, Staging, ZeroCopy, Zone
 from .publisher import Publisher
 from .store import Store, open_store
 from .subscriber import Subscriber
@@ -26,7 +27,9 @@ from .subscriber import Subscriber
 __version__ = "0.1.0"
 
 __all__ = [
+    "Async",
     "AuthError",
+    "Delta",
     "Flat",
     "Fused",
     "IntegrityError",
@@ -37,6 +40,7 @@ __all__ = [
     "Shard",
     "Stack",
     "StaleVersionError",
+    "Staging",
     "Store",
     "StoreError",
     "Subscriber",
@@ -44,5 +48,7 @@ __all__ = [
     "UsageError",
     "WBridgeError",
     "WaitTimeout",
+    "ZeroCopy",
+    "Zone",
     "open_store",
 ]

@@ -85,11 +85,11 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | N
     """``(layout, live tensors by name, device)`` of ``{name: (tensor, declaration)}``; the one
     place both sides turn registered tensors into a ``RankLayout``. ``cast``: the dtype that the
     floating tensors are laid out (published) in; other tensors keep theirs. ``transforms``:
-    ``{name: transform}`` (``wbridge._transforms``), laid out as the transform publishes them."""
+    ``{name: transform}`` (``wbridge.publish.transforms``), laid out as the transform publishes them."""
     from planner.layout import LayoutBuilder
 
-    from ._transforms import fp8_block128_layout
     from .errors import UsageError
+    from .publish.transforms import fp8_block128_layout
 
     builder = LayoutBuilder(rank, pack=pack)
     live: dict[str, Any] = {}

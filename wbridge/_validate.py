@@ -51,11 +51,22 @@ def tensors(value: Any, who: str) -> Mapping:
     return value
 
 
-def zone(value: Any, who: str) -> str | None:
-    """A zone name (non-empty, no ``/``: it is part of store keys) or None."""
-    if value is not None and (not isinstance(value, str) or not value or "/" in value):
-        raise UsageError(f"{who}: zone must be a non-empty string without '/', got {value!r}")
+def boolean(value: Any, what: str) -> bool:
+    """A bool: ``"no"``, ``2`` or None are refused rather than read as true or false."""
+    if not isinstance(value, bool):
+        raise UsageError(f"{what} must be True or False, got {value!r}")
     return value
 
 
-__all__ = ["MAX_TIMEOUT", "integer", "tensors", "timeout", "token", "zone"]
+MAX_ZONE = 128  # characters of a zone name (part of store keys)
+
+
+def zone(value: Any, who: str) -> str | None:
+    """A zone name (1 to ``MAX_ZONE`` characters, no ``/``: it is part of store keys) or None."""
+    if value is not None and (not isinstance(value, str) or not value or "/" in value or len(value) > MAX_ZONE):
+        shown = value if not isinstance(value, str) or len(value) <= 40 else f"{value[:40]}... ({len(value)} chars)"
+        raise UsageError(f"{who}: zone must be 1 to {MAX_ZONE} characters without '/', got {shown!r}")
+    return value
+
+
+__all__ = ["MAX_TIMEOUT", "MAX_ZONE", "boolean", "integer", "tensors", "timeout", "token", "zone"]

@@ -2,7 +2,7 @@
 
 Call protocol (every publisher rank of the channel, ``world_size`` of them)::
 
-    pub = Publisher("policy", store="tcp://127.0.0.1:29700", rank=r, world_size=n, host_store=(r == 0))
+    pub = Publisher("policy", "tcp://127.0.0.1:29700", rank=r, world_size=n, host_store=(r == 0))
     pub.register({"layers.0.q": (tensor, Shard(...)), ...})   # once (again when the layout changes)
     for step in ...:
         train_step()
@@ -48,12 +48,24 @@ import numpy as np
 import transports as _transports
 from planner.layout import Declaration, RankLayout
 
-from . import _generation, _transforms, _validate
-from ._delta import build_ring
+from . import _validate
 from ._lifecycle import Closeable, log, quietly
-from ._packing import SlotPacker, packing_gens
 from ._selection import RDMA_FIRST, rdma_present
-from ._staging import (
+from ._stats import PublishStats
+from ._tensors import FLOATING, build_layout, dtype_name
+from .errors import UsageError, WaitTimeout
+from .options import Async, Staging, ZeroCopy, mode_of
+from .protocol import generation as _generation
+from .protocol.checksum import chunk_sums
+from .protocol.keys import Keys
+from .protocol.packing import packing_gens
+from .protocol.records import seal
+from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
+from .protocol.version import VersionRecord
+from .publish import transforms as _transforms
+from .publish.delta import build_ring
+from .publish.packing import SlotPacker
+from .publish.staging import (
     Registration,
     build_registration,
     casts,
@@ -62,18 +74,9 @@ from ._staging import (
     snapshot,
     staging_buffer,
 )
-from ._stats import PublishStats
-from ._tensors import FLOATING, build_layout, dtype_name
-from ._tracker import SubscriberTracker, now
-from .errors import UsageError, WaitTimeout
-from .protocol.checksum import chunk_sums
-from .protocol.keys import Keys
-from .protocol.records import seal
-from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
-from .protocol.version import VersionRecord
+from .publish.tracker import SubscriberTracker, now
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
-MODES = ("sync", "one_step_off", "async")
 CLOSE_WAIT_S = 10.0  # how long close() waits for a publish in flight before it tears down anyway
 
 
@@ -98,19 +101,15 @@ class Publisher(Closeable):
     - ``host_store``: this rank hosts the ``tcp://`` store (exactly one rank, usually 0).
     - ``token``: shared secret; signs store records and authenticates transport peers (None: neither).
     - ``transport``: what to serve: ``"auto"`` (tcp, local, and RDMA engines where devices exist) or names.
-    - ``mode``: ``"sync"`` (publish waits for every subscriber's ack), ``"one_step_off"`` or ``"async"``.
-    - ``max_staleness``: in ``async`` mode, how many versions a live subscriber may fall behind.
-    - ``slots``: staging slots that versions rotate through (a reader of slot s blocks its reuse).
-    - ``zero_copy``: serve the live tensors themselves (no staging copy; one slot; readers fenced).
+    - ``mode``: ``"sync"`` (publish waits for every subscriber's ack), ``"one_step_off"`` (waits for
+      the acks of the version before), or ``Async(max_staleness=k)`` (``wbridge.options``).
+    - ``staging``: ``Staging(slots=2, checksums=False, delta=None)`` (copies into rotating slots;
+      ``delta=Delta(history=k)`` also publishes deltas) or ``ZeroCopy()`` (serves the live tensors).
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``connect_timeout``: seconds to wait for the store when opening it.
-    - ``checksums``: publish per-chunk checksums of each version (subscribers with ``verify`` check them).
-    - ``delta``: also encode what changed since the version before (``wbridge._delta``), so a subscriber
-      a few versions behind reads only that; turns ``checksums`` on; needs staging (``slots >= 2``).
-    - ``delta_history``: how many versions' deltas are kept (a subscriber further behind pulls in full).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
     - ``zone``: the zone (cluster) it runs in, recorded for tools; subscribers read publishers
-      whatever the zones (a zone selects only which relays a subscriber reads, ``wbridge._relay``).
+      whatever the zones (a zone selects only which relays a subscriber reads, ``wbridge.pull.zone``).
 
     A subscriber that dies is waited for until its lease lapses; ``evict(name_or_id)`` stops
     counting one known to be dead (its worker was killed or restarted) at once, on every rank.
@@ -126,44 +125,29 @@ class Publisher(Closeable):
         host_store: bool = False,
         token: str | bytes | None = None,
         transport: str | Sequence[str] = "auto",
-        mode: str = "one_step_off",
-        max_staleness: int | None = None,
-        slots: int = 2,
-        zero_copy: bool = False,
+        mode: str | Async = "one_step_off",
+        staging: Staging | ZeroCopy = Staging(),
         host: str = "127.0.0.1",
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        checksums: bool = False,
-        delta: bool = False,
-        delta_history: int = 4,
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
         zone: str | None = None,
     ) -> None:
         self.zone = _validate.zone(zone, f"publisher rank {rank}")
-        if mode not in MODES:
-            raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode == "async" and max_staleness is None:
-            raise UsageError("mode='async' needs max_staleness=k >= 0")
-        if max_staleness is not None:
-            max_staleness = _validate.integer(max_staleness, "max_staleness")
+        mode, max_staleness = mode_of(mode)
+        if not isinstance(staging, (Staging, ZeroCopy)):
+            raise UsageError(f"staging takes Staging(...) or ZeroCopy(...), got {staging!r}")
+        _validate.boolean(host_store, "host_store")
         rank = _validate.integer(rank, "rank")
         world_size = _validate.integer(world_size, "world_size", minimum=1)
         if rank >= world_size:
             raise UsageError(f"rank {rank} outside world_size {world_size}")
-        slots = _validate.integer(slots, "slots", minimum=1)
-        delta_history = _validate.integer(delta_history, "delta_history", minimum=1)
-        if delta and (zero_copy or slots < 2):
-            raise UsageError(
-                f"publisher rank {rank}: delta=True encodes each version against the previous one in the "
-                f"other staging slot, so it needs zero_copy=False and slots >= 2 (got zero_copy={zero_copy}, "
-                f"slots={slots})"
-            )
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         token = _validate.token(token)
         self.channel, self.rank, self.world_size = channel, rank, world_size
-        self.mode, self.max_staleness = mode, max_staleness
-        self.slots = 1 if zero_copy else slots
-        self.zero_copy, self.host, self.checksums = zero_copy, host, checksums or bool(delta)
-        self.delta, self.delta_history = bool(delta), delta_history
+        self.mode, self.max_staleness, self.staging = mode, max_staleness, staging
+        self.slots, self.zero_copy = staging.slots, isinstance(staging, ZeroCopy)
+        self.host, self.checksums = host, staging.publishes_checksums
+        self.delta = staging.delta  # a Delta, or None
         self.token = token
         self._base_keys = self.keys = Keys(channel)
         self._gen: str | None = None  # the store generation registered in (see _generation)
@@ -219,11 +203,11 @@ class Publisher(Closeable):
 
         ``dtype`` (``torch.bfloat16``, ``torch.float16``...): publish the floating tensors in this
         dtype; the snapshot casts them (one vectorised copy per tensor, on their device), so an fp32
-        trainer serves bf16 rollouts from its own memory. Needs a staging copy (not ``zero_copy``).
+        trainer serves bf16 rollouts from its own memory. Needs a staging copy (``Staging``, not ``ZeroCopy``).
 
         ``transforms``: ``{local name: "fp8_block128"}`` publishes a 2-D floating ``Shard(name, ...)``
         as ``name`` in ``float8_e4m3fn`` plus ``name + "_scale_inv"`` (float32, one inverse scale per
-        128x128 block: DeepSeek-V3's format, defined in ``wbridge._transforms``); staged modes only.
+        128x128 block: DeepSeek-V3's format, defined in ``wbridge.publish.transforms``); staged modes only.
 
         Collective: every rank registers before any rank's ``publish()`` can commit, and all ranks
         register again together (a new epoch) when a layout changes or a rank was restarted.
@@ -237,8 +221,9 @@ class Publisher(Closeable):
                 raise UsageError(f"publisher rank {self.rank}: dtype must be one of {FLOATING}, got {dtype!r}")
             if self.zero_copy:
                 raise UsageError(
-                    f"publisher rank {self.rank}: register(dtype={cast}) casts at snapshot time, but zero_copy=True "
-                    "serves the live tensors as they are; use the staged modes (zero_copy=False) to cast"
+                    f"publisher rank {self.rank}: register(dtype={cast}) casts at snapshot time, "
+                    "but staging=ZeroCopy() "
+                    "serves the live tensors as they are; use staging=Staging() to cast"
                 )
         with self._start_lock:
             self._settle(self._inflight_deadline + self._connect_timeout, "register()")
@@ -292,10 +277,10 @@ class Publisher(Closeable):
         reg = build_registration(
             self._transports, layout, live, decls, device, old, transforms, self.slots, self.zero_copy
         )
-        if self.delta:
+        if self.delta is not None:
             try:
                 size = int(reg.slots[0][0].numel()) if layout.region_sizes else 0
-                reg.delta = build_ring(self._transports, size, self.delta_history, old and old.delta, staging_buffer)
+                reg.delta = build_ring(self._transports, size, self.delta.history, old and old.delta, staging_buffer)
             except BaseException:
                 self._release_regions(reg)
                 raise

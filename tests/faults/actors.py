@@ -16,7 +16,7 @@ import torch
 
 from tests.runtime.actors import TOKEN, PubActor, SubActor
 from tests.runtime.harness import Worker
-from wbridge import StoreError, Subscriber, WaitTimeout
+from wbridge import Async, Staging, StoreError, Subscriber, WaitTimeout
 from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
 
 CLONE_NEWNET = 0x40000000
@@ -45,7 +45,7 @@ def pub_on(host: Any, url: str, **kwargs: Any) -> Worker:
     """A ``FaultPub`` worker on test host ``host`` (a ``tests.hosts.Host``): rank 0 of 1 for 1
     subscriber, tiny model, serving tcp on the host's address, ``async`` (``max_staleness=10``);
     ``kwargs`` add to or override those."""
-    opts = dict(model_kind="tiny", host=host.addr, transport="tcp", mode="async", max_staleness=10) | kwargs
+    opts = dict(model_kind="tiny", host=host.addr, transport="tcp", mode=Async(max_staleness=10)) | kwargs
     return Worker(f"pub@{host.addr}", in_netns, host.name, FaultPub, url, 0, 1, 1, **opts)
 
 
@@ -96,7 +96,7 @@ def one_slot_pub(kind: str, request: Any) -> tuple[Any, str]:
     test's etcd, through ``request``), and the store's URL."""
     from tests.runtime.harness import Worker, free_port
 
-    kw = dict(model_kind="tiny", mode="one_step_off", slots=1, transport="tcp")
+    kw = dict(model_kind="tiny", mode="one_step_off", staging=Staging(slots=1), transport="tcp")
     if kind == "tcp":
         url = f"tcp://127.0.0.1:{free_port()}"
         return Worker("pub", FaultPub, url, 0, 1, 1, host_store=True, **kw), url

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from tests.runtime.harness import Worker, free_port
-from wbridge import _generation, open_store
+from wbridge import open_store
+from wbridge.protocol import generation as _generation
 from wbridge.protocol.keys import Keys
 
 from .actors import TOKEN, Churn, FaultPub

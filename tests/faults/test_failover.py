@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.runtime.harness import Worker, WorkerError, call_all, free_port
+from wbridge import Async
 
 from .actors import FaultPub, FaultSub, pause_fault, release, wait_paused
 
@@ -19,7 +20,7 @@ def test_source_dies_mid_pull(tmp_path, replicas: int) -> None:
     tp = 2
     world = tp * replicas  # ranks r and r + tp hold the same shard
     url = f"tcp://127.0.0.1:{free_port()}"
-    opts = dict(model_kind="tiny", transport="tcp", mode="async", max_staleness=100)
+    opts = dict(model_kind="tiny", transport="tcp", mode=Async(max_staleness=100))
     pubs = [Worker(f"pub{r}", FaultPub, url, r, world, tp, host_store=(r == 0), **opts) for r in range(world)]
     fault, paused, go = pause_fault(tmp_path, on_reads=tuple(range(1, world + 1)))  # every source, half-way
     sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp", fault=fault)
@@ -50,7 +51,7 @@ def test_source_dead_before_the_pull_is_planned_around() -> None:
     goes around it from the start."""
     tp, world = 2, 4
     url = f"tcp://127.0.0.1:{free_port()}"
-    opts = dict(model_kind="tiny", transport="tcp", mode="async", max_staleness=100)
+    opts = dict(model_kind="tiny", transport="tcp", mode=Async(max_staleness=100))
     pubs = [Worker(f"pub{r}", FaultPub, url, r, world, tp, host_store=(r == 0), **opts) for r in range(world)]
     sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp")
     try:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.runtime.harness import Worker, call_all, free_port
-from wbridge import open_store
+from wbridge import Async, open_store
 
 from .actors import FaultPub, FaultSub, pause_fault, release, wait_paused
 
@@ -28,7 +28,7 @@ def test_publisher_killed_mid_pull_then_restarted(store_url: str, staged: bool, 
     # TP=2 publishers; a TP=1 subscriber reads half of every tensor from each rank (2 sources,
     # one batch each). Its reads 3 and 4 (the pull of v2) stop half-way; rank 1 dies there.
     fault, paused, go = pause_fault(tmp_path, on_reads=(3, 4))
-    kw = dict(model_kind="tiny", mode="async", max_staleness=10, transport="tcp")
+    kw = dict(model_kind="tiny", mode=Async(max_staleness=10), transport="tcp")
     pubs = [Worker(f"pub{r}", FaultPub, store_url, r, 2, 2, **kw) for r in range(2)]
     sub = Worker(
         "sub", FaultSub, store_url, 1, 0, fused=False, staged=staged, transport="tcp", model_kind="tiny", fault=fault

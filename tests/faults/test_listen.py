@@ -9,6 +9,7 @@ import pytest
 
 import transports
 from tests.runtime.harness import Worker, free_port
+from wbridge import Async
 
 from .actors import FaultPub, FaultSub, pub_on, sub_on
 
@@ -75,8 +76,7 @@ def test_defaults_listen_on_loopback_only() -> None:
         host_store=True,
         model_kind="tiny",
         transport=SERVED,
-        mode="async",
-        max_staleness=10,
+        mode=Async(max_staleness=10),
     )
     sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp")
     try:

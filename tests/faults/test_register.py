@@ -11,15 +11,15 @@ import pytest
 
 from tests.runtime.actors import TOKEN
 from tests.runtime.harness import Worker, WorkerError, free_port
-from wbridge import _generation as generation
-from wbridge import open_store
+from wbridge import Async, open_store
+from wbridge.protocol import generation
 from wbridge.protocol.keys import Keys
 
 from .actors import FaultPub, FaultSub
 
 pytestmark = pytest.mark.timeout(180)
 
-PUB = dict(host_store=True, model_kind="tiny", transport=["tcp", "local"], mode="async", max_staleness=100)
+PUB = dict(host_store=True, model_kind="tiny", transport=["tcp", "local"], mode=Async(max_staleness=100))
 
 
 def test_reregistration_frees_what_the_old_registration_held() -> None:

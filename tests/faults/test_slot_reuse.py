@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.runtime.harness import Worker, call_all, free_port
+from wbridge import Async, Staging
 
 from .actors import FaultPub, FaultSub, release, wait_paused
 
@@ -24,10 +25,9 @@ def test_slot_reused_during_verification_retries(tmp_path) -> None:
             2,
             host_store=(r == 0),
             model_kind="tiny",
-            mode="async",
-            max_staleness=100,
+            mode=Async(max_staleness=100),
             transport="tcp",
-            checksums=True,
+            staging=Staging(checksums=True),
         )
         for r in range(2)
     ]

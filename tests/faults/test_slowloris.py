@@ -16,8 +16,8 @@ import pytest
 from tests.runtime.actors import TOKEN
 from tests.runtime.harness import Worker, free_port
 from transports.base import decode_descriptor
-from wbridge import _generation as generation
 from wbridge import open_store
+from wbridge.protocol import generation
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed
 

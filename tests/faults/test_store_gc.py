@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.runtime.harness import Worker, call_all, free_port
-from wbridge import open_store
+from wbridge import Staging, open_store
 
 from .actors import Churn, FaultPub, FaultSub
 
@@ -44,7 +44,7 @@ def test_key_count_stays_bounded_over_many_versions(kind: str, request) -> None:
         url = request.getfixturevalue("etcd_url")
         prefix = "/" + url.split("/", 3)[3]
         count = lambda: etcd_keys(server, prefix)  # noqa: E731
-    kw = dict(model_kind="tiny", mode="one_step_off", transport="tcp", checksums=True)
+    kw = dict(model_kind="tiny", mode="one_step_off", transport="tcp", staging=Staging(checksums=True))
     pubs = [Worker(f"pub{r}", FaultPub, url, r, 2, 2, **kw) for r in range(2)]
     sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp", verify=True)
     churn = Worker("churn", Churn, url, 7, 6, 2, ttl=2.0)  # 6 subscribers join, pull and leave

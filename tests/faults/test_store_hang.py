@@ -12,6 +12,7 @@ import pytest
 
 from tests.etcd_fixture import EtcdServer, etcd_binary
 from tests.runtime.harness import Worker, WorkerError
+from wbridge import Async
 
 from .actors import FaultPub, FaultSub
 from .conftest import standalone_store_proc
@@ -43,7 +44,7 @@ def test_calls_end_by_their_timeout_when_the_store_hangs(store: str) -> None:
         else:
             proc, url = standalone_store_proc()
             pid = proc.pid
-        opts = dict(model_kind="tiny", transport="tcp", mode="async", max_staleness=100)
+        opts = dict(model_kind="tiny", transport="tcp", mode=Async(max_staleness=100))
         pub = Worker("pub", FaultPub, url, 0, 1, 1, **opts)
         sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp", lease_ttl=30.0)
         pub.call("publish", 1)

@@ -11,8 +11,8 @@ import pytest
 
 from tests.runtime.actors import TOKEN
 from tests.runtime.harness import Worker, WorkerError, free_port
-from wbridge import _generation as generation
-from wbridge import open_store
+from wbridge import Async, open_store
+from wbridge.protocol import generation
 from wbridge.protocol.keys import Keys
 
 from .actors import FaultPub
@@ -24,7 +24,7 @@ def test_host_client_reconnects_after_a_failed_call() -> None:
     import torch.distributed as dist
 
     url = f"tcp://127.0.0.1:{free_port()}"
-    opts = dict(host_store=True, model_kind="tiny", transport="tcp", mode="async", max_staleness=9)
+    opts = dict(host_store=True, model_kind="tiny", transport="tcp", mode=Async(max_staleness=9))
     pub = Worker("pub", FaultPub, url, 0, 1, 1, **opts)
     store = None
     try:

@@ -15,12 +15,13 @@ import pytest
 
 from tests.etcd_fixture import EtcdServer, etcd_binary
 from tests.runtime.harness import Worker, WorkerError, call_all, free_port
+from wbridge import Async
 
 from .actors import FaultPub, FaultSub
 
 pytestmark = pytest.mark.timeout(240)
 
-PUB = dict(model_kind="tiny", transport="tcp", mode="async", max_staleness=100)
+PUB = dict(model_kind="tiny", transport="tcp", mode=Async(max_staleness=100))
 SUB = dict(fused=False, model_kind="tiny", transport="tcp", lease_ttl=5.0)
 
 

@@ -22,8 +22,8 @@ from tests.runtime.harness import Worker, call_all, free_port
 from transports.base import ReadBatch, decode_descriptor, encode_descriptor
 from transports.errors import TransportError as WireError
 from transports.tcp import TcpTransport
-from wbridge import AuthError, StoreError, Subscriber, WBridgeError, open_store
-from wbridge import _generation as generation
+from wbridge import Async, AuthError, Staging, StoreError, Subscriber, WBridgeError, open_store
+from wbridge.protocol import generation
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed, seal
 from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
@@ -60,7 +60,14 @@ def _pub_factory(url: str, rank: int):
     from .actors import FaultPub
 
     return FaultPub(
-        url, rank, 2, 2, model_kind="tiny", mode="async", max_staleness=100, transport="tcp", checksums=True
+        url,
+        rank,
+        2,
+        2,
+        model_kind="tiny",
+        mode=Async(max_staleness=100),
+        transport="tcp",
+        staging=Staging(checksums=True),
     )
 
 
@@ -300,10 +307,9 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
         1,
         1,
         model_kind="tiny",
-        mode="async",
-        max_staleness=100,
+        mode=Async(max_staleness=100),
         transport="tcp",
-        checksums=True,
+        staging=Staging(checksums=True),
     )
     paused, go = str(tmp_path / "paused"), str(tmp_path / "go")
     tensors = make_tensors(ModelConfig.tiny(), 1, 0, fused=False, fill_value=GARBAGE)

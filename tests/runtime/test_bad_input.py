@@ -7,7 +7,19 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from wbridge import LayoutError, PlanError, Publisher, Shard, Subscriber, UsageError, WBridgeError
+from wbridge import (
+    Async,
+    Delta,
+    LayoutError,
+    PlanError,
+    Publisher,
+    Shard,
+    Staging,
+    Subscriber,
+    UsageError,
+    WBridgeError,
+    Zone,
+)
 
 from .harness import free_port
 
@@ -22,8 +34,7 @@ def pub():
         host_store=True,
         token="t",
         transport="tcp",
-        mode="async",
-        max_staleness=100,
+        mode=Async(max_staleness=100),
     )
     p.register(
         {
@@ -85,7 +96,7 @@ def test_out_of_order_calls_are_usage_errors(pub) -> None:
     with pytest.raises(UsageError, match="before register"):
         s.pull(timeout=1)
     s.close()
-    with pytest.raises(UsageError, match="max_staleness"):
+    with pytest.raises(UsageError, match=r"write mode=Async\(max_staleness=k\)"):
         Publisher("bad4", pub.store_url, mode="async")
     with pytest.raises(WBridgeError, match="declaration"):
         Subscriber("bad", pub.store_url, token="t").register({"w": torch.zeros(G)})
@@ -121,10 +132,19 @@ def _bad_calls(pub: Publisher, sub: Subscriber, url: str) -> dict[str, Callable[
         "Publisher(channel=3)": lambda: Publisher(3, url),
         "Publisher(rank='0')": lambda: Publisher("x", url, rank="0"),
         "Publisher(world_size=0)": lambda: Publisher("x", url, world_size=0),
-        "Publisher(slots=1.5)": lambda: Publisher("x", url, slots=1.5),
+        "Staging(slots=1.5)": lambda: Staging(slots=1.5),
         "Publisher(connect_timeout=nan)": lambda: Publisher("x", url, connect_timeout=NAN),
         "Publisher(connect_timeout=-1)": lambda: Publisher("x", url, connect_timeout=-1),
-        "Publisher(max_staleness='2')": lambda: Publisher("x", url, mode="async", max_staleness="2"),
+        "Async(max_staleness='2')": lambda: Async(max_staleness="2"),
+        "Staging(checksums='no')": lambda: Staging(checksums="no"),
+        "Delta(history=2**63)": lambda: Delta(history=2**63),
+        "Publisher(staging=True)": lambda: Publisher("x", url, staging=True),
+        "Publisher(mode='fast')": lambda: Publisher("x", url, mode="fast"),
+        "Publisher(host_store='no')": lambda: Publisher("x", url, host_store="no"),
+        "Subscriber(verify=2)": lambda: Subscriber("x", url, verify=2),
+        "Subscriber(zone='east')": lambda: Subscriber("x", url, zone="east"),
+        "Zone(relay='no')": lambda: Zone("east", relay="no"),
+        "Zone('x' * 100000)": lambda: Zone("x" * 100_000),
         "Publisher(token=5)": lambda: Publisher("x", url, token=5),
         "Publisher(store=5)": lambda: Publisher("x", 5),
         "Subscriber(channel='')": lambda: Subscriber("", url),
@@ -194,7 +214,7 @@ def test_every_entry_point_types_its_errors(pub) -> None:
 @pytest.mark.timeout(60)
 def test_deeply_nested_store_record_is_store_error(pub) -> None:
     from wbridge import StoreError, open_store
-    from wbridge import _generation as generation
+    from wbridge.protocol import generation
     from wbridge.protocol.keys import Keys
 
     dst = torch.zeros(G, dtype=torch.bfloat16)

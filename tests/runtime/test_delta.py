@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from wbridge import Publisher
+from wbridge import Async, Delta, Staging, ZeroCopy
 from wbridge.errors import UsageError
 
 from .delta_actors import DeltaPub, DeltaSub
@@ -31,12 +31,15 @@ def start_paused_delta_pull(pub: Worker, sub: Worker, signal: str) -> None:
 
 
 def test_delta_needs_a_staging_copy() -> None:
-    url = f"tcp://127.0.0.1:{free_port()}"
-    for kwargs in ({"zero_copy": True}, {"slots": 1}):
-        with pytest.raises(UsageError, match="delta=True"):
-            Publisher("d", url, host_store=True, delta=True, transport="tcp", connect_timeout=5.0, **kwargs)
-    with pytest.raises(UsageError, match="delta_history"):
-        Publisher("d", url, host_store=True, delta=True, delta_history=0, transport="tcp", connect_timeout=5.0)
+    # refused where the options are built: ZeroCopy has no delta at all, one slot has no previous one
+    with pytest.raises(TypeError):
+        ZeroCopy(delta=Delta())
+    with pytest.raises(UsageError, match=r"write Staging\(slots=2, delta=\.\.\.\)"):
+        Staging(slots=1, delta=Delta())
+    with pytest.raises(UsageError, match=r"Delta\(history\)"):
+        Delta(history=0)
+    with pytest.raises(UsageError, match=r"Staging\(delta\)"):
+        Staging(delta=True)
 
 
 @pytest.mark.timeout(150)
@@ -47,7 +50,7 @@ def test_delta_needs_a_staging_copy() -> None:
 def test_delta_pulls_are_bit_exact_and_read_little(transport: str, staged: bool, odd: bool) -> None:
     # odd: a 1001-byte tensor last makes the slot end on an odd byte: deltas scatter bytes, not words
     url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, delta=True, transport=transport, odd=odd)
+    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport=transport, odd=odd)
     sub = Worker("sub", DeltaSub, url, transport=transport, staged=staged, odd=odd)
     try:
         steps: list = []
@@ -72,7 +75,9 @@ def test_delta_pulls_are_bit_exact_and_read_little(transport: str, staged: bool,
 @pytest.mark.timeout(180)
 def test_skipping_falling_behind_and_joining_late() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, delta=True, delta_history=3, transport="tcp", mode="async", max_staleness=20)
+    pub = Worker(
+        "pub", DeltaPub, url, staging=Staging(delta=Delta(history=3)), transport="tcp", mode=Async(max_staleness=20)
+    )
     sub = Worker("sub", DeltaSub, url, transport="tcp")
     late = None
     try:
@@ -110,7 +115,7 @@ def test_skipping_falling_behind_and_joining_late() -> None:
 @pytest.mark.parametrize("staged", [False, True])
 def test_tensors_overwritten_between_pulls_are_repaired(staged: bool) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp")
+    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
     # a TP=2 reader: its reads cover the checksum chunks only in part (row-split and column-split)
     sub = Worker("sub", DeltaSub, url, 2, 1, transport="tcp", staged=staged)
     try:
@@ -135,7 +140,7 @@ def test_tensors_overwritten_between_pulls_are_repaired(staged: bool) -> None:
 def test_subscriber_killed_mid_delta_pull_restarts_bit_exact(tmp_path) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     signal = str(tmp_path / "paused")
-    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp")
+    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
     # counted reads: 1 the first (full) pull, 2 the delta headers, 3 the delta entries: pause there
     fault = ("pause", {"signal_path": signal, "on_reads": (3,), "min_bytes": 1024, "hold": 60.0})
     sub = Worker("sub", DeltaSub, url, transport="tcp", lease_ttl=2.0, fault=fault)
@@ -164,8 +169,8 @@ def test_subscriber_killed_mid_delta_pull_restarts_bit_exact(tmp_path) -> None:
 def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     signal, release = str(tmp_path / "paused"), str(tmp_path / "release")
-    kwargs = {"delta_history": 2, "slots": 4, "mode": "async", "max_staleness": 20}
-    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp", **kwargs)
+    kwargs = {"staging": Staging(slots=4, delta=Delta(history=2)), "mode": Async(max_staleness=20)}
+    pub = Worker("pub", DeltaPub, url, transport="tcp", **kwargs)
     # counted reads: 1 the first (full) pull, 2 the delta headers, 3 the delta entries: pause there
     fault = ("pause", {"signal_path": signal, "release_path": release, "on_reads": (3,), "hold": 60.0})
     sub = Worker("sub", DeltaSub, url, transport="tcp", fault=fault)
@@ -204,7 +209,7 @@ def test_lease_lapsed_while_stalled_rejoins_and_reads_deltas() -> None:
     import signal
 
     url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, delta=True, transport="tcp", mode="one_step_off")
+    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp", mode="one_step_off")
     sub = Worker("sub", DeltaSub, url, transport="tcp", lease_ttl=2.0)
     try:
         steps: list = []

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from wbridge import Publisher, Shard, Subscriber, UsageError
+from wbridge import Publisher, Shard, Subscriber, UsageError, ZeroCopy
 
 from .fp8_actors import SHAPES, TOKEN, Fp8Trainer, master
 from .harness import Worker, free_port
@@ -93,8 +93,8 @@ def test_fp8_block128_usage_errors() -> None:
             pub.register({"w": (torch.zeros(4, 4), Shard("w", (4, 4)))}, transforms={"w": "fp4"})
         with pytest.raises(UsageError, match="'v', which is not registered"):
             pub.register({"w": (torch.zeros(4, 4), Shard("w", (4, 4)))}, transforms={"v": "fp8_block128"})
-    with Publisher("fp8", url, host_store=True, token=TOKEN, zero_copy=True, transport="tcp") as pub:
-        with pytest.raises(UsageError, match="zero_copy"):
+    with Publisher("fp8", url, host_store=True, token=TOKEN, staging=ZeroCopy(), transport="tcp") as pub:
+        with pytest.raises(UsageError, match=r"staging=ZeroCopy\(\)"):
             pub.register({"w": (torch.zeros(256, 256), Shard("w", (256, 256)))}, transforms=fp8)
 
 
@@ -102,7 +102,7 @@ def test_fp8_block128_usage_errors() -> None:
 def test_fp8_block128_strips_match_reference(src_dtype) -> None:
     """The snapshot's quantising copy on its own, on a weight wide enough that it works in several
     strips of block rows (plus edge blocks both ways), from fp32 and bf16 masters."""
-    from wbridge._transforms import Fp8Block128
+    from wbridge.publish.transforms import Fp8Block128
 
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(1100, 2100, generator=g) * torch.exp(torch.randn(1100, 1, generator=g) * 4)).to(src_dtype)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from wbridge import Publisher, Shard, Subscriber, UsageError, WaitTimeout
+from wbridge import Publisher, Shard, Subscriber, UsageError, WaitTimeout, ZeroCopy
 
 from .fit_actors import SHAPES, TOKEN, Fp32Trainer, master
 from .harness import Worker, WorkerError, free_port
@@ -72,9 +72,9 @@ def test_cast_to_a_column_sliced_reader_stays_bit_exact() -> None:
 @pytest.mark.timeout(60)
 def test_cast_with_zero_copy_is_a_usage_error() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    with Publisher("fit", url, host_store=True, token=TOKEN, zero_copy=True, transport="tcp") as pub:
+    with Publisher("fit", url, host_store=True, token=TOKEN, staging=ZeroCopy(), transport="tcp") as pub:
         t = torch.zeros(4, 4)
-        with pytest.raises(UsageError, match="zero_copy"):
+        with pytest.raises(UsageError, match=r"staging=ZeroCopy\(\)"):
             pub.register({"w": (t, Shard("w", (4, 4)))}, dtype=torch.bfloat16)
         with pytest.raises(UsageError, match="dtype must be one of"):
             pub.register({"w": (t, Shard("w", (4, 4)))}, dtype=torch.int8)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from wbridge import Async, Staging
+
 from .actors import PubActor, SubActor
 from .harness import Worker, call_all, free_port
 
@@ -19,7 +21,7 @@ def test_verify_accepts_a_clean_pull(fused: bool) -> None:
     # TP=2 publishers, a TP=2 fused subscriber reads parts of chunks (column-split o_proj and
     # down_proj), so verification also re-reads partly covered chunks.
     url = f"tcp://127.0.0.1:{free_port()}"
-    pubs = publishers(url, 2, checksums=True)
+    pubs = publishers(url, 2, staging=Staging(checksums=True))
     sub = Worker("sub", SubActor, url, 2 if fused else 1, 0, fused=fused, verify=True, transport="tcp")
     try:
         call_all(pubs, "publish", 1)
@@ -34,7 +36,7 @@ def test_verify_accepts_a_clean_pull(fused: bool) -> None:
 @pytest.mark.parametrize("staged", [False, True])
 def test_bit_flipped_in_flight_is_integrity_error(staged: bool) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    pubs = publishers(url, 2, checksums=True)
+    pubs = publishers(url, 2, staging=Staging(checksums=True))
     # the 3rd plan batch is corrupted: the first pull (one batch per publisher rank) is clean;
     # single-read batches (verification re-reads) are not counted
     sub = Worker(
@@ -71,7 +73,7 @@ def test_bit_flipped_in_flight_is_integrity_error(staged: bool) -> None:
 @pytest.mark.timeout(120)
 def test_slot_reused_under_a_slow_reader_is_never_torn() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
-    (pub,) = publishers(url, 1, mode="async", max_staleness=10, slots=2)
+    (pub,) = publishers(url, 1, mode=Async(max_staleness=10), staging=Staging(slots=2))
     # the first read finishes, then the reader stalls 3 s while the publisher reuses its slot
     sub = Worker("sub", SubActor, url, 2, 0, transport="tcp", fault=("slow", {"delay": 3.0}))
     try:

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from wbridge import Async, ZeroCopy
+
 from .actors import PubActor, SubActor
 from .harness import Worker, free_port
 
@@ -57,7 +59,7 @@ def test_one_step_off_waits_only_for_the_previous_version() -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("k", [1, 2])
 def test_async_blocks_only_past_max_staleness(k: int) -> None:
-    pub, sub = pair("async", max_staleness=k)
+    pub, sub = pair(Async(max_staleness=k))
     try:
         sub.send("pull", min_version=1, delay=DELAY)
         returns = [pub.call("publish", v)["t_ret"] for v in range(1, k + 2)]
@@ -91,7 +93,7 @@ def test_sync_publisher_stops_waiting_for_a_dead_subscriber() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_zero_copy_serves_live_tensors_until_every_ack() -> None:
-    pub, sub = pair("one_step_off", zero_copy=True)
+    pub, sub = pair("one_step_off", staging=ZeroCopy())
     try:
         for v in (1, 2):
             sub.send("pull", min_version=v, delay=DELAY)

@@ -1,11 +1,13 @@
 """Reader-ordered slots in the runtime: publishers pack their staging slots for the layouts of the
 live subscribers (announced once per distinct layout), a subscriber that joins later reads the
-current slots correctly and is packed for from the next version on, and zero_copy=True reads the
+current slots correctly and is packed for from the next version on, and staging=ZeroCopy() reads the
 live tensors as before. Real processes, real store, tcp."""
 
 from __future__ import annotations
 
 import pytest
+
+from wbridge import Staging, ZeroCopy
 
 from .actors import PubActor, SubActor
 from .harness import Worker, call_all, free_port
@@ -17,7 +19,11 @@ def _run(zero_copy: bool) -> dict:
     url = f"tcp://127.0.0.1:{free_port()}"
     workers: list[Worker] = []
     try:
-        kw = {"transport": ["tcp"], "zero_copy": zero_copy, "mode": "sync" if zero_copy else "one_step_off"}
+        kw = {
+            "transport": ["tcp"],
+            "staging": ZeroCopy() if zero_copy else Staging(),
+            "mode": "sync" if zero_copy else "one_step_off",
+        }
         pubs = [Worker("pub0", PubActor, url, 0, 2, 2, host_store=True, **kw)]
         pubs.append(Worker("pub1", PubActor, url, 1, 2, 2, **kw))
         workers += pubs
@@ -76,8 +82,8 @@ def test_torch_copy_program_matches_numpy():
 
     from planner import LayoutBuilder, Shard
     from planner.packing import pack_staging
-    from wbridge._packing import copy_packed, copy_torch
     from wbridge._tensors import byte_view
+    from wbridge.publish.packing import copy_packed, copy_torch
 
     src = LayoutBuilder(0)
     src.add("w", (16, 12), "bfloat16", Shard("w", (16, 24), (0, 0)))
@@ -107,8 +113,8 @@ def test_snapshot_keeps_the_packed_copy_program_per_slot():
 
     from planner import LayoutBuilder, Shard
     from planner.packing import copy_boxes, pack_staging
-    from wbridge._staging import build_registration, snapshot
     from wbridge._tensors import build_layout, byte_view
+    from wbridge.publish.staging import build_registration, snapshot
 
     store = torch.arange(40_000, dtype=torch.int16).to(torch.bfloat16)
     live = {

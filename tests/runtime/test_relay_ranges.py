@@ -1,4 +1,4 @@
-"""The byte-range arithmetic of ``wbridge._relay`` (splits, set differences, clipped plans) and the
+"""The byte-range arithmetic of ``wbridge.pull.ranges`` (splits, set differences, clipped plans) and the
 checks of the zone arguments."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from transports.base import ReadBatch
-from wbridge import Publisher, Subscriber, UsageError
-from wbridge._relay import ALIGN, clip, part, subtract, union
+from wbridge import Publisher, Subscriber, UsageError, Zone
+from wbridge.pull.ranges import ALIGN, clip, part, subtract, union
 
 
 def test_parts_cover_the_buffer_once_aligned() -> None:
@@ -42,15 +42,16 @@ def test_clip_keeps_source_and_destination_in_step() -> None:
     assert np.array_equal(clip(batch, [(0, 200)]).nbytes, batch.nbytes)
 
 
-@pytest.mark.parametrize("zone", ["", "a/b", 3])
+@pytest.mark.parametrize("zone", ["", "a/b", 3, "z" * 129])
 def test_bad_zone_is_usage_error(zone) -> None:
     # checked before the store is opened: nothing listens on these ports
     with pytest.raises(UsageError, match="zone"):
-        Subscriber("t", "tcp://127.0.0.1:1", zone=zone, connect_timeout=0.5)
+        Zone(zone)
     with pytest.raises(UsageError, match="zone"):
         Publisher("t", "tcp://127.0.0.1:1", zone=zone, connect_timeout=0.5)
 
 
-def test_relay_needs_a_zone() -> None:
-    with pytest.raises(UsageError, match="relay=True needs a zone"):
-        Subscriber("t", "tcp://127.0.0.1:1", relay=True, connect_timeout=0.5)
+def test_a_subscriber_zone_is_a_zone_value() -> None:
+    # relay=True without a zone cannot be written; a bare name says what to write instead
+    with pytest.raises(UsageError, match=r"write zone=Zone\('east'\)"):
+        Subscriber("t", "tcp://127.0.0.1:1", zone="east", connect_timeout=0.5)

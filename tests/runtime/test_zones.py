@@ -1,4 +1,4 @@
-"""Zones and relays (``wbridge._relay``): a version crosses to a zone about once, every replica of
+"""Zones and relays (``wbridge.pull.zone``): a version crosses to a zone about once, every replica of
 the zone ends bit-exact, a dead relay costs its readers a re-read, and zones never mix."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 import transports
 from tests.etcd_fixture import etcd_server  # noqa: F401 - the fixture
-from wbridge import open_store
+from wbridge import Staging, Zone, open_store
 
 from .actors import TOKEN, PubActor, SubActor
 from .harness import Worker, call_all, free_port
@@ -54,7 +54,7 @@ def test_relays_split_the_publisher_bytes(store, transport: str) -> None:
     if transport not in transports.available():
         pytest.skip(f"{transport} is not installed here")
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train", transport=[transport])
-    subs = _subs(store.url, 4, zone="b", relay=True, transport=transport)
+    subs = _subs(store.url, 4, zone=Zone("b", relay=True), transport=transport)
     try:
         for v in (1, 2):
             pub.call("publish", v)
@@ -68,8 +68,8 @@ def test_relays_split_the_publisher_bytes(store, transport: str) -> None:
 def test_relays_with_etcd_and_checksums(etcd_server) -> None:
     """The etcd store, and verify=True: relay-served bytes are checked against publisher checksums."""
     url = etcd_server.url
-    pub = Worker("pub", PubActor, url, 0, 1, 1, zone="train", checksums=True)
-    subs = _subs(url, 3, zone="b", relay=True, verify=True)
+    pub = Worker("pub", PubActor, url, 0, 1, 1, zone="train", staging=Staging(checksums=True))
+    subs = _subs(url, 3, zone=Zone("b", relay=True), verify=True)
     try:
         pub.call("publish", 1)
         _one_version_from_publishers(call_all(subs, "pull", 1, timeout=30.0), 1)
@@ -82,10 +82,10 @@ def test_zones_never_mix_and_late_readers_use_full_relays(store) -> None:
     """Zone b never reads zone a's relays; late subscribers of zone a, of its layout or another,
     read only from zone a's relays once they hold the version whole."""
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
-    relays = _subs(store.url, 2, zone="a", relay=True)
-    other = Worker("other", SubActor, store.url, 1, 0, fused=False, zone="b", relay=True)
-    late = Worker("late", SubActor, store.url, 1, 0, fused=False, zone="a", staged=True)
-    fused = Worker("fused", SubActor, store.url, 1, 0, fused=True, zone="a")  # another layout, not staged
+    relays = _subs(store.url, 2, zone=Zone("a", relay=True))
+    other = Worker("other", SubActor, store.url, 1, 0, fused=False, zone=Zone("b", relay=True))
+    late = Worker("late", SubActor, store.url, 1, 0, fused=False, zone=Zone("a"), staged=True)
+    fused = Worker("fused", SubActor, store.url, 1, 0, fused=True, zone=Zone("a"))  # another layout, not staged
     try:
         pub.call("publish", 1)
         _one_version_from_publishers(call_all(relays, "pull", 1, timeout=30.0), 1)
@@ -143,7 +143,7 @@ def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
 
 def _zone_records(store, zone: str) -> dict[int, dict]:
     """The relay records of ``zone`` in the channel's current generation, by record number."""
-    from wbridge import _generation
+    from wbridge.protocol import generation as _generation
     from wbridge.protocol.keys import Keys
     from wbridge.protocol.records import open_sealed
 
@@ -203,10 +203,10 @@ def test_corrupt_relay_is_read_around(store) -> None:
     """A relay that does not verify serves chunks corrupted in flight (a bit flipped in each of its
     reads): the relays that verify find it against the publisher's checksums,
     drop that relay for the pull and end bit-exact, its share read from the publishers."""
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1, checksums=True)
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, staging=Staging(checksums=True))
     flip = ("flip-bit", {"on_reads": range(1, 1000), "min_bytes": 1024})  # every data read it makes
-    bad = Worker("bad", SubActor, store.url, 1, 0, fused=False, zone="b", relay=True, fault=flip)
-    good = _subs(store.url, 3, zone="b", relay=True, verify=True)
+    bad = Worker("bad", SubActor, store.url, 1, 0, fused=False, zone=Zone("b", relay=True), fault=flip)
+    good = _subs(store.url, 3, zone=Zone("b", relay=True), verify=True)
     try:
         pub.call("publish", 1)
         rs = call_all([bad, *good], "pull", 1, timeout=40.0)

@@ -6,7 +6,7 @@ Usage (``pip install 'wbridge[ray]'``)::
     trainers = [Trainer.remote(ch, r, 2) for r in range(2)]   # ch pickles: name, store URL, token
 
     # in a trainer actor
-    pub = ch.publisher(rank, world_size, mode="async", max_staleness=1)
+    pub = ch.publisher(rank, world_size, mode=Async(max_staleness=1))
 
     # in a rollout actor (a restarted one runs this again: it rejoins and pulls the newest version)
     llm = LLM(model=path, worker_extension_cls=EXTENSION, ...)
@@ -104,8 +104,8 @@ class Channel:
         ``Publisher.evict``; harmless to one that is alive). ``who``: a Ray actor handle (the
         subscribers ``VLLMRollout`` made in it), a subscriber name or id. Returns how many."""
         from .. import _validate
-        from .._tracker import evict
         from ..protocol.keys import Keys
+        from ..publish.tracker import evict
         from ..store import open_store
 
         if not isinstance(who, (int, str)):

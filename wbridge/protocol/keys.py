@@ -39,7 +39,7 @@ without generations.
 
 ``acked`` and ``free`` are written by the aggregating publisher rank (rank 0), which alone reads
 every subscriber's lease and state (one batched read per poll); the other ranks block on those keys
-appearing (see ``wbridge._tracker``).
+appearing (see ``wbridge.publish.tracker``).
 
 Garbage collection: the committer of v deletes the ``v/<v - lag>/...`` keys (``lag`` = slots + 2,
 ``version_keys``), and the aggregating publisher rank deletes the three ``sub/<i>`` keys of a

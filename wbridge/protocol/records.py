@@ -3,6 +3,7 @@ to its key and signed with HMAC-SHA256 under the channel token; readers reject a
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -41,3 +42,16 @@ def open_sealed(token: bytes | None, key: str, raw: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError) as e:
         raise StoreError(f"malformed record body at store key {key!r}: {e}") from None
+
+
+def b64(raw: bytes) -> str:
+    """Bytes (a transport endpoint or region descriptor) as they travel inside a JSON record."""
+    return base64.b64encode(bytes(raw)).decode()
+
+
+def unb64(text: str) -> bytes:
+    """The bytes a record's ``b64`` field holds; a malformed one is a ``StoreError``."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (ValueError, TypeError) as e:
+        raise StoreError(f"malformed descriptor in a store record: {e}") from None

@@ -205,7 +205,7 @@ def inject(sub: Any, wrap: Any) -> Any:
     """Makes ``sub`` (a ``Subscriber``, before its first pull) open every transport through
     ``wrap(transport)``: fault injection for tests and the demo, kept out of the public signature.
     Returns ``sub``."""
-    sub._wrapper = wrap
+    sub.transports.wrap(wrap)
     return sub
 
 

@@ -3,9 +3,9 @@ source rank the connection and prepared reads. Also which ranks it gave up on (f
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +18,11 @@ from planner.plan import Plan
 from transports.base import ReadBatch
 from transports.errors import AuthError, TransportError
 
-from ._tensors import address, alloc_bytes
-from .errors import IntegrityError, StoreError
-from .protocol import checksum as _checksum
-from .protocol.stamps import STAMP_BYTES
+from .._tensors import address, alloc_bytes
+from ..errors import IntegrityError
+from ..protocol import checksum as _checksum
+from ..protocol.records import unb64
+from ..protocol.stamps import STAMP_BYTES
 
 log = logging.getLogger("wbridge")
 
@@ -51,7 +52,9 @@ class Session:
     layouts: list[RankLayout]
     records: list[dict]  # the publisher ranks' records, by rank
     dead: frozenset[int] = frozenset()  # ranks that failed mid-read: planned around
-    gens: tuple[int, ...] = ()  # packing generation of each rank's slot (wbridge._packing)
+    gens: tuple[int, ...] = ()  # packing generation of each rank's slot (``protocol.packing``)
+    delta: dict[int, Any] | None = None  # each source's delta geometry (``pull.delta``), once computed
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run when the session is dropped
 
 
 class SourcesFailed(Exception):
@@ -111,13 +114,6 @@ def verify_source(src: Source, rec: Any, sums: dict, dest: list[Any], fetch: Any
             f"publisher rank {src.rank} uses checksum {sums.get('algo')}, this subscriber {_checksum.ALGO}"
         )
     _checksum.verify_reads(src.batch, sums, dest, fetch, where=f"publisher rank {src.rank}, version {rec.v}")
-
-
-def unb64(s: str) -> bytes:
-    try:
-        return base64.b64decode(s, validate=True)
-    except (ValueError, TypeError) as e:
-        raise StoreError(f"malformed descriptor in publisher record: {e}") from None
 
 
 def connect_source(

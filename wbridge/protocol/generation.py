@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import StoreError
-from .protocol.keys import Keys
-from .protocol.records import open_sealed, seal
-from .store import Store
+from ..errors import StoreError
+from ..store import Store
+from .keys import Keys
+from .records import open_sealed, seal
 
 _NONCE = re.compile(r"[0-9a-f]{32}")
 

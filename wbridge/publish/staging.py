@@ -3,7 +3,6 @@ version (plain, cast to the published dtype, or packed for the readers' layouts)
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 from collections.abc import Mapping
@@ -14,13 +13,14 @@ import numpy as np
 
 from planner.layout import Declaration, RankLayout
 
-from ._delta import release_ring
-from ._lifecycle import quietly
-from ._packing import PackedCopy, SlotPacker
-from ._selection import publisher_capabilities
-from ._tensors import address, alloc_bytes, byte_view, describe
-from .protocol import checksum as _checksum
-from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_WRITING
+from .._lifecycle import quietly
+from .._selection import publisher_capabilities
+from .._tensors import address, alloc_bytes, byte_view, describe
+from ..protocol import checksum as _checksum
+from ..protocol.records import b64
+from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_WRITING
+from .delta import release_ring
+from .packing import PackedCopy, SlotPacker
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Registration:
     packed_copies: dict[int, PackedCopy] = field(default_factory=dict)  # slot -> its last packed copy
     cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
     transforms: dict[str, str] = field(default_factory=dict)  # register(transforms=): name -> transform
-    delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge._delta)
+    delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge.publish.delta)
 
 
 def staging_buffer(transports: Mapping[str, Any], size: int, device: str) -> Any:
@@ -79,7 +79,7 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
             for dst, src in [] if reg.zero_copy or packed is not None else reg.copies[slot]:
                 dst.copy_(src, non_blocking=True)
         reg.copy_stream.synchronize()
-    elif packed is not None:  # reader-ordered: one copy per cell (wbridge._packing)
+    elif packed is not None:  # reader-ordered: one copy per cell (wbridge.publish.packing)
         packed_copy(reg, slot, packed).run()
     elif not reg.zero_copy:
         for dst, src in reg.copies[slot]:
@@ -105,10 +105,10 @@ def copy_pairs(
 ) -> list[tuple[Any, Any]]:
     """(staging target, live tensor) pairs for the snapshot copy, built once per registration: raw
     bytes where the published dtype is the live one, typed torch views where the copy casts, and a
-    quantising target (``wbridge._transforms``) for a transformed tensor."""
+    quantising target (``wbridge.publish.transforms``) for a transformed tensor."""
     import torch
 
-    from ._transforms import SCALE_SUFFIX, Fp8Block128
+    from .transforms import SCALE_SUFFIX, Fp8Block128
 
     by_name = {lt.name: lt for lt in layout.tensors}
 
@@ -229,7 +229,3 @@ def served_record(reg: Registration, transports: Mapping[str, Any], rank: int, w
         for name, served in record["transports"].items():
             served["delta"] = [b64(r.descriptor) for r in reg.delta.regions[name]]
     return record
-
-
-def b64(b: bytes) -> str:
-    return base64.b64encode(bytes(b)).decode()

@@ -31,11 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _generation
-from .errors import StoreError, UsageError, WaitTimeout
-from .protocol.keys import Keys
-from .protocol.records import open_sealed, seal
-from .store import Store
+from ..errors import StoreError, UsageError, WaitTimeout
+from ..protocol import generation as _generation
+from ..protocol.keys import Keys
+from ..protocol.records import open_sealed, seal
+from ..protocol.state import parse_state
+from ..store import Store
 
 FALLBACK_S = 2.0  # a non-aggregating rank scans by itself after waiting this long for a key, then
 # after twice as long again each time (a long wait on slow subscribers costs O(log) scans per rank)
@@ -57,20 +58,6 @@ class SubscriberView:
     reading: int = 0
     layout: str = ""  # hash of its announced layout (``_packing.announce``)
     relay: str = ""  # the store key of its relay record (``_relay``), collected with it
-
-
-def state_bytes(acked: int, reading: int) -> bytes:
-    """The value of ``Keys.sub(i, "state")``: last version applied, version being read (0: none)."""
-    return f"{acked} {reading}".encode()
-
-
-def parse_state(raw: bytes | None) -> tuple[int, int]:
-    """(acked, reading) of a state value; absent or malformed reads as (0, 0): nothing acked yet."""
-    try:
-        acked, reading = raw.split()
-        return int(acked), int(reading)
-    except (ValueError, AttributeError):
-        return 0, 0
 
 
 @dataclass

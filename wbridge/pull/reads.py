@@ -5,7 +5,7 @@ against the publishers' chunk checksums. Sources come from the session (``_sessi
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,34 +13,26 @@ import numpy as np
 
 from transports.base import ReadBatch
 
-from ._session import Source, failed_sources, fetch_chunk, verify_source
-from .errors import StaleVersionError, WaitTimeout
-from .protocol.keys import Keys
-from .protocol.records import open_sealed
-from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
+from ..errors import StaleVersionError, WaitTimeout
+from ..protocol.records import open_sealed
+from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
+from .context import PullContext
+from .session import Source, failed_sources, fetch_chunk, verify_source
 
 
-def read_sources(
-    transports: Mapping[str, Any],
-    local_regions: Mapping[str, list[Any]],
-    pool: ThreadPoolExecutor | None,
-    sources: Sequence[Source],
-    slot: int,
-    deadline: float,
-    who: str,
-) -> None:
+def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadline: float) -> None:
     """Posts each source's batch for ``slot`` (prepared once per slot, then replayed); raises
     ``SourcesFailed`` where sources stopped answering (replicas may stand in)."""
 
     def one(src: Source) -> None:
         prep = src.prepared.get(slot)
-        t = transports[src.transport]
+        t = ctx.endpoints[src.transport]
         if prep is None:
-            prep = t.prepare(src.peer, src.regions[slot], local_regions[src.transport], src.batch)
+            prep = t.prepare(src.peer, src.regions[slot], ctx.endpoints.regions(src.transport), src.batch)
             src.prepared[slot] = prep
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WaitTimeout(f"subscriber {who}: pull timed out before reading rank {src.rank}")
+            raise WaitTimeout(f"subscriber {ctx.name}: pull timed out before reading rank {src.rank}")
         t.read(prep, timeout=left)
 
     work = [s for s in sources if len(s.batch)]
@@ -53,7 +45,7 @@ def read_sources(
                 raise
             raise err from e
         return
-    futures = [(s.rank, pool.submit(one, s)) for s in work]
+    futures = [(s.rank, ctx.pool.submit(one, s)) for s in work]
     errors = []
     for rank, f in futures:
         try:
@@ -65,15 +57,15 @@ def read_sources(
 
 
 def check_stamps(
-    transports: Mapping[str, Any], pool: ThreadPoolExecutor, sources: Sequence[Source], rec: Any, deadline: float
+    ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float, pool: ThreadPoolExecutor | None = None
 ) -> None:
     """Reads every source's slot stamp after the data: unless each still says "version v,
     stable", the slot changed under the reads (the seqlock check; the store's fence is only a
-    hint, since the store is not trusted)."""
+    hint, since the store is not trusted). ``pool``: the threads to read them on (the context's)."""
     want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
 
     def one(src: Source) -> None:
-        t = transports[src.transport]
+        t = ctx.endpoints[src.transport]
         prep = src.stamp_prepared.get(rec.slot)
         if prep is None:
             stamp_index = len(src.regions[rec.slot]) - 1
@@ -92,27 +84,20 @@ def check_stamps(
                 f"{got[1]} (state {got[2]}), not version {rec.v}"
             )
 
+    pool = pool or ctx.pool
     for f in [pool.submit(one, src) for src in sources]:
         f.result()
 
 
-def verify_sources(
-    store: Any,
-    keys: Keys,
-    token: bytes | None,
-    transports: Mapping[str, Any],
-    sources: Sequence[Source],
-    rec: Any,
-    dest: list[Any],
-    deadline: float,
-) -> None:
+def verify_sources(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float) -> None:
     """Checks every chunk the plan read from each source against the publisher's sums."""
-    sum_keys = [keys.sums(rec.v, src.rank) for src in sources]
-    for src, key, raw in zip(sources, sum_keys, store.get_many(sum_keys)):
+    sum_keys = [ctx.keys.sums(rec.v, src.rank) for src in sources]
+    for src, key, raw in zip(sources, sum_keys, ctx.store.get_many(sum_keys)):
         if raw is None:  # written before the commit: collected since, so the slot was reused
             raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
-        t = transports[src.transport]
-        verify_source(src, rec, open_sealed(token, key, raw), dest, fetch_chunk(t, src, rec.slot, deadline))
+        t = ctx.endpoints[src.transport]
+        sums = open_sealed(ctx.token, key, raw)
+        verify_source(src, rec, sums, ctx.dest.buffers, fetch_chunk(t, src, rec.slot, deadline))
 
 
 __all__ = ["check_stamps", "read_sources", "verify_sources"]

@@ -17,13 +17,13 @@ import os
 import socket
 from typing import Any
 
-from . import _generation
-from ._lifecycle import quietly
-from ._packing import announce
-from ._tracker import state_bytes
-from .protocol.keys import Keys
-from .protocol.records import seal
-from .store import Lease, Store
+from .._lifecycle import quietly
+from ..protocol import generation as _generation
+from ..protocol.keys import Keys
+from ..protocol.packing import announce
+from ..protocol.records import seal
+from ..protocol.state import state_bytes
+from ..store import Lease, Store
 
 log = logging.getLogger("wbridge")
 

@@ -38,15 +38,11 @@ publisher rank 0 with the subscriber's keys).
 
 from __future__ import annotations
 
-import base64
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
-
-import numpy as np
 
 import transports as _transports
 from planner.builder import build_plan
@@ -55,77 +51,22 @@ from planner.layout import RankLayout
 from planner.plan import Plan
 from transports.base import ReadBatch
 
-from ._lifecycle import quietly
-from ._reads import check_stamps, read_sources, verify_sources
-from ._selection import candidates, publisher_capabilities
-from ._session import Source, SourcesFailed, connect_source
-from ._tensors import address, alloc_bytes
-from .errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
-from .protocol.keys import Keys
-from .protocol.records import open_sealed, seal
-from .protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
+from .._lifecycle import quietly
+from .._selection import candidates
+from ..errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
+from ..protocol.records import open_sealed
+from .connect import failover
+from .context import PullContext
+from .ranges import Ranges, clip, part, subtract, union
+from .reads import check_stamps, read_sources, verify_sources
+from .relay import RelayServer
+from .session import Source, SourcesFailed, connect_source
 
 log = logging.getLogger("wbridge")
 
 RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subscriber's own transports)
 STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
-ANN_KEEP = 64  # a relay deletes announcement keys older than this many announcements, this many at a time
-ALIGN = 4096  # range boundaries (bytes)
 OWN_CHUNKS = 4  # a relay announces its own range in this many chunks, as they arrive
-
-Ranges = list[tuple[int, int]]
-
-
-def _b64(b: bytes) -> str:
-    return base64.b64encode(bytes(b)).decode()
-
-
-def subtract(ranges: Ranges, cut: Ranges) -> Ranges:
-    """``ranges`` without the bytes of ``cut`` (both sorted, disjoint)."""
-    out = []
-    for lo, hi in ranges:
-        for a, b in cut:
-            if b <= lo or a >= hi:
-                continue
-            if a > lo:
-                out.append((lo, a))
-            lo = max(lo, b)
-            if lo >= hi:
-                break
-        if lo < hi:
-            out.append((lo, hi))
-    return out
-
-
-def union(ranges: Ranges) -> Ranges:
-    out: Ranges = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
-def part(size: int, i: int, n: int) -> tuple[int, int]:
-    """Byte range ``i`` of ``n`` near-equal ranges of ``size`` bytes (boundaries ``ALIGN``ed)."""
-    cut = [min(size, (size * j // n + ALIGN // 2) // ALIGN * ALIGN) for j in range(n + 1)]
-    cut[-1] = size
-    return cut[i], cut[i + 1]
-
-
-def clip(batch: ReadBatch, ranges: Ranges) -> ReadBatch:
-    """The reads of ``batch`` (into one destination region) cut to the destination bytes in ``ranges``."""
-    end = batch.dst_offset + batch.nbytes
-    cols: list[list[np.ndarray]] = [[], [], [], [], []]
-    for lo, hi in ranges:
-        a, b = np.maximum(batch.dst_offset, lo), np.minimum(end, hi)
-        m = b > a
-        shift = a[m] - batch.dst_offset[m]
-        picked = (batch.src_region[m], batch.src_offset[m] + shift, batch.dst_region[m], a[m], (b - a)[m])
-        for c, x in zip(cols, picked):
-            c.append(x)
-    return ReadBatch(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
 
 
 @dataclass(frozen=True)
@@ -150,111 +91,17 @@ class _Stamped:
         self.v, self.epoch = v, epoch
 
 
-class RelayServer:
-    """The serving side of a relay: its buffer, stamp and record.
-
-    - ``store``, ``keys``, ``token``: the channel's store, keys (of the generation joined), token.
-    - ``zone``: the zone it serves.
-    - ``transports``: the subscriber's transports to serve on, by name (its buffer already registered).
-    - ``regions``: each transport's registration of the buffer.
-    - ``size``: the buffer's size in bytes.
-    - ``layout``: the hash of the subscriber's layout (readers with another layout do not use it).
-    - ``sub_id``, ``ttl``, ``name``: the subscriber's id (its lease key), lease ttl and name.
-    """
-
-    def __init__(
-        self,
-        store: Any,
-        keys: Keys,
-        token: bytes | None,
-        zone: str,
-        transports: dict[str, Any],
-        regions: dict[str, Any],
-        size: int,
-        layout: str,
-        sub_id: int,
-        ttl: float,
-        name: str,
-    ) -> None:
-        self.store, self.keys, self.token, self.zone = store, keys, token, zone
-        self.transports, self.size, self.sub_id = transports, size, sub_id
-        self.stamp = alloc_bytes(STAMP_BYTES, "cpu")
-        self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
-        self.stamp_regions: dict[str, Any] = {}
-        served = {}
-        for n, t in transports.items():
-            self.stamp_regions[n] = r = t.register(address(self.stamp), STAMP_BYTES, device="cpu")
-            served[n] = {"endpoint": _b64(t.endpoint()), "regions": [[_b64(regions[n].descriptor), _b64(r.descriptor)]]}
-        self.base = {
-            "id": sub_id,
-            "lease": keys.sub(sub_id, "live"),
-            "ttl": ttl,
-            "name": name,
-            "layout": layout,
-            "size": size,
-            "caps": publisher_capabilities(list(transports)),
-            "transports": served,
-        }
-        self.v = self.epoch = 0
-        self.held: Ranges = []
-        self.lock = threading.Lock()
-        self.key = keys.zone_relay(zone, store.add(keys.zone_count(zone), 1))
-        self._write()
-
-    def _write(self) -> None:
-        rec = {**self.base, "v": self.v, "epoch": self.epoch, "held": [list(r) for r in self.held]}
-        self.store.set(self.key, seal(self.token, self.key, rec))
-
-    def begin(self, v: int, epoch: int) -> None:
-        """About to write version ``v`` into the buffer: withdraw what it held, then the stamp."""
-        if (v, epoch) == (self.v, self.epoch):
-            return
-        self.v, self.epoch, self.held = v, epoch, []
-        self._write()
-        self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, v, STAMP_STABLE, epoch)
-
-    def hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
-        """Announces that ``ranges`` of the buffer now hold the version begun (verified), unless
-        another ``version`` (v, epoch) was begun since; called from the thread fetching its own
-        range and the one reading peers. ``wake``: bytes new to the zone (from publishers) wake the
-        zone's waiting readers; bytes read from peers do not (their owner's announcement did)."""
-        with self.lock:
-            if version is not None and version != (self.v, self.epoch):
-                return
-            self.held = union(self.held + list(ranges))
-            self._write()
-            if wake:
-                self.announce()
-
-    def announce(self) -> None:
-        """Wakes the zone's readers blocked in ``ZoneReader.wait`` (once the record is written): the
-        zone's next announcement key appears; each ``ANN_KEEP``-th deletes ``ANN_KEEP`` old ones."""
-        keys, zone = self.keys, self.zone
-        n = self.store.add(keys.zone_announced(zone), 1)
-        self.store.set(keys.zone_announcement(zone, n), b"1")
-        if n % ANN_KEEP == 0 and n >= 2 * ANN_KEEP:
-            old = [keys.zone_announcement(zone, k) for k in range(n - 2 * ANN_KEEP + 1, n - ANN_KEEP + 1)]
-            quietly(self.store.delete_many, old)
-
-    def close(self) -> None:
-        quietly(self.store.delete, self.key)
-        self.stamp.numpy().view(np.uint64)[2] = STAMP_WRITING
-        for n, r in self.stamp_regions.items():
-            quietly(self.transports[n].deregister, r)
-        self.stamp_regions = {}
-
-
 class ZoneReader:
     """A zone subscriber's reads of one version through the relays of its zone (and publishers).
 
-    - ``sub``: the subscriber (its store, keys, transports, session, pool and name are used).
+    - ``ctx``: the subscriber's pull context (store, keys, transports, destination, name).
     - ``zone``: its zone.
     - ``relay``: its ``RelayServer`` if it relays, else None.
     - ``layout``: the hash of its layout; ``size``: its staging buffer's size (None: not staged).
     """
 
-    def __init__(self, sub: Any, zone: str, relay: RelayServer | None, layout: str, size: int) -> None:
-        self.sub, self.zone, self.relay, self.layout, self.size = sub, zone, relay, layout, size
+    def __init__(self, ctx: PullContext, zone: str, relay: RelayServer | None, layout: str, size: int | None) -> None:
+        self.ctx, self.zone, self.relay, self.layout, self.size = ctx, zone, relay, layout, size
         self.announced = 0  # the zone's announcement counter, read before the records by scan()
         self.absent: dict[int, float] = {}  # record number -> when first found missing
         self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
@@ -264,8 +111,8 @@ class ZoneReader:
     # -- the zone's relays ---------------------------------------------------------------------
     def scan(self) -> list[Peer]:
         """The zone's live relays (itself aside); deletes the records of dead ones."""
-        sub = self.sub
-        store, keys = sub._store, sub.keys
+        ctx = self.ctx
+        store, keys = ctx.store, ctx.keys
         # the announcement counter before the records: every announcement up to it is in them
         counters = store.get_many([keys.zone_count(self.zone), keys.zone_announced(self.zone)])
         count, self.announced = (int(x or 0) for x in counters)
@@ -281,7 +128,7 @@ class ZoneReader:
             if self.relay is not None and key == self.relay.key:
                 continue
             try:
-                d = open_sealed(sub.token, key, raw)
+                d = open_sealed(ctx.token, key, raw)
                 found.append((key, d, str(d["lease"]), float(d["ttl"])))
             except Exception:  # noqa: BLE001 - an unsigned or malformed record is no relay
                 continue
@@ -366,7 +213,7 @@ class ZoneReader:
                 stall = max(STALL_MIN_S, 2.0 * own.result()[2])
             busy = self.relay is None and any((p.v, p.epoch) == (rec.v, rec.epoch) for p in peers)
             if now > give_up or (now - last > stall and not busy):
-                log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.sub.name, self.zone)
+                log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.ctx.name, self.zone)
                 break
             due = give_up if busy or (own is not None and not own.done()) else min(give_up, last + stall)
             self.wait(min(max(0.001, due - now), STALL_MIN_S))
@@ -376,9 +223,9 @@ class ZoneReader:
     def wait(self, timeout: float) -> None:
         """Blocks in the store (TCPStore wait, etcd watch) until the zone's announcement after the
         last ``scan`` (at once if made since; one deleted before the wait costs ``timeout``)."""
-        sub = self.sub
+        ctx = self.ctx
         try:
-            sub._store.wait(sub.keys.zone_announcement(self.zone, self.announced + 1), timeout)
+            ctx.store.wait(ctx.keys.zone_announcement(self.zone, self.announced + 1), timeout)
         except WaitTimeout:
             pass
 
@@ -401,10 +248,9 @@ class ZoneReader:
     def _verify(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> None:
         """With ``verify=True`` and publisher checksums: checks the buffer's bytes ``ranges`` (read
         from anywhere) against the publishers' chunk sums (``IntegrityError``)."""
-        sub = self.sub
-        if sub.verify and rec.checksums:
+        if self.ctx.verify and rec.checksums:
             parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
-            verify_sources(sub._store, sub.keys, sub.token, sub._transports, parts, rec, sub._dest, deadline)
+            verify_sources(self.ctx, parts, rec, deadline)
 
     def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
@@ -420,7 +266,7 @@ class ZoneReader:
                 return session, 0, self._from_full(full, rec, deadline)
             except (TransportError, StaleVersionError, StoreError, PlanError) as e:
                 log.warning(
-                    "subscriber %s: reading zone %s relays failed (%s); publishers", self.sub.name, self.zone, e
+                    "subscriber %s: reading zone %s relays failed (%s); publishers", self.ctx.name, self.zone, e
                 )
                 for p in full:
                     self._drop(p.key)
@@ -428,17 +274,17 @@ class ZoneReader:
         return session, n, 0
 
     def _from_full(self, full: list[Peer], rec: Any, deadline: float) -> int:
-        sub = self.sub
+        ctx = self.ctx
         key = tuple((p.key, p.layout) for p in full)
         if self.plan is None or self.plan[0] != key:
             layouts = []
             for i, p in enumerate(full):
-                lk = sub.keys.reader_layout(p.layout)
-                raw = sub._store.get(lk)
+                lk = ctx.keys.reader_layout(p.layout)
+                raw = ctx.store.get(lk)
                 if raw is None:
                     raise StoreError(f"relay {p.key}: its layout {p.layout} is not in the store")
-                layouts.append(replace(RankLayout.from_dict(open_sealed(sub.token, lk, raw)), rank=i))
-            self.plan = (key, build_plan(layouts, sub._layout))
+                layouts.append(replace(RankLayout.from_dict(open_sealed(ctx.token, lk, raw)), rank=i))
+            self.plan = (key, build_plan(layouts, ctx.dest.layout))
         jobs = []
         for s in self.plan[1].sources:
             src = self._connect(full[s.src_rank], deadline)
@@ -447,32 +293,32 @@ class ZoneReader:
         for _, f in jobs:
             f.result()
         for src, _ in jobs:
-            check_stamps(sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+            check_stamps(ctx, [src], _Stamped(rec.v, rec.epoch), deadline, self.pool)
         return self.plan[1].total_bytes
 
     def _from_publishers(self, session: Any, rec: Any, ranges: Ranges | None, deadline: float) -> tuple[Any, int]:
         """Reads the destination bytes ``ranges`` (None: all) from the publishers (the session's
         plan clipped to them) and checks their stamps; fails over to replicas as a plain pull does."""
-        sub = self.sub
+        ctx = self.ctx
         while True:
             parts = [
                 replace(s, batch=s.batch if ranges is None else clip(s.batch, ranges), prepared={})
                 for s in session.sources
             ]
             try:
-                read_sources(sub._transports, sub._local_regions, sub._pool, parts, rec.slot, deadline, sub.name)
+                read_sources(ctx, parts, rec.slot, deadline)
                 break
             except SourcesFailed as failed:
-                session = sub._failover(session, failed, deadline)
+                session = failover(ctx, session, failed, deadline)
             finally:
                 for s in parts:
                     for prep in s.prepared.values():
-                        quietly(sub._transports[s.transport].release, prep)
-        check_stamps(sub._transports, sub._pool, session.sources, rec, deadline)
+                        quietly(ctx.endpoints[s.transport].release, prep)
+        check_stamps(ctx, session.sources, rec, deadline)
         return session, sum(s.batch.total_bytes for s in parts)
 
     def _connect(self, peer: Peer, deadline: float) -> Source:
-        sub = self.sub
+        local = self.ctx.endpoints
         d = peer.record
         ends = tuple(sorted((n, x["endpoint"]) for n, x in d["transports"].items()))
         known = self.peers.get(peer.key)
@@ -480,8 +326,8 @@ class ZoneReader:
             return known[1]
         if known is not None:
             self._drop(peer.key)
-        options = candidates(sub.preference, sub._caps, d["caps"])
-        src, _ = connect_source(-peer.id, d, ReadBatch.of([]), options, sub._transport, deadline, sub.name)
+        options = candidates(local.preference, local.caps, d["caps"])
+        src, _ = connect_source(-peer.id, d, ReadBatch.of([]), options, local.open, deadline, self.ctx.name)
         self.peers[peer.key] = (ends, src)
         return src
 
@@ -527,7 +373,7 @@ class ZoneReader:
             try:
                 f.result()
                 # the stamp after the data: the peer still holds version v (it withdrew nothing)
-                check_stamps(self.sub._transports, self.pool, [src], _Stamped(rec.v, rec.epoch), deadline)
+                check_stamps(self.ctx, [src], _Stamped(rec.v, rec.epoch), deadline, self.pool)
                 self._verify(session, rec, union(work[k]), deadline)  # a relay that served bad bytes
                 got += work[k]
             except (TransportError, StaleVersionError, IntegrityError) as e:
@@ -535,15 +381,15 @@ class ZoneReader:
         return union(got), gone
 
     def _failed(self, key: str, e: Exception, gone: set[str]) -> None:
-        log.warning("subscriber %s: relay %s failed (%s); its bytes come from elsewhere", self.sub.name, key, e)
+        log.warning("subscriber %s: relay %s failed (%s); its bytes come from elsewhere", self.ctx.name, key, e)
         self._drop(key)
         gone.add(key)
 
     def _read_peer(self, src: Source, batch: ReadBatch, deadline: float) -> None:
         """Posts ``batch`` from a relay's buffer (its stamp is checked next)."""
-        sub = self.sub
-        t = sub._transports[src.transport]
-        prep = t.prepare(src.peer, src.regions[0], sub._local_regions[src.transport], batch)
+        ends = self.ctx.endpoints
+        t = ends[src.transport]
+        prep = t.prepare(src.peer, src.regions[0], ends.regions(src.transport), batch)
         try:
             t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
         finally:
@@ -554,7 +400,7 @@ class ZoneReader:
         if known is None:
             return
         src = known[1]
-        t = self.sub._transports.get(src.transport)
+        t = self.ctx.endpoints.get(src.transport)
         if t is None:
             return
         for prep in src.stamp_prepared.values():
@@ -571,22 +417,22 @@ class ZoneReader:
             self.relay.close()
 
 
-def join_zone(sub: Any, buf: Any, layout: str) -> ZoneReader:
-    """The zone reader of subscriber ``sub`` (staging buffer ``buf``, None if not staged; layout
-    hash ``layout``); a relay serves ``buf`` on tcp and local (or on its one chosen transport) and
+def join_zone(ctx: PullContext, zone: str, relay: bool, layout: str) -> ZoneReader:
+    """The zone reader of a subscriber (layout hash ``layout``); a relay (staged: its buffer is
+    ``ctx.dest.buffers[0]``) serves its buffer on tcp and local (or on its one chosen transport) and
     names its record in its subscriber record (collected with it)."""
-    size, server = (None if buf is None else int(buf.numel())), None
-    if sub.relay:
+    dest = ctx.dest
+    size = int(dest.buffers[0].numel()) if dest.staged else None
+    server = None
+    if relay:
+        ends, m = ctx.endpoints, ctx.member
         names = [n for n in RELAY_TRANSPORTS if n in _transports.available()]
-        names = names if sub.preference == "auto" else [sub.preference]
-        served = {n: sub._transport(n) for n in names}
-        regions = {n: sub._local_regions[n][0] for n in names}
-        m = sub._member
-        server = RelayServer(
-            sub._store, sub.keys, sub.token, sub.zone, served, regions, size, layout, m.id, m.ttl, sub.name
-        )
+        names = names if ends.preference == "auto" else [ends.preference]
+        served = {n: ends.open(n) for n in names}
+        regions = {n: ends.regions(n)[0] for n in names}
+        server = RelayServer(ctx.store, ctx.keys, ctx.token, zone, served, regions, size, layout, m.id, m.ttl, ctx.name)
         m.announce(m.layout, server.key)
-    return ZoneReader(sub, sub.zone, server, layout, size)
+    return ZoneReader(ctx, zone, server, layout, size)
 
 
 def _number(key: str) -> int:
@@ -597,4 +443,4 @@ def _number_of(peer: Peer) -> int:
     return _number(peer.key)
 
 
-__all__ = ["RELAY_TRANSPORTS", "RelayServer", "ZoneReader", "join_zone"]
+__all__ = ["RELAY_TRANSPORTS", "STALL_MIN_S", "Peer", "ZoneReader", "join_zone"]

@@ -15,8 +15,6 @@ which holds every mapped byte.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import numpy as np
@@ -25,27 +23,11 @@ from planner.layout import RankLayout
 from planner.packing import ALIGN, PackedStaging, check_boxes, pack_staging
 from transports._copy import run_chunks, serial_chunks
 
-from ._tensors import byte_view
-from .errors import StoreError
-from .protocol.keys import Keys
-from .protocol.records import open_sealed, seal
-from .store import Store
-
-
-def layout_hash(layout: RankLayout) -> str:
-    """A content hash of a layout, its rank aside: identical layouts hash alike."""
-    d = layout.to_dict()
-    d["rank"] = 0
-    return hashlib.sha256(json.dumps(d, separators=(",", ":")).encode()).hexdigest()[:32]
-
-
-def announce(store: Store, keys: Keys, token: bytes | None, layout: RankLayout) -> str:
-    """Stores ``layout`` under its hash unless already there; returns the hash."""
-    h = layout_hash(layout)
-    key = keys.reader_layout(h)
-    if store.get(key) is None:
-        store.set(key, seal(token, key, layout.to_dict()))
-    return h
+from .._tensors import byte_view
+from ..protocol.keys import Keys
+from ..protocol.packing import layout_hash
+from ..protocol.records import open_sealed, seal
+from ..store import Store
 
 
 class SlotPacker:
@@ -105,7 +87,7 @@ class SlotPacker:
 
 class PackedCopy:
     """The snapshot copy of a packed slot, its views made once: a publisher keeps one per slot
-    and runs it at every snapshot while the packing stays (``wbridge._staging.snapshot``).
+    and runs it at every snapshot while the packing stays (``wbridge.publish.staging.snapshot``).
 
     ``ps``: the packing (its ``copies`` are the program). ``live``: the publisher's live tensors,
     in layout order. ``slot``: the slot's flat ``torch.uint8`` buffer.
@@ -161,22 +143,3 @@ def copy_torch(ps: PackedStaging, srcs: list[Any], slot: Any) -> None:
         # as_strided offsets count from the storage's start, not the view's
         dst = slot.as_strided((*shape, run), (*ds, 1), slot.storage_offset() + do)
         dst.copy_(src.as_strided((*shape, run), (*ss, 1), src.storage_offset() + so), non_blocking=True)
-
-
-def packing_gens(store: Store, keys: Keys, token: bytes | None, v: int, world_size: int) -> tuple[int, ...]:
-    """The packing generation of every publisher rank's slot for version ``v`` (0 where a rank
-    recorded none), read by the rank that commits ``v`` into its version record."""
-    names = [keys.packing(v, r) for r in range(world_size)]
-    gens = []
-    for key, raw in zip(names, store.get_many(names)):
-        gens.append(int(open_sealed(token, key, raw)["gen"]) if raw is not None else 0)
-    return tuple(gens)
-
-
-def packed_layout(store: Store, keys: Keys, token: bytes | None, epoch: int, rank: int, gen: int) -> RankLayout:
-    """The slot layout of packing generation ``gen`` of publisher rank ``rank``."""
-    key = keys.packed(epoch, rank, gen)
-    raw = store.get(key)
-    if raw is None:
-        raise StoreError(f"publisher rank {rank}: packed slot layout {gen} of epoch {epoch} is missing")
-    return RankLayout.from_dict(open_sealed(token, key, raw))

@@ -21,7 +21,7 @@ from typing import Any
 
 from planner.layout import Declaration, Shard
 
-from .errors import UsageError
+from ..errors import UsageError
 
 FP8_BLOCK128 = "fp8_block128"
 #: The transforms ``Publisher.register(transforms=)`` knows.
@@ -39,8 +39,8 @@ def check(transforms: Mapping[str, str] | None, tensors: Mapping[str, Any], who:
         raise UsageError(f"{who}: transforms must map local tensor names to transform names")
     if zero_copy:
         raise UsageError(
-            f"{who}: register(transforms=) transforms {sorted(transforms)} at snapshot time, but zero_copy=True "
-            "serves the live tensors as they are; use the staged modes (zero_copy=False) to transform"
+            f"{who}: register(transforms=) transforms {sorted(transforms)} at snapshot time, but staging=ZeroCopy() "
+            "serves the live tensors as they are; use staging=Staging() to transform"
         )
     for name, kind in transforms.items():
         if name not in tensors:

@@ -1,0 +1,93 @@
+"""Applying one version to the destination: the last stage of a pull, and where the others meet.
+
+``apply`` reads version ``rec`` (whose slot's fence read ``fence`` along with it):
+
+1. Plans and connects if the publisher epoch or the packing generations changed (``connect``).
+2. Says "reading v" in the subscriber's state key, from before the first read until the reads are
+   checked: publishers do not overwrite the slot meanwhile (sync and one-step-off modes).
+3. Reads: as deltas onto the version held where it can (``delta``); through the zone's relays where
+   the subscriber has a zone (``zone``); else every source's prepared batch, failing over to
+   replicas when a source dies (``reads``, ``connect.failover``).
+4. Verifies full pulls against the publishers' checksums where asked (delta pulls always verify),
+   and reads the slot stamps after the data: they, not the untrusted store's fence, prove the slot
+   did not change under the reads (``StaleVersionError`` otherwise).
+5. Staged: copies the private buffer into the live tensors; then acks ``v`` in the state key.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .._lifecycle import quietly
+from ..errors import IntegrityError, StaleVersionError
+from ..protocol.state import state_bytes
+from ..protocol.version import VersionRecord
+from . import delta
+from .connect import failover, setup
+from .context import Held, PullContext, PullResult
+from .reads import check_stamps, read_sources, verify_sources
+from .session import SourcesFailed
+from .zone import ZoneReader
+
+
+def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zone: ZoneReader | None) -> PullResult:
+    """Reads ``rec`` into the destination (see the module docstring); ``zone``: the subscriber's
+    zone reader, if it has a zone."""
+    session = ctx.session
+    gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
+    if session is None or session.epoch != rec.epoch or session.gens != gens:
+        session = setup(ctx, rec, gens, deadline)
+    member = ctx.member
+    state_key = ctx.keys.sub(member.id, "state")
+    ctx.store.set(state_key, state_bytes(member.acked, rec.v))
+    held, ctx.held = ctx.held, None  # the destination holds no whole version until we finish
+    try:
+        if fence != rec.fence:
+            raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
+        if not ctx.dest.staged:
+            ctx.version = None  # the live tensors are about to hold a mix until we finish
+        result = None
+        if zone is None and delta.usable(ctx, session, rec, held):  # a zone's readers read whole versions
+            try:
+                result = delta.pull(ctx, session, rec, held.v, deadline)
+            except IntegrityError:
+                check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+                raise
+        if result is None and zone is not None:  # relays of the zone first, publishers for the rest
+            session, from_pub, from_peers = zone.read(session, rec, deadline)
+            result = PullResult(from_pub, from_peers, len(session.plan))
+        elif result is None:
+            while True:
+                try:
+                    read_sources(ctx, session.sources, rec.slot, deadline)
+                    break
+                except SourcesFailed as failed:  # a source died: its replicas stand in, if any
+                    session = failover(ctx, session, failed, deadline)
+            result = PullResult(session.plan.total_bytes, 0, len(session.plan))
+        if not result.delta and ctx.verify and rec.checksums:
+            try:
+                verify_sources(ctx, session.sources, rec, deadline)
+            except IntegrityError:
+                check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+                raise
+        check_stamps(ctx, session.sources, rec, deadline)
+    except BaseException:
+        # best effort, briefly even past the pull's deadline: keep the original error, and do
+        # not leave a reading mark that would make publishers wait for this slot
+        with ctx.store.deadline(time.monotonic() + 1.0):
+            quietly(ctx.store.set, state_key, state_bytes(member.acked, 0))
+        raise
+    for dst, src in ctx.dest.commit:  # staged: every read succeeded, now commit
+        if isinstance(dst, np.ndarray):
+            np.copyto(dst, src)
+        else:
+            dst.copy_(src)
+    ctx.version = member.acked = rec.v
+    ctx.held = Held(rec.v, rec.epoch, gens)
+    ctx.store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
+    return result
+
+
+__all__ = ["apply"]

@@ -1,0 +1,112 @@
+"""Planning and connecting, once per publisher epoch: the session every pull of that epoch replays.
+
+``setup`` reads the epoch's publisher records (one batched read), builds the plan against their
+layouts (packed ones where the version record names a packing generation), and ``connect_all``
+picks a transport per publisher rank (``transports.select``) and connects. ``failover`` plans
+again over the ranks still alive when sources die mid-read (their DP replicas hold the same bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from planner.builder import build_plan
+from planner.layout import RankLayout
+from transports.base import ReadBatch
+
+from .._lifecycle import quietly
+from .._selection import candidates
+from .._tensors import commit_pairs
+from ..errors import StoreError, TransportError, WaitTimeout
+from ..protocol.packing import packed_layout
+from ..protocol.records import open_sealed
+from ..protocol.version import VersionRecord
+from .context import MAX_SLOTS, PullContext
+from .session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
+
+log = logging.getLogger("wbridge")
+
+
+def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline: float) -> Session:
+    """Fetches the epoch's publisher records, plans, chooses transports and connects."""
+    ctx.drop_session()
+    keys = [ctx.keys.rank(rec.epoch, r) for r in range(rec.world_size)]
+    records = []
+    for r, (key, raw) in enumerate(zip(keys, ctx.store.get_many(keys))):
+        if raw is None:  # committed before this rank's record was visible? wait for it
+            try:
+                raw = ctx.store.wait(key, max(0.0, deadline - time.monotonic()))
+            except WaitTimeout:
+                raise WaitTimeout(
+                    f"subscriber {ctx.name}: publisher rank {r} of epoch {rec.epoch} never registered"
+                ) from None
+        records.append(open_sealed(ctx.token, key, raw))
+    ctx.nslots = min(MAX_SLOTS, max(int(d.get("slots", 1)) for d in records))
+    layouts = [
+        packed_layout(ctx.store, ctx.keys, ctx.token, rec.epoch, r, g) if g else RankLayout.from_dict(d["layout"])
+        for r, (d, g) in enumerate(zip(records, gens))
+    ]
+    plan = build_plan(layouts, ctx.dest.layout)
+    return connect_all(ctx, Session(rec.epoch, rec.world_size, plan, [], layouts, records, gens=gens), deadline)
+
+
+def failover(ctx: PullContext, session: Session, failed: SourcesFailed, deadline: float) -> Session:
+    """Plans again over the ranks still alive (replicas hold the same bytes) and connects;
+    ``failed.error`` if some byte has no replica left."""
+    plan, dead = replan(session, ctx.dest.layout, failed)
+    log.warning("subscriber %s: publisher ranks %s failed; reading from replicas", ctx.name, sorted(dead))
+    ctx.drop_session()
+    new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead, session.gens)
+    return connect_all(ctx, new, deadline)
+
+
+def connect_all(ctx: PullContext, session: Session, deadline: float) -> Session:
+    """Connects to every source of ``session.plan`` (planning around ranks that cannot be
+    reached); the session becomes the context's current one."""
+    plan = session.plan
+    ctx.stats.plans += 1
+    ctx.stats.bytes_per_source = plan.bytes_per_source()
+    sources = session.sources
+    try:
+        for src_ops in plan.sources:
+            d = session.records[src_ops.src_rank]
+            batch = ReadBatch(
+                src_ops.src_region, src_ops.src_offset, src_ops.dst_region, src_ops.dst_offset, src_ops.nbytes
+            )
+            try:
+                sources.append(_connect(ctx, src_ops.src_rank, d, batch, deadline))
+            except TransportError as e:  # unreachable (dead?): its replicas may stand in
+                err = failed_sources([(src_ops.src_rank, e)])
+                if err is e:
+                    raise
+                raise err from e
+    except BaseException as e:
+        for src in sources:
+            quietly(ctx.endpoints[src.transport].disconnect, src.peer)
+        if isinstance(e, SourcesFailed):
+            return failover(ctx, session, e, deadline)
+        raise
+    ctx.size_pool(len(sources))
+    dest = ctx.dest
+    if dest.staged:
+        dest.commit = commit_pairs(plan, dest.layout, dest.live, dest.buffers[0], dest.device)
+    ctx.session = session
+    return session
+
+
+def _connect(ctx: PullContext, rank: int, record: dict, batch: ReadBatch, deadline: float) -> Source:
+    """Connects to one publisher rank over the best transport that works; ``auto`` falls back
+    to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
+    remote = record.get("caps")
+    if not isinstance(remote, dict):
+        raise StoreError(f"publisher rank {rank}: record lacks its capabilities")
+    ends = ctx.endpoints
+    options = candidates(ends.preference, ends.caps, remote)
+    src, reason = connect_source(rank, record, batch, options, ends.open, deadline, ctx.name)
+    ctx.stats.transports[rank] = (src.transport, reason)
+    log.info("subscriber %s reads publisher rank %d over %s (%s)", ctx.name, rank, src.transport, reason)
+    return src
+
+
+__all__ = ["connect_all", "failover", "setup"]

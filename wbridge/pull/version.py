@@ -1,0 +1,77 @@
+"""Which version a pull reads: the newest committed record, waited for on its ``ready`` key.
+
+A pull blocks on the ``ready`` key of the version it needs next (a TCPStore wait, an etcd watch),
+not polling; that key holds the version's record, so a wait needs no further read. It never goes
+back: a store replaying an older (genuinely signed) version record must not roll a subscriber back
+to stale weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..errors import StoreError, UsageError, WaitTimeout
+from ..protocol.version import VersionRecord
+from .context import MAX_SLOTS, PullContext
+
+# A pull waiting for a version blocks on its ``ready`` key in slices this long, re-reading the version
+# record in between (a zero-copy version fenced off, or a key collected before the wait began: that
+# takes slots + 2 commits within one round trip).
+VERSION_WAIT_SLICE_S = 30.0
+
+
+class GenerationChanged(Exception):
+    """Internal: the store was found in a new generation while waiting; wait again there."""
+
+
+def next_version(
+    ctx: PullContext,
+    want: int,
+    deadline: float,
+    timeout: float,
+    known: list | None,
+    check_membership: Callable[[], list | None],
+) -> tuple[VersionRecord, int]:
+    """The newest version record (at least ``want``) and its slot's fence (``known``: the values of
+    ``VersionRecord.keys_with_fence`` read already). ``check_membership()`` re-checks the
+    subscriber's place in the channel when no record is found (None: it changed, and
+    ``GenerationChanged`` is raised)."""
+    want = max(want, ctx.newest)
+    ready: VersionRecord | None = None  # the record in the ready key a wait returned
+    while True:
+        if ready is not None and not ready.zero_copy:  # (zero-copy: readable only while its publish() runs)
+            rec, fence = ready, ready.fence
+        else:
+            rec, fence = VersionRecord.read_with_fence(ctx.store, ctx.keys, ctx.token, ctx.nslots, known)
+        known = ready = None
+        if rec is None and check_membership() is None:
+            raise GenerationChanged
+        if rec is not None and rec.slot >= ctx.nslots:
+            ctx.nslots = min(rec.slot + 1, MAX_SLOTS)
+        if rec is not None and rec.v >= want:
+            # zero-copy versions are readable only while their publish() runs
+            if rec.v == ctx.version or not rec.zero_copy or fence == rec.fence:
+                ctx.newest = max(ctx.newest, rec.v)
+                return rec, fence
+        elif rec is not None and rec.mode == "sync" and rec.v != ctx.version and ctx.member.lease is not None:
+            raise UsageError(
+                f"subscriber {ctx.name}: channel {ctx.channel!r} is in sync mode and version {rec.v} "
+                f"waits for this subscriber's ack, so version {want} cannot come until it pulls "
+                f"{rec.v}: call pull() without min_version (or min_version={rec.v}) first"
+            )
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitTimeout(
+                f"subscriber {ctx.name}: no version >= {want} on channel "
+                f"{ctx.channel!r} within {timeout:.1f}s (is a publisher running?)"
+            )
+        nxt = want if rec is None or rec.v < want else rec.v + 1
+        try:
+            raw = ctx.store.wait(ctx.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))
+        except (WaitTimeout, StoreError):
+            continue  # a store down for the slice: the next read retries it within its own timeout
+        ready = VersionRecord.parse_ready(ctx.keys, ctx.token, nxt, raw)
+
+
+__all__ = ["VERSION_WAIT_SLICE_S", "GenerationChanged", "next_version"]
