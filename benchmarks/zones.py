@@ -148,12 +148,12 @@ class Replica:
         enter(ns)
         from control_plane import CountingStore
 
-        from wbridge import Subscriber, open_store
+        from wbridge import Subscriber, Zone, open_store
 
         self.t = tensors(mb, None)
-        zone = "rollout" if relay else None
+        zone = Zone("rollout", relay=True) if relay else None
         self.store = CountingStore(open_store(url))  # the subscriber closes it
-        self.sub = Subscriber("z", self.store, token=TOKEN, transport="tcp", staged=True, zone=zone, relay=relay)
+        self.sub = Subscriber("z", self.store, token=TOKEN, transport="tcp", staged=True, zone=zone)
         self.sub.register(self.t)
 
     def pull(self, v: int) -> dict:

@@ -112,7 +112,7 @@ def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
     release.touch()  # version 1: the victim's reads pass
     fault = ("pause", {"signal_path": str(signal), "release_path": str(release), "on_reads": range(1, 10_000)})
     pub = Worker("pub", PubActor, store.url, 0, 1, 1)
-    kw = {"zone": "b", "relay": True, "transport": transport, "lease_ttl": 2.0}
+    kw = {"zone": Zone("b", relay=True), "transport": transport, "lease_ttl": 2.0}
     victim = Worker("victim", SubActor, store.url, 1, 0, fused=False, fault=fault, **kw)
     others = _subs(store.url, 3, **kw)
     try:
@@ -167,7 +167,7 @@ def test_relay_killed_while_serving(store, transport: str) -> None:
     (each of their reads is followed by a 1 s pause): they drop what they read from it and end
     bit-exact at that version, its share read again from the publishers, within their timeout."""
     pub = Worker("pub", PubActor, store.url, 0, 1, 1)
-    kw = {"zone": "b", "relay": True, "transport": transport, "lease_ttl": 2.0}
+    kw = {"zone": Zone("b", relay=True), "transport": transport, "lease_ttl": 2.0}
     victim = Worker("victim", SubActor, store.url, 1, 0, fused=False, **kw)  # relay record 1
     slow = ("slow", {"delay": 1.0, "on_reads": range(1, 10_000)})
     others = _subs(store.url, 3, fault=slow, **kw)
@@ -237,7 +237,7 @@ def test_relay_waits_for_a_slow_peer_on_the_store(store) -> None:
     ``STALL_MIN_S``: a few store requests for that second, where polling the records every 10 ms
     made hundreds. Both end bit-exact."""
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
-    kw = {"fused": False, "zone": "b", "relay": True, "timeout": None}
+    kw = {"fused": False, "zone": Zone("b", relay=True), "timeout": None}
     waiting = Worker("waiting", _CountingSub, store.url, 1, 0, **kw)
     slow = Worker("slow", SubActor, store.url, 1, 0, fault=("slow", {"delay": 2.5}), **kw)
     try:
