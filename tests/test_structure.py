@@ -1,15 +1,20 @@
 """The shape ARCHITECTURE.md promises: one-way arrows between the three packages, no import cycle
-among the project's modules (lazy imports inside functions count), no module over 600 lines."""
+among the project's modules (lazy imports inside functions count), a small ``wbridge/`` top level,
+and pipeline stages that talk to the roles through their typed contexts, never their privates.
+Modules are split by idea, not by size: no line cap."""
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("wbridge", "planner", "transports")
 FORBIDDEN = {"planner": {"wbridge", "transports"}, "transports": {"wbridge", "planner"}}
-MAX_LINES = 600
+TOP_LEVEL_MAX = 18  # modules and packages directly under wbridge/
+# a role's private attributes, touched from outside its own module: e.g. ``sub._store``
+REACH_IN = re.compile(r"\b(sub|subscriber|self\._sub|pub|publisher|self\._pub)\._[a-z]")
 
 
 def _modules() -> dict[str, str]:
@@ -95,6 +100,38 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_no_module_over_limit():
-    long = {m: n for m, p in _modules().items() if (n := sum(1 for _ in open(p))) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+def test_wbridge_top_level_is_small():
+    top = [
+        n
+        for n in os.listdir(os.path.join(ROOT, "wbridge"))
+        if (n.endswith(".py") and n != "__init__.py") or os.path.exists(os.path.join(ROOT, "wbridge", n, "__init__.py"))
+    ]
+    assert len(top) <= TOP_LEVEL_MAX, f"{len(top)} modules and packages under wbridge/: {sorted(top)}"
+
+
+def test_no_reach_into_a_role_from_outside():
+    owners = {"subscriber.py": ("sub", "subscriber", "self._sub"), "publisher.py": ("pub", "publisher", "self._pub")}
+    hits = []
+    for path in _modules().values():
+        rel = os.path.relpath(path, ROOT)
+        if not rel.startswith("wbridge" + os.sep):
+            continue
+        own = owners.get(os.path.basename(path)) if os.path.dirname(rel) == "wbridge" else None
+        for n, line in enumerate(open(path), 1):
+            for m in REACH_IN.finditer(line):
+                if own is None or m.group(1) not in own:
+                    hits.append(f"{rel}:{n}: {line.strip()}")
+    assert not hits, "private attributes of a Subscriber or Publisher touched from outside:\n" + "\n".join(hits)
+
+
+def test_pipeline_stages_never_import_the_roles():
+    """``wbridge.pull`` and ``wbridge.publish`` get a context, not the Subscriber or Publisher."""
+    graph = _graph()
+    bad = [
+        (m, d)
+        for m, deps in graph.items()
+        if m.startswith(("wbridge.pull", "wbridge.publish"))
+        for d in deps
+        if d in ("wbridge.subscriber", "wbridge.publisher", "wbridge")
+    ]
+    assert not bad, f"pipeline stages importing a role: {bad}"
