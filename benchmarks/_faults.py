@@ -14,6 +14,7 @@ from tests.runtime.actors import TOKEN
 from transports.base import decode_descriptor
 from wbridge import open_store
 from wbridge.protocol import generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed
 
@@ -41,7 +42,7 @@ def tcp_endpoints(url: str, ranks: int) -> list[tuple[str, int]]:
     """Where each publisher rank's tcp transport listens (from its record in the store)."""
     out = []
     with open_store(url) as store:
-        keys = Keys("t", generation.current(store, Keys("t"), TOKEN.encode()))
+        keys = Keys("t", generation.current(ChannelStore(store, Keys("t"), TOKEN.encode())))
         for r in range(ranks):
             rec = open_sealed(TOKEN.encode(), keys.rank(1, r), store.get(keys.rank(1, r)))
             d = decode_descriptor("tcp", base64.b64decode(rec["transports"]["tcp"]["endpoint"]), ("host", "port"))

@@ -58,6 +58,7 @@ import torch
 
 from wbridge import Publisher, Shard, Store, Subscriber, open_store
 from wbridge.protocol import generation as _generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.version import VersionRecord
 
@@ -248,7 +249,8 @@ class Publishers:
             if errs:
                 raise errs[0]
             base = Keys(CHANNEL)
-            rec = VersionRecord.read(self.reader, base.at(_generation.current(self.reader, base, TOKEN)), TOKEN)
+            chan = ChannelStore(self.reader, base, TOKEN)
+            rec = VersionRecord.read(chan.at(_generation.current(chan)))
             commit_ms.append((rec.committed_at - t0) * 1e3)
             round_ms.append((t1 - t0) * 1e3)
         return commit_ms, round_ms

@@ -56,10 +56,10 @@ from ._tensors import FLOATING, build_layout, dtype_name
 from .errors import UsageError, WaitTimeout
 from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
+from .protocol.channel import ChannelStore
 from .protocol.checksum import chunk_sums
 from .protocol.keys import Keys
 from .protocol.packing import packing_gens
-from .protocol.records import seal
 from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
 from .protocol.version import VersionRecord
 from .publish import transforms as _transforms
@@ -149,7 +149,7 @@ class Publisher(Closeable):
         self.host, self.checksums = host, staging.publishes_checksums
         self.delta = staging.delta  # a Delta, or None
         self.token = token
-        self._base_keys = self.keys = Keys(channel)
+        self.keys = Keys(channel)
         self._gen: str | None = None  # the store generation registered in (see _generation)
         self._pending_epoch: tuple[str, int] | None = None  # counted by a register() that failed later
         self._closed = False
@@ -167,10 +167,9 @@ class Publisher(Closeable):
         self._inflight_deadline = 0.0
         self._worker_ident: int | None = None
         self._store = open_store(store, host_store=host_store, connect_timeout=connect_timeout)
-        # rank 0 aggregates subscriber progress for every rank (see _tracker)
-        self._tracker = SubscriberTracker(
-            self._store, self.keys, self.token, aggregator=rank == 0, others=world_size > 1
-        )
+        self._base = self._chan = ChannelStore(self._store, self.keys, token)  # (of a generation once registered)
+        # rank 0 aggregates subscriber progress for every rank (see publish.tracker)
+        self._tracker = SubscriberTracker(self._chan, aggregator=rank == 0, others=world_size > 1)
         self._next_version = 0
         names = served_transports(transport)
         opts = transport_options or {}
@@ -238,21 +237,20 @@ class Publisher(Closeable):
         reg = self._build(layout, live, dict(tensors), device, old, transforms)
         reg.cast = cast
         try:
-            gen = _generation.join(self._store, self._base_keys, self.token)
-            keys = self._base_keys.at(gen)
+            gen = _generation.join(self._base)
+            chan = self._base.at(gen)
             # packs slots for the readers of this generation; the packed copy moves bytes as they
             # are, so a registration that casts (register(dtype=, transforms=)) keeps the plain layout
             if not self.zero_copy and not casts(layout, live):
-                reg.packer = SlotPacker(self._store, keys, self.token, layout, int(reg.slots[0][0].numel()))
+                reg.packer = SlotPacker(chan, layout, int(reg.slots[0][0].numel()))
             if self._pending_epoch is not None and self._pending_epoch[0] == gen:
                 reg.epoch = self._pending_epoch[1]  # a retry: this rank was already counted
             else:
-                count = self._store.add(keys.reg, 1)
+                count = self._store.add(chan.keys.reg, 1)
                 reg.epoch = (count - 1) // self.world_size + 1
                 self._pending_epoch = (gen, reg.epoch)
-            latest = VersionRecord.read(self._store, keys, self.token)
-            key = keys.rank(reg.epoch, self.rank)
-            self._store.set(key, seal(self.token, key, self._record(reg)))
+            latest = VersionRecord.read(chan)
+            chan.write(chan.keys.rank(reg.epoch, self.rank), self._record(reg))
         except BaseException:
             self._release_regions(reg)
             raise
@@ -260,10 +258,8 @@ class Publisher(Closeable):
         if gen != self._gen:
             if self._gen is not None:
                 log.warning("publisher rank %d: the store was lost; joined its new generation", self.rank)
-            self._gen, self.keys = gen, keys
-            self._tracker = SubscriberTracker(
-                self._store, self.keys, self.token, aggregator=self.rank == 0, others=self.world_size > 1
-            )
+            self._gen, self._chan, self.keys = gen, chan, chan.keys
+            self._tracker = SubscriberTracker(chan, aggregator=self.rank == 0, others=self.world_size > 1)
         self._next_version = (latest.v if latest else 0) + 1
         with self._snap_lock:
             self._reg = reg
@@ -362,7 +358,7 @@ class Publisher(Closeable):
         reg = self._reg
         if reg is None:
             raise UsageError(f"publisher rank {self.rank} of channel {self.channel!r} closed while publishing")
-        if _generation.current(self._store, self._base_keys, self.token) != self._gen:
+        if _generation.current(self._base) != self._gen:
             # The store was lost (its host restarted, etcd wiped): what it counted is gone, so
             # register again in its new generation; versions count from its newest again.
             self._register(reg.decls, reg.cast, reg.transforms)
@@ -388,8 +384,7 @@ class Publisher(Closeable):
                 sums = chunk_sums(reg.slots[slot])
         delta_s = time.perf_counter() - t2
         if sums is not None:
-            key = self.keys.sums(v, self.rank)
-            self._store.set(key, seal(self.token, key, sums))
+            self._chan.write(self.keys.sums(v, self.rank), sums)
         if reg.packer is not None:
             reg.packer.record(v, self.rank, gen)
         if self._store.add(self.keys.snap(v, reg.epoch), 1) == self.world_size:
@@ -403,10 +398,8 @@ class Publisher(Closeable):
                 checksums=self.checksums,
                 committed_at=now(),
                 mode=self.mode,
-                packing=()
-                if reg.packer is None
-                else packing_gens(self._store, self.keys, self.token, v, self.world_size),
-            ).write(self._store, self.keys, self.token)  # and its ready key: subscribers wake
+                packing=() if reg.packer is None else packing_gens(self._chan, v, self.world_size),
+            ).write(self._chan)  # and its ready key: subscribers wake
             self._collect(v, reg.epoch)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:

@@ -40,6 +40,7 @@ from ._tensors import alloc_bytes, build_layout, byte_view
 from .errors import StaleVersionError, StoreError, UsageError, WaitTimeout
 from .options import Zone
 from .protocol import generation as _generation
+from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.packing import layout_hash
 from .protocol.version import VersionRecord
@@ -108,9 +109,9 @@ class Subscriber(Closeable):
         self._pull_lock = threading.Lock()
         self._zone: ZoneReader | None = None
         self._store = open_store(store, connect_timeout=connect_timeout)
-        member = Membership(self._store, Keys(channel), self.token, self.name, lease_ttl)
+        member = Membership(ChannelStore(self._store, Keys(channel), self.token), self.name, lease_ttl)
         endpoints = Endpoints(self.token, host, transport_options or {}, transport)
-        self._ctx = PullContext(self._store, self.token, self.name, channel, member, endpoints, self.verify, self.stats)
+        self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verify, self.stats)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -183,14 +184,14 @@ class Subscriber(Closeable):
     def _read_version(self) -> tuple[Keys | None, VersionRecord | None]:
         """The keys and version record of the generation joined, or for a watcher (never
         registered) of the store's current generation (``(None, None)``: the store has none)."""
-        keys = self.keys
-        if self._ctx.member.gen is None:
-            base = self._ctx.member.base
-            gen = _generation.current(self._store, base, self.token)
+        member = self._ctx.member
+        chan = member.chan
+        if member.gen is None:
+            gen = _generation.current(member.base)
             if gen is None:
                 return None, None
-            keys = base.at(gen)
-        return keys, VersionRecord.read(self._store, keys, self.token)
+            chan = member.base.at(gen)
+        return chan.keys, VersionRecord.read(chan)
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.

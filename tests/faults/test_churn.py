@@ -12,6 +12,7 @@ import pytest
 from tests.runtime.harness import Worker, free_port
 from wbridge import open_store
 from wbridge.protocol import generation as _generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 
 from .actors import TOKEN, Churn, FaultPub
@@ -66,7 +67,7 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
         time.sleep(TTL * 1.5)  # not an assertion: lets the last leases lapse on the publishers' clock
         assert pubs[0].call("subscribers") == []
         base = Keys("t")
-        keys = base.at(_generation.current(store, base, TOKEN.encode()))
+        keys = base.at(_generation.current(ChannelStore(store, base, TOKEN.encode())))
         n = store.get_int(keys.subs)
         assert n == 200 + sum(s["join_retries"] for s in stats)  # a failed join used up an id too
         left = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "live"), keys.sub(i, "state"))]

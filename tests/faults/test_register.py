@@ -13,6 +13,7 @@ from tests.runtime.actors import TOKEN
 from tests.runtime.harness import Worker, WorkerError, free_port
 from wbridge import Async, open_store
 from wbridge.protocol import generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 
 from .actors import FaultPub, FaultSub
@@ -56,7 +57,7 @@ def test_register_that_fails_at_the_store_keeps_the_old_registration() -> None:
     try:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []
-        keys = Keys("t", generation.current(store, Keys("t"), TOKEN.encode()))
+        keys = Keys("t", generation.current(ChannelStore(store, Keys("t"), TOKEN.encode())))
         count = store.get(keys.reg)
         port = int(url.rsplit(":", 1)[1])
         raw = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=10))

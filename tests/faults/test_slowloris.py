@@ -18,6 +18,7 @@ from tests.runtime.harness import Worker, free_port
 from transports.base import decode_descriptor
 from wbridge import open_store
 from wbridge.protocol import generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed
 
@@ -30,7 +31,7 @@ CAP, HANDSHAKE, ATTACKERS, TRICKLE = 16, 2.0, 40, 1.0
 
 def tcp_endpoint(url: str) -> tuple[str, int]:
     with open_store(url) as store:
-        keys = Keys("t", generation.current(store, Keys("t"), TOKEN.encode()))
+        keys = Keys("t", generation.current(ChannelStore(store, Keys("t"), TOKEN.encode())))
         rec = open_sealed(TOKEN.encode(), keys.rank(1, 0), store.get(keys.rank(1, 0)))
     d = decode_descriptor("tcp", base64.b64decode(rec["transports"]["tcp"]["endpoint"]), ("host", "port"))
     return d["host"], int(d["port"])

@@ -13,6 +13,7 @@ from tests.runtime.actors import TOKEN
 from tests.runtime.harness import Worker, WorkerError, free_port
 from wbridge import Async, open_store
 from wbridge.protocol import generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 
 from .actors import FaultPub
@@ -30,7 +31,7 @@ def test_host_client_reconnects_after_a_failed_call() -> None:
     try:
         assert pub.call("publish", 1)["v"] == 1
         store = open_store(url)
-        keys = Keys("t", generation.current(store, Keys("t"), TOKEN.encode()))
+        keys = Keys("t", generation.current(ChannelStore(store, Keys("t"), TOKEN.encode())))
         fence = keys.fence(0)  # version 2 goes to slot 0: its publish bumps this counter first
         good = store.get(fence) or b"0"
         # an unauthenticated client (no wbridge, no token) writes a non-integer where a count lives

@@ -24,6 +24,7 @@ from transports.errors import TransportError as WireError
 from transports.tcp import TcpTransport
 from wbridge import Async, AuthError, Staging, StoreError, Subscriber, WBridgeError, open_store
 from wbridge.protocol import generation
+from wbridge.protocol.channel import ChannelStore
 from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed, seal
 from wbridge.testing.synthetic import ModelConfig, make_tensors, mismatches
@@ -42,8 +43,10 @@ def channel():
     store = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
     pubs = [Worker(f"pub{r}", _pub_factory, store.url, r) for r in range(2)]
     try:
-        global KEYS
-        KEYS = Keys("t", generation.current(store, Keys("t"), TOKEN_B))  # the channel's keys in this store
+        global KEYS  # the channel's keys in this store
+        KEYS = Keys(
+            "t", generation.current(ChannelStore(store, Keys("t"), TOKEN_B))
+        )  # the channel's keys in this store
         history = {}
         for v in (1, 2):
             call_all(pubs, "publish", v)
@@ -323,7 +326,7 @@ def test_lying_fence_does_not_commit_a_torn_version(tmp_path, verify: bool) -> N
     )
     inject(sub, wrapper("pause", signal_path=paused, release_path=go, on_reads=(1,)))
     sub.register(tensors)
-    keys = Keys("t", generation.current(store, Keys("t"), TOKEN_B))  # this store's, not the fixture's
+    keys = Keys("t", generation.current(ChannelStore(store, Keys("t"), TOKEN_B)))  # this store's, not the fixture's
     try:
         pub.call("publish", 1)
         pub.call("publish", 2)  # slot 0

@@ -215,13 +215,14 @@ def test_every_entry_point_types_its_errors(pub) -> None:
 def test_deeply_nested_store_record_is_store_error(pub) -> None:
     from wbridge import StoreError, open_store
     from wbridge.protocol import generation
+    from wbridge.protocol.channel import ChannelStore
     from wbridge.protocol.keys import Keys
 
     dst = torch.zeros(G, dtype=torch.bfloat16)
     sub = subscriber(pub, {"w": (dst, Shard("w", G))})
     store = open_store(pub.store_url)
     try:
-        keys = Keys("bad", generation.current(store, Keys("bad"), b"t"))
+        keys = Keys("bad", generation.current(ChannelStore(store, Keys("bad"), b"t")))
         good = store.get(keys.version)
         store.set(keys.version, b"[" * 100_000 + b"]" * 100_000)
         with pytest.raises(StoreError, match="malformed"):

@@ -144,11 +144,12 @@ def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
 def _zone_records(store, zone: str) -> dict[int, dict]:
     """The relay records of ``zone`` in the channel's current generation, by record number."""
     from wbridge.protocol import generation as _generation
+    from wbridge.protocol.channel import ChannelStore
     from wbridge.protocol.keys import Keys
     from wbridge.protocol.records import open_sealed
 
     base = Keys("t")
-    gen = _generation.current(store, base, TOKEN.encode())
+    gen = _generation.current(ChannelStore(store, base, TOKEN.encode()))
     keys = base.at(gen)
     n = int(store.get(keys.zone_count(zone)) or 0)
     out = {}

@@ -104,6 +104,7 @@ class Channel:
         ``Publisher.evict``; harmless to one that is alive). ``who``: a Ray actor handle (the
         subscribers ``VLLMRollout`` made in it), a subscriber name or id. Returns how many."""
         from .. import _validate
+        from ..protocol.channel import ChannelStore
         from ..protocol.keys import Keys
         from ..publish.tracker import evict
         from ..store import open_store
@@ -112,7 +113,7 @@ class Channel:
             who = actor_subscriber_name(who)
         with open_store(self.store, connect_timeout=timeout) as store:
             with store.deadline(time.monotonic() + timeout):
-                return len(evict(store, Keys(self.name), _validate.token(self.token), who))
+                return len(evict(ChannelStore(store, Keys(self.name), _validate.token(self.token)), who))
 
     def __repr__(self) -> str:  # the token stays out of logs
         return f"Channel({self.name!r}, store={self.store!r}, token={'set' if self.token else None})"

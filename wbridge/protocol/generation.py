@@ -15,36 +15,36 @@ import os
 import re
 
 from ..errors import StoreError
-from ..store import Store
-from .keys import Keys
-from .records import open_sealed, seal
+from .channel import ChannelStore
 
 _NONCE = re.compile(r"[0-9a-f]{32}")
 
 
-def current(store: Store, keys: Keys, token: bytes | None) -> str | None:
-    """The channel's generation in ``store`` (None: none yet, a fresh or wiped store)."""
-    return parse(keys, token, store.get(keys.generation))
+def current(chan: ChannelStore) -> str | None:
+    """The channel's generation in its store (None: none yet, a fresh or wiped store)."""
+    return parse(chan, chan.store.get(chan.keys.generation))
 
 
-def parse(keys: Keys, token: bytes | None, raw: bytes | None) -> str | None:
+def parse(chan: ChannelStore, raw: bytes | None) -> str | None:
     """The generation in ``raw``, a value of ``keys.generation`` read along with other keys."""
+    keys = chan.keys
     if raw is None:
         return None
-    rec = open_sealed(token, keys.generation, raw)
+    rec = chan.open(keys.generation, raw)
     nonce = rec.get("nonce") if isinstance(rec, dict) else None
     if not isinstance(nonce, str) or not _NONCE.fullmatch(nonce):
         raise StoreError(f"malformed generation record at store key {keys.generation!r}")
     return nonce
 
 
-def join(store: Store, keys: Keys, token: bytes | None) -> str:
+def join(chan: ChannelStore) -> str:
     """The channel's generation, created here if the store has none yet."""
-    gen = current(store, keys, token)
+    keys = chan.keys
+    gen = current(chan)
     if gen is None:
         mine = os.urandom(16).hex()
-        store.compare_set(keys.generation, None, seal(token, keys.generation, {"nonce": mine}))
-        gen = current(store, keys, token)  # ours, or the one a racing client wrote first
+        chan.store.compare_set(keys.generation, None, chan.sealed(keys.generation, {"nonce": mine}))
+        gen = current(chan)  # ours, or the one a racing client wrote first
         if gen is None:
             raise StoreError(f"store key {keys.generation!r} vanished right after it was written")
     return gen

@@ -14,9 +14,7 @@ import json
 from planner.layout import RankLayout
 
 from ..errors import StoreError
-from ..store import Store
-from .keys import Keys
-from .records import open_sealed, seal
+from .channel import ChannelStore
 
 
 def layout_hash(layout: RankLayout) -> str:
@@ -26,32 +24,31 @@ def layout_hash(layout: RankLayout) -> str:
     return hashlib.sha256(json.dumps(d, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
-def announce(store: Store, keys: Keys, token: bytes | None, layout: RankLayout) -> str:
+def announce(chan: ChannelStore, layout: RankLayout) -> str:
     """Stores ``layout`` under its hash unless already there; returns the hash."""
     h = layout_hash(layout)
-    key = keys.reader_layout(h)
-    if store.get(key) is None:
-        store.set(key, seal(token, key, layout.to_dict()))
+    key = chan.keys.reader_layout(h)
+    if chan.store.get(key) is None:
+        chan.write(key, layout.to_dict())
     return h
 
 
-def packing_gens(store: Store, keys: Keys, token: bytes | None, v: int, world_size: int) -> tuple[int, ...]:
+def packing_gens(chan: ChannelStore, v: int, world_size: int) -> tuple[int, ...]:
     """The packing generation of every publisher rank's slot for version ``v`` (0 where a rank
     recorded none), read by the rank that commits ``v`` into its version record."""
-    names = [keys.packing(v, r) for r in range(world_size)]
+    names = [chan.keys.packing(v, r) for r in range(world_size)]
     gens = []
-    for key, raw in zip(names, store.get_many(names)):
-        gens.append(int(open_sealed(token, key, raw)["gen"]) if raw is not None else 0)
+    for key, raw in zip(names, chan.store.get_many(names)):
+        gens.append(int(chan.open(key, raw)["gen"]) if raw is not None else 0)
     return tuple(gens)
 
 
-def packed_layout(store: Store, keys: Keys, token: bytes | None, epoch: int, rank: int, gen: int) -> RankLayout:
+def packed_layout(chan: ChannelStore, epoch: int, rank: int, gen: int) -> RankLayout:
     """The slot layout of packing generation ``gen`` of publisher rank ``rank``."""
-    key = keys.packed(epoch, rank, gen)
-    raw = store.get(key)
-    if raw is None:
+    d = chan.read(chan.keys.packed(epoch, rank, gen))
+    if d is None:
         raise StoreError(f"publisher rank {rank}: packed slot layout {gen} of epoch {epoch} is missing")
-    return RankLayout.from_dict(open_sealed(token, key, raw))
+    return RankLayout.from_dict(d)
 
 
 __all__ = ["announce", "layout_hash", "packed_layout", "packing_gens"]

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import StoreError
-from ..store import Store
+from .channel import ChannelStore
 from .keys import Keys
-from .records import open_sealed, seal
 
 
 @dataclass(frozen=True)
@@ -30,8 +29,8 @@ class VersionRecord:
             raise StoreError(f"malformed version record: packing {self.packing!r}: {e}") from None
 
     @classmethod
-    def read(cls, store: Store, keys: Keys, token: bytes | None) -> VersionRecord | None:
-        return cls.parse(keys, token, store.get(keys.version))
+    def read(cls, chan: ChannelStore) -> VersionRecord | None:
+        return cls.parse(chan, chan.store.get(chan.keys.version))
 
     @staticmethod
     def keys_with_fence(keys: Keys, nslots: int) -> list[str]:
@@ -40,14 +39,15 @@ class VersionRecord:
 
     @classmethod
     def read_with_fence(
-        cls, store: Store, keys: Keys, token: bytes | None, nslots: int, values: list | None = None
+        cls, chan: ChannelStore, nslots: int, values: list | None = None
     ) -> tuple[VersionRecord | None, int]:
         """The record and the current fence of its slot (0 when there is no record), in one
         batched read of ``keys_with_fence`` (another read if its slot is not among them);
         ``values``: those keys' values, read already in a batch of the caller's."""
+        store, keys = chan.store, chan.keys
         if values is None:
             values = store.get_many(cls.keys_with_fence(keys, nslots))
-        rec = cls.parse(keys, token, values[0])
+        rec = cls.parse(chan, values[0])
         if rec is None:
             return None, 0
         if rec.slot >= nslots:
@@ -59,30 +59,31 @@ class VersionRecord:
             raise StoreError(f"store key {keys.fence(rec.slot)!r} holds {raw[:40]!r}, not an integer") from None
 
     @classmethod
-    def parse(cls, keys: Keys, token: bytes | None, raw: bytes | None) -> VersionRecord | None:
+    def parse(cls, chan: ChannelStore, raw: bytes | None) -> VersionRecord | None:
         """The record from the bytes of ``keys.version`` (read by the caller, say in a batch)."""
         if raw is None:
             return None
-        d = open_sealed(token, keys.version, raw)
+        d = chan.open(chan.keys.version, raw)
         try:
             return cls(**d)
         except TypeError as e:
             raise StoreError(f"malformed version record: {e}") from None
 
     @classmethod
-    def parse_ready(cls, keys: Keys, token: bytes | None, v: int, raw: bytes) -> VersionRecord:
+    def parse_ready(cls, chan: ChannelStore, v: int, raw: bytes) -> VersionRecord:
         """The record of ``v`` from the bytes of ``keys.ready(v)``, which the commit writes with
         it: a subscriber blocked on that key has the record without reading ``keys.version``."""
+        keys = chan.keys
         try:
-            rec = cls(**open_sealed(token, keys.ready(v), raw))
+            rec = cls(**chan.open(keys.ready(v), raw))
         except TypeError as e:
             raise StoreError(f"malformed version record at {keys.ready(v)!r}: {e}") from None
         if rec.v != v:
             raise StoreError(f"store key {keys.ready(v)!r} holds the record of version {rec.v}")
         return rec
 
-    def write(self, store: Store, keys: Keys, token: bytes | None) -> None:
+    def write(self, chan: ChannelStore) -> None:
         """Commits the version: the record, then the ``ready`` key of its version, which carries
         the record too and wakes the subscribers blocked on it."""
-        store.set(keys.version, seal(token, keys.version, self.__dict__))
-        store.set(keys.ready(self.v), seal(token, keys.ready(self.v), self.__dict__))
+        chan.write(chan.keys.version, self.__dict__)
+        chan.write(chan.keys.ready(self.v), self.__dict__)

@@ -24,22 +24,20 @@ from planner.packing import ALIGN, PackedStaging, check_boxes, pack_staging
 from transports._copy import run_chunks, serial_chunks
 
 from .._tensors import byte_view
-from ..protocol.keys import Keys
+from ..protocol.channel import ChannelStore
 from ..protocol.packing import layout_hash
-from ..protocol.records import open_sealed, seal
-from ..store import Store
 
 
 class SlotPacker:
     """Publisher side: the packed slot layout for each set of reader layouts, one generation each.
 
-    ``store``, ``keys``, ``token``: the channel's store, keys and signing token.
+    ``chan``: the channel's store, keys (of the generation joined) and token.
     ``layout``: the publisher rank's plain (packed-in-order) staging layout.
     ``slot_bytes``: the size of each staging slot; a packing that does not fit is not used.
     """
 
-    def __init__(self, store: Store, keys: Keys, token: bytes | None, layout: RankLayout, slot_bytes: int) -> None:
-        self.store, self.keys, self.token = store, keys, token
+    def __init__(self, chan: ChannelStore, layout: RankLayout, slot_bytes: int) -> None:
+        self.chan, self.keys = chan, chan.keys
         self.layout = layout
         self.slot_bytes = slot_bytes
         self.gen = 0
@@ -49,9 +47,9 @@ class SlotPacker:
     def _reader(self, h: str) -> RankLayout | None:
         if h not in self._readers:
             key = self.keys.reader_layout(h)
-            raw = self.store.get(key)
+            raw = self.chan.store.get(key)
             try:
-                lay = RankLayout.from_dict(open_sealed(self.token, key, raw)) if raw is not None else None
+                lay = RankLayout.from_dict(self.chan.open(key, raw)) if raw is not None else None
             except Exception:  # noqa: BLE001 - a forged or malformed announcement packs nothing
                 lay = None
             self._readers[h] = lay if lay is not None and layout_hash(lay) == h else None
@@ -73,7 +71,7 @@ class SlotPacker:
                 if (ps.layout.region_sizes[0] if ps.layout.region_sizes else 0) <= self.slot_bytes:
                     self.gen += 1
                     rec_key = self.keys.packed(epoch, rank, self.gen)
-                    self.store.set(rec_key, seal(self.token, rec_key, ps.layout.to_dict()))
+                    self.chan.write(rec_key, ps.layout.to_dict())
                     got = (self.gen, ps)
                     break
         self._by_readers[key] = got
@@ -82,7 +80,7 @@ class SlotPacker:
     def record(self, v: int, rank: int, gen: int) -> None:
         """Says which generation version ``v``'s slot of this rank holds (before it commits)."""
         key = self.keys.packing(v, rank)
-        self.store.set(key, seal(self.token, key, {"gen": gen}))
+        self.chan.write(key, {"gen": gen})
 
 
 class PackedCopy:

@@ -33,8 +33,8 @@ from typing import Any
 
 from ..errors import StoreError, UsageError, WaitTimeout
 from ..protocol import generation as _generation
+from ..protocol.channel import ChannelStore
 from ..protocol.keys import Keys
-from ..protocol.records import open_sealed, seal
 from ..protocol.state import parse_state
 from ..store import Store
 
@@ -64,9 +64,7 @@ class SubscriberView:
 class SubscriberTracker:
     """Scans the subscribers of a channel and waits for conditions on them (publisher side).
 
-    store: the publisher's store connection
-    keys: the channel's key layout
-    token: the channel token (subscriber records are sealed with it)
+    chan: the publisher's store connection, the channel's keys and token (``ChannelStore``)
     aggregator: whether this rank scans while it waits (True) or blocks on the keys another
         rank's scans write, scanning by itself only after ``FALLBACK_S``, then at doubling
         intervals (False)
@@ -76,9 +74,7 @@ class SubscriberTracker:
     Thread-safe: a background publish and the caller's ``subscribers()``/``wait_acked()`` may scan
     at once, and a scan updates ``known`` and the store's lease clock, so one scan at a time."""
 
-    store: Store
-    keys: Keys
-    token: bytes | None
+    chan: ChannelStore
     aggregator: bool = True
     others: bool = True
     known: dict[int, SubscriberView] = field(default_factory=dict)
@@ -87,6 +83,14 @@ class SubscriberTracker:
     layouts: tuple[str, ...] | None = None  # the reader layouts last written to Keys.readers
     beats: int = 0  # how often this (aggregating) rank said it was at work on a wait
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def store(self) -> Store:
+        return self.chan.store
+
+    @property
+    def keys(self) -> Keys:
+        return self.chan.keys
 
     def live(self) -> list[SubscriberView]:
         with self.lock:
@@ -129,7 +133,7 @@ class SubscriberTracker:
                 continue
             del self.pending[i]
             try:
-                d = open_sealed(self.token, self.keys.sub(i), raw)
+                d = self.chan.open(self.keys.sub(i), raw)
                 fresh.append(
                     SubscriberView(
                         i,
@@ -155,7 +159,7 @@ class SubscriberTracker:
         if self.aggregator:
             layouts = tuple(sorted({s.layout for s in out if s.layout}))
             if layouts != self.layouts:
-                self.store.set(self.keys.readers, seal(self.token, self.keys.readers, list(layouts)))
+                self.chan.write(self.keys.readers, list(layouts))
                 self.layouts = layouts
         return out
 
@@ -213,7 +217,7 @@ class SubscriberTracker:
                 if self.aggregator and self.others and now >= beat_at:
                     self.beats += 1
                     at = self.keys.aggregating
-                    self.store.set(at, seal(self.token, at, {"key": key, "n": self.beats}))
+                    self.chan.write(at, {"key": key, "n": self.beats})
                     beat_at = now + BEAT_S
                 beat = None if self.aggregator else self._beat(key)
                 if beat is not None and beat != seen:
@@ -251,18 +255,18 @@ class SubscriberTracker:
         forged or malformed."""
         raw = self.store.get(key)
         try:
-            return open_sealed(self.token, key, raw) if raw is not None else None
+            return self.chan.open(key, raw) if raw is not None else None
         except Exception:  # noqa: BLE001 - the store is not trusted
             return None
 
 
-def evict(store: Store, keys: Keys, token: bytes | None, who: int | str) -> list[int]:
-    """``SubscriberTracker.evict`` from a process that publishes nothing (a Ray driver); ``keys``
-    are the channel's, without a generation (the store's current one is meant)."""
-    gen = _generation.current(store, keys, token)
+def evict(chan: ChannelStore, who: int | str) -> list[int]:
+    """``SubscriberTracker.evict`` from a process that publishes nothing (a Ray driver); ``chan``'s
+    keys are the channel's, without a generation (the store's current one is meant)."""
+    gen = _generation.current(chan)
     if gen is None:
         return []
-    return SubscriberTracker(store, keys.at(gen), token, aggregator=False).evict(who)
+    return SubscriberTracker(chan.at(gen), aggregator=False).evict(who)
 
 
 def now() -> float:

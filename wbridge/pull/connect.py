@@ -20,7 +20,6 @@ from .._selection import candidates
 from .._tensors import commit_pairs
 from ..errors import StoreError, TransportError, WaitTimeout
 from ..protocol.packing import packed_layout
-from ..protocol.records import open_sealed
 from ..protocol.version import VersionRecord
 from .context import MAX_SLOTS, PullContext
 from .session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
@@ -41,10 +40,10 @@ def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline:
                 raise WaitTimeout(
                     f"subscriber {ctx.name}: publisher rank {r} of epoch {rec.epoch} never registered"
                 ) from None
-        records.append(open_sealed(ctx.token, key, raw))
+        records.append(ctx.member.chan.open(key, raw))
     ctx.nslots = min(MAX_SLOTS, max(int(d.get("slots", 1)) for d in records))
     layouts = [
-        packed_layout(ctx.store, ctx.keys, ctx.token, rec.epoch, r, g) if g else RankLayout.from_dict(d["layout"])
+        packed_layout(ctx.member.chan, rec.epoch, r, g) if g else RankLayout.from_dict(d["layout"])
         for r, (d, g) in enumerate(zip(records, gens))
     ]
     plan = build_plan(layouts, ctx.dest.layout)

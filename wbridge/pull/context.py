@@ -22,6 +22,7 @@ from transports import select as _select
 from .._lifecycle import quietly
 from .._stats import SubscriberStats
 from .._tensors import address
+from ..protocol.channel import ChannelStore
 from ..protocol.keys import Keys
 from ..store import Store
 from .membership import Membership
@@ -148,7 +149,6 @@ class PullContext:
     """A subscriber's pull-side state, shared by the stages of ``wbridge.pull``.
 
     - ``store``: the subscriber's store connection.
-    - ``token``: the channel's shared secret (opens sealed records).
     - ``name``: the subscriber's name (in logs and errors).
     - ``channel``: the channel name.
     - ``member``: its membership (store generation, keys, id, lease).
@@ -158,7 +158,6 @@ class PullContext:
     """
 
     store: Store
-    token: bytes | None
     name: str
     channel: str
     member: Membership
@@ -173,6 +172,11 @@ class PullContext:
     nslots: int = 1  # fences read along with the version record: slots 0 .. nslots - 1
     _pool: ThreadPoolExecutor | None = None
     _pool_size: int = 0
+
+    @property
+    def chan(self) -> ChannelStore:
+        """The channel's store, keys and token in the generation joined (reads sealed records)."""
+        return self.member.chan
 
     @property
     def keys(self) -> Keys:

@@ -30,7 +30,7 @@ from .._tensors import address, alloc_bytes
 from ..errors import IntegrityError, StaleVersionError
 from ..protocol import checksum as _checksum
 from ..protocol.delta import CHUNK_BYTES, CHUNK_WORDS, DELTA_MAGIC, DELTA_STABLE, HEADER_BYTES, geometry, table_bytes
-from ..protocol.records import open_sealed, unb64
+from ..protocol.records import unb64
 from ..protocol.stamps import STAMP_BYTES
 from .context import Held, PullContext, PullResult
 from .session import Session, Source, fetch_chunk
@@ -326,7 +326,7 @@ def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadlin
     for src, key, raw in zip(sources, sum_keys, ctx.store.get_many(sum_keys)):
         if raw is None:  # collected: the slot was reused since
             raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
-        sums = open_sealed(ctx.token, key, raw)
+        sums = ctx.chan.open(key, raw)
         if sums.get("algo") != _checksum.ALGO:
             raise IntegrityError(f"publisher rank {src.rank} uses checksum {sums.get('algo')}, not {_checksum.ALGO}")
         fetch = fetch_chunk(ctx.endpoints[src.transport], src, rec.slot, deadline)

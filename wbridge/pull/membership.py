@@ -19,11 +19,11 @@ from typing import Any
 
 from .._lifecycle import quietly
 from ..protocol import generation as _generation
+from ..protocol.channel import ChannelStore
 from ..protocol.keys import Keys
 from ..protocol.packing import announce
-from ..protocol.records import seal
 from ..protocol.state import state_bytes
-from ..store import Lease, Store
+from ..store import Lease
 
 log = logging.getLogger("wbridge")
 
@@ -31,16 +31,15 @@ STILL, REJOINED, NEW_GENERATION = 0, 1, 2  # what check() found
 
 
 class Membership:
-    """``store``, ``keys`` (the channel's, without a generation), ``token``, ``name`` (recorded for
-    publishers to show), ``ttl`` (the lease's)."""
+    """``base`` (the channel's store, keys without a generation, token), ``name`` (recorded for
+    publishers to show), ``ttl`` (the lease's). ``chan`` is the channel in the generation joined."""
 
-    def __init__(self, store: Store, keys: Keys, token: bytes | None, name: str, ttl: float) -> None:
-        self.store, self.base, self.token, self.name, self.ttl = store, keys, token, name, ttl
+    def __init__(self, base: ChannelStore, name: str, ttl: float) -> None:
+        self.base, self.chan, self.store, self.name, self.ttl = base, base, base.store, name, ttl
         self.gen: str | None = None
         self.acked = 0  # the version the subscriber holds, for its state key when it joins again
         self.layout: Any = None  # the RankLayout it reads, announced with its record
-        self.relay = ""  # the store key of its relay record (``_relay``): collected with it
-        self.keys = keys
+        self.relay = ""  # the store key of its relay record (``pull.relay``): collected with it
         self.id: int | None = None
         self.lease: Lease | None = None
         self._left: set[str] = set()  # generations left behind: a replay of one is never followed
@@ -50,8 +49,9 @@ class Membership:
         its state saying it holds version ``acked`` (0: none). ``record=False`` leaves the record
         (what publishers look for) to ``announce``: a first join does not know its layout yet."""
         if gen is None:
-            gen = _generation.join(self.store, self.base, self.token)
-        keys = self.base.at(gen)
+            gen = _generation.join(self.base)
+        chan = self.base.at(gen)
+        keys = chan.keys
         sub_id = self.store.add(keys.subs, 1)
         # the lease and state first: publishers only look at subscribers whose record exists, and
         # a record without a live lease would read as a dead subscriber
@@ -59,7 +59,7 @@ class Membership:
         try:
             self.store.set(keys.sub(sub_id, "state"), state_bytes(acked, 0))
             if record:
-                self._write_record(keys, sub_id)
+                self._write_record(chan, sub_id)
         except BaseException:
             quietly(lease.revoke)
             raise
@@ -68,22 +68,26 @@ class Membership:
             quietly(old.revoke)
         if self.gen is not None and self.gen != gen:
             self._left.add(self.gen)
-        self.gen, self.keys, self.id = gen, keys, sub_id
+        self.gen, self.chan, self.id = gen, chan, sub_id
 
-    def _write_record(self, keys: Keys, sub_id: int) -> None:
+    @property
+    def keys(self) -> Keys:
+        """The channel's keys in the generation joined."""
+        return self.chan.keys
+
+    def _write_record(self, chan: ChannelStore, sub_id: int) -> None:
         record = {"name": self.name, "ttl": self.ttl, "host": socket.gethostname(), "pid": os.getpid()}
-        if self.layout is not None:  # publishers pack their staging slots for it (``_packing``)
-            record["layout"] = announce(self.store, keys, self.token, self.layout)
-        if self.relay.startswith(keys.p):
+        if self.layout is not None:  # publishers pack their staging slots for it (``protocol.packing``)
+            record["layout"] = announce(chan, self.layout)
+        if self.relay.startswith(chan.keys.p):
             record["relay"] = self.relay
-        key = keys.sub(sub_id)
-        self.store.set(key, seal(self.token, key, record))
+        chan.write(chan.keys.sub(sub_id), record)
 
     def announce(self, layout: Any, relay: str = "") -> None:
         """Tells publishers which layout this subscriber reads (kept across re-joins) and the key
         of its relay record, if it relays (collected with the subscriber's keys)."""
         self.layout, self.relay = layout, relay
-        self._write_record(self.keys, self.id)
+        self._write_record(self.chan, self.id)
 
     def check(self, also: list[str] | None = None) -> tuple[int, list]:
         """``NEW_GENERATION`` (joined the store's new one: what was known of the old is void),
@@ -91,9 +95,9 @@ class Membership:
         values of the keys ``also``, read in the same batch (of the generation joined before)."""
         also = also or []
         mine = [self.keys.sub(self.id)] if self.id is not None else []
-        raw, *values = self.store.get_many([self.base.generation, *mine, *also])
+        raw, *values = self.store.get_many([self.base.keys.generation, *mine, *also])
         record, values = values[: len(mine)], values[len(mine) :]
-        gen = _generation.parse(self.base, self.token, raw)
+        gen = _generation.parse(self.base, raw)
         if gen != self.gen and gen not in self._left:
             log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
             self.acked = 0  # nothing of the new generation is held

@@ -14,7 +14,6 @@ import numpy as np
 from transports.base import ReadBatch
 
 from ..errors import StaleVersionError, WaitTimeout
-from ..protocol.records import open_sealed
 from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .context import PullContext
 from .session import Source, failed_sources, fetch_chunk, verify_source
@@ -96,7 +95,7 @@ def verify_sources(ctx: PullContext, sources: Sequence[Source], rec: Any, deadli
         if raw is None:  # written before the commit: collected since, so the slot was reused
             raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
         t = ctx.endpoints[src.transport]
-        sums = open_sealed(ctx.token, key, raw)
+        sums = ctx.chan.open(key, raw)
         verify_source(src, rec, sums, ctx.dest.buffers, fetch_chunk(t, src, rec.slot, deadline))
 
 

@@ -16,8 +16,8 @@ import numpy as np
 from .._lifecycle import quietly
 from .._selection import publisher_capabilities
 from .._tensors import address, alloc_bytes
-from ..protocol.keys import Keys
-from ..protocol.records import b64, seal
+from ..protocol.channel import ChannelStore
+from ..protocol.records import b64
 from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE, STAMP_WRITING
 from .ranges import Ranges, union
 
@@ -27,7 +27,7 @@ ANN_KEEP = 64  # a relay deletes announcement keys older than this many announce
 class RelayServer:
     """The serving side of a relay: its buffer, stamp and record.
 
-    - ``store``, ``keys``, ``token``: the channel's store, keys (of the generation joined), token.
+    - ``chan``: the channel's store, keys (of the generation joined) and token.
     - ``zone``: the zone it serves.
     - ``transports``: the subscriber's transports to serve on, by name (its buffer already registered).
     - ``regions``: each transport's registration of the buffer.
@@ -38,9 +38,7 @@ class RelayServer:
 
     def __init__(
         self,
-        store: Any,
-        keys: Keys,
-        token: bytes | None,
+        chan: ChannelStore,
         zone: str,
         transports: dict[str, Any],
         regions: dict[str, Any],
@@ -50,7 +48,8 @@ class RelayServer:
         ttl: float,
         name: str,
     ) -> None:
-        self.store, self.keys, self.token, self.zone = store, keys, token, zone
+        self.chan, self.store, self.keys, self.zone = chan, chan.store, chan.keys, zone
+        store, keys = chan.store, chan.keys
         self.transports, self.size, self.sub_id = transports, size, sub_id
         self.stamp = alloc_bytes(STAMP_BYTES, "cpu")
         self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, 0, STAMP_WRITING, 0)
@@ -77,7 +76,7 @@ class RelayServer:
 
     def _write(self) -> None:
         rec = {**self.base, "v": self.v, "epoch": self.epoch, "held": [list(r) for r in self.held]}
-        self.store.set(self.key, seal(self.token, self.key, rec))
+        self.chan.write(self.key, rec)
 
     def begin(self, v: int, epoch: int) -> None:
         """About to write version ``v`` into the buffer: withdraw what it held, then the stamp."""

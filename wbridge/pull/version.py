@@ -43,7 +43,7 @@ def next_version(
         if ready is not None and not ready.zero_copy:  # (zero-copy: readable only while its publish() runs)
             rec, fence = ready, ready.fence
         else:
-            rec, fence = VersionRecord.read_with_fence(ctx.store, ctx.keys, ctx.token, ctx.nslots, known)
+            rec, fence = VersionRecord.read_with_fence(ctx.member.chan, ctx.nslots, known)
         known = ready = None
         if rec is None and check_membership() is None:
             raise GenerationChanged
@@ -71,7 +71,7 @@ def next_version(
             raw = ctx.store.wait(ctx.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))
         except (WaitTimeout, StoreError):
             continue  # a store down for the slice: the next read retries it within its own timeout
-        ready = VersionRecord.parse_ready(ctx.keys, ctx.token, nxt, raw)
+        ready = VersionRecord.parse_ready(ctx.member.chan, nxt, raw)
 
 
 __all__ = ["VERSION_WAIT_SLICE_S", "GenerationChanged", "next_version"]

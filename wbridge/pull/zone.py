@@ -54,7 +54,6 @@ from transports.base import ReadBatch
 from .._lifecycle import quietly
 from .._selection import candidates
 from ..errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
-from ..protocol.records import open_sealed
 from .connect import failover
 from .context import PullContext
 from .ranges import Ranges, clip, part, subtract, union
@@ -128,7 +127,7 @@ class ZoneReader:
             if self.relay is not None and key == self.relay.key:
                 continue
             try:
-                d = open_sealed(ctx.token, key, raw)
+                d = ctx.chan.open(key, raw)
                 found.append((key, d, str(d["lease"]), float(d["ttl"])))
             except Exception:  # noqa: BLE001 - an unsigned or malformed record is no relay
                 continue
@@ -283,7 +282,7 @@ class ZoneReader:
                 raw = ctx.store.get(lk)
                 if raw is None:
                     raise StoreError(f"relay {p.key}: its layout {p.layout} is not in the store")
-                layouts.append(replace(RankLayout.from_dict(open_sealed(ctx.token, lk, raw)), rank=i))
+                layouts.append(replace(RankLayout.from_dict(ctx.chan.open(lk, raw)), rank=i))
             self.plan = (key, build_plan(layouts, ctx.dest.layout))
         jobs = []
         for s in self.plan[1].sources:
@@ -430,7 +429,7 @@ def join_zone(ctx: PullContext, zone: str, relay: bool, layout: str) -> ZoneRead
         names = names if ends.preference == "auto" else [ends.preference]
         served = {n: ends.open(n) for n in names}
         regions = {n: ends.regions(n)[0] for n in names}
-        server = RelayServer(ctx.store, ctx.keys, ctx.token, zone, served, regions, size, layout, m.id, m.ttl, ctx.name)
+        server = RelayServer(m.chan, zone, served, regions, size, layout, m.id, m.ttl, ctx.name)
         m.announce(m.layout, server.key)
     return ZoneReader(ctx, zone, server, layout, size)
 
