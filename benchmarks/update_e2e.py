@@ -7,7 +7,7 @@ A synthetic Qwen-like transformer (``--model 1g``: 1.0 GiB in bf16) lives in 4 t
 (TP=2, vLLM-like: fused ``qkv_proj`` and ``gate_up_proj``). Every version is a new set of values
 (``wbridge.testing.synthetic``). Methods, each timed over ``--versions`` versions after ``--warmup``:
 
-* ``wbridge-<transport>``: ``Publisher(mode="sync", zero_copy=True)`` serving every transport;
+* ``wbridge-<transport>``: ``Publisher(mode="sync", staging=ZeroCopy())`` serving every transport;
   ``Subscriber(transport=...)`` pulls exactly the bytes each rollout rank needs, from both DP
   replicas. Zero copy: rollouts read the trainers' live tensors, publish() returns once all acked.
 * ``wbridge-<transport>-staged``: the default publisher (2 staging slots): publish() first copies
@@ -75,7 +75,9 @@ class Trainer(TrainerRank):
         set_version(self.tensors, content)
 
     def wb_open(self, channel: str, zero_copy: bool, transport: str) -> None:
-        self.open_publisher(channel, transport, mode="sync", zero_copy=zero_copy)
+        from wbridge import Staging, ZeroCopy
+
+        self.open_publisher(channel, transport, mode="sync", staging=ZeroCopy() if zero_copy else Staging())
 
     def wb_publish(self, timeout: float) -> dict:
         t0 = time.perf_counter()
