@@ -395,7 +395,7 @@ def main() -> None:
     ap.add_argument(
         "--zero-copy",
         action="store_true",
-        help="plan against the trainers' own layouts (zero_copy=True) instead of reader-ordered slots",
+        help="plan against the trainers' own layouts (staging=ZeroCopy()) instead of reader-ordered slots",
     )
     ap.add_argument("--nic-per-read", type=float, default=DEFAULT_NIC_PER_READ_S, help="fixed NIC seconds per read")
     args = ap.parse_args()

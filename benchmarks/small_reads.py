@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/small_reads.py [--modes transport,pull] [--transports tcp,local] [--rows 16384]
         [--repeat 5] [--rounds 3] [--pulls 7] [--quiet]
 
-Two modes, each per transport. ``transport`` (the ``zero_copy=True`` case, nothing packed) times the
+Two modes, each per transport. ``transport`` (the ``staging=ZeroCopy()`` case, nothing packed) times the
 transport's own reads; ``pull`` times whole pulls through a real ``Publisher`` and ``Subscriber``s,
 where the staged publisher's reader-ordered slot turns the column slice into contiguous reads.
 
