@@ -53,7 +53,7 @@ from ._lifecycle import Closeable, log, quietly
 from ._selection import RDMA_FIRST, rdma_present
 from ._stats import PublishStats
 from ._tensors import FLOATING, build_layout, dtype_name
-from .errors import UsageError, WaitTimeout
+from .errors import StoreError, UsageError, WaitTimeout
 from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
 from .protocol.channel import ChannelStore
@@ -95,7 +95,7 @@ def served_transports(transport: str | Sequence[str]) -> list[str]:
 class Publisher(Closeable):
     """A trainer rank's side of a channel; see the module docstring for the call protocol.
 
-    - ``channel``: the channel name (non-empty, no ``/``); publishers and subscribers meet by it.
+    - ``channel``: the channel name (1 to 128 characters, no ``/``); publishers and subscribers meet by it.
     - ``store``: the metadata store URL (``tcp://host:port`` or ``etcd://host:port[,...]``) or a ``Store``.
     - ``rank``, ``world_size``: this rank among the channel's publisher ranks (``0 <= rank < world_size``).
     - ``host_store``: this rank hosts the ``tcp://`` store (exactly one rank, usually 0).
@@ -427,7 +427,8 @@ class Publisher(Closeable):
         self._check_open()
         version = _validate.integer(version, "wait_acked() version")
         deadline = time.monotonic() + _validate.timeout(timeout, "wait_acked() timeout")
-        self._wait_acked(version, deadline, f"acks of version {version}")
+        with self._store.deadline(deadline):
+            self._wait_acked(version, deadline, f"acks of version {version}")
 
     def live_subscribers(self) -> int:
         return len(self._tracker.live())
@@ -437,15 +438,21 @@ class Publisher(Closeable):
         self._check_open()
         if type(n) is not int or n < 0:  # noqa: E721 - bool is no count
             raise UsageError(f"publisher rank {self.rank}: wait_for_subscribers(n) needs an int >= 0, got {n!r}")
+        timeout = _validate.timeout(timeout, "wait_for_subscribers() timeout")
         seen = [0]
 
         def probe():
             self._check_stopped()
-            seen[0] = len(self._tracker.live())
+            try:
+                seen[0] = len(self._tracker.live())
+            except StoreError:  # the store down for a while: polled again until the deadline
+                return None
             return seen[0] if seen[0] >= n else None
 
         try:
-            return Store.wait_until(probe, timeout, f"{n} live subscribers", poll=0.005, max_poll=0.1)
+            # every store call of the wait (reconnects included) ends by the caller's deadline
+            with self._store.deadline(time.monotonic() + timeout):
+                return Store.wait_until(probe, timeout, f"{n} live subscribers", poll=0.005, max_poll=0.1)
         except WaitTimeout:
             raise WaitTimeout(
                 f"publisher rank {self.rank} of channel {self.channel!r}: {seen[0]} of {n} subscribers "

@@ -53,11 +53,14 @@ from __future__ import annotations
 
 from ..errors import UsageError
 
+MAX_CHANNEL = 128  # characters of a channel name (part of every store key)
+
 
 class Keys:
     def __init__(self, channel: str, gen: str = "") -> None:
-        if not isinstance(channel, str) or not channel or "/" in channel:
-            raise UsageError(f"channel name {channel!r} must be a non-empty string without '/'")
+        if not isinstance(channel, str) or not channel or "/" in channel or len(channel) > MAX_CHANNEL:
+            shown = channel if not isinstance(channel, str) or len(channel) <= 40 else f"{channel[:40]}..."
+            raise UsageError(f"channel name {shown!r} must be 1 to {MAX_CHANNEL} characters without '/'")
         self.channel, self.gen = channel, gen
         self.base = f"wb/{channel}/"
         self.p = self.base + (f"g/{gen}/" if gen else "")
