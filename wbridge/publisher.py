@@ -36,6 +36,7 @@ drives a publisher; ``wait_acked()``, ``subscribers()`` and ``close()`` may come
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -399,6 +400,7 @@ class Publisher(Closeable):
                 committed_at=now(),
                 mode=self.mode,
                 packing=() if reg.packer is None else packing_gens(self._chan, v, self.world_size),
+                nonce=os.urandom(16).hex(),
             ).write(self._chan)  # and its ready key: subscribers wake
             self._collect(v, reg.epoch)
         self._next_version = v + 1

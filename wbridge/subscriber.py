@@ -153,7 +153,8 @@ class Subscriber(Closeable):
         ctx.endpoints.bind(buffers, device)
         ctx.dest = Destination(layout, live, buffers, device, self.staged)
         ctx.member.announce(layout)  # publishers pack their slots for the layouts they are told
-        ctx.version = ctx.held = None
+        ctx.hold(None)
+        ctx.held = None
         if self.zone is not None:
             self._join_zone()
 
@@ -271,7 +272,7 @@ class Subscriber(Closeable):
                 rec, fence = next_version(self._ctx, want, deadline, timeout, first, self._check_membership)
             except GenerationChanged:
                 continue
-            if rec.v == self._ctx.version:
+            if self._ctx.holds(rec):  # the same version (number, epoch, nonce): nothing to read
                 return rec.v
             t0 = time.perf_counter()
             try:

@@ -51,10 +51,10 @@ def next_version(
             ctx.nslots = min(rec.slot + 1, MAX_SLOTS)
         if rec is not None and rec.v >= want:
             # zero-copy versions are readable only while their publish() runs
-            if rec.v == ctx.version or not rec.zero_copy or fence == rec.fence:
+            if ctx.holds(rec) or not rec.zero_copy or fence == rec.fence:
                 ctx.newest = max(ctx.newest, rec.v)
                 return rec, fence
-        elif rec is not None and rec.mode == "sync" and rec.v != ctx.version and ctx.member.lease is not None:
+        elif rec is not None and rec.mode == "sync" and not ctx.holds(rec) and ctx.member.lease is not None:
             raise UsageError(
                 f"subscriber {ctx.name}: channel {ctx.channel!r} is in sync mode and version {rec.v} "
                 f"waits for this subscriber's ack, so version {want} cannot come until it pulls "

@@ -77,8 +77,14 @@ class Peer:
     layout: str
     v: int
     epoch: int
+    nonce: str
     held: tuple[tuple[int, int], ...]
     record: dict
+
+    @property
+    def identity(self) -> tuple[int, int, str]:
+        """The version it holds (``VersionRecord.identity``)."""
+        return self.v, self.epoch, self.nonce
 
 
 class _Stamped:
@@ -138,7 +144,8 @@ class ZoneReader:
                 quietly(store.delete, key)  # collected by whoever sees it dead first
                 continue
             held = tuple((int(a), int(b)) for a, b in d.get("held", []))
-            out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), held, d))
+            nonce = str(d.get("nonce", ""))
+            out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), nonce, held, d))
         return out
 
     # -- one version ---------------------------------------------------------------------------
@@ -148,7 +155,7 @@ class ZoneReader:
         checks the publishers' stamps afterwards as usual."""
         start = time.monotonic()
         if self.relay is not None:
-            self.relay.begin(rec.v, rec.epoch)
+            self.relay.begin(rec.identity)
         everyone = self.scan()
         peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
         if self.relay is None and not peers:  # no relay with this layout: plan over full relays
@@ -156,7 +163,7 @@ class ZoneReader:
         whole = [(0, self.size)]
         missing: Ranges = whole if self.size else []
         from_pub = from_peers = 0
-        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and not subtract(whole, list(p.held))]
+        full = [p for p in peers if p.identity == rec.identity and not subtract(whole, list(p.held))]
         own = None
         if self.relay is not None and not full and missing:
             group = sorted([self.relay.key, *(p.key for p in peers)], key=_number)
@@ -210,7 +217,7 @@ class ZoneReader:
                 last = now  # the stall clock starts once its own range is in
             elif own is not None:
                 stall = max(STALL_MIN_S, 2.0 * own.result()[2])
-            busy = self.relay is None and any((p.v, p.epoch) == (rec.v, rec.epoch) for p in peers)
+            busy = self.relay is None and any(p.identity == rec.identity for p in peers)
             if now > give_up or (now - last > stall and not busy):
                 log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.ctx.name, self.zone)
                 break
@@ -237,7 +244,7 @@ class ZoneReader:
                 session, k = self._from_publishers(session, rec, [chunk], deadline)
                 self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
                 n += k
-                self._hold([chunk], (rec.v, rec.epoch))
+                self._hold([chunk], rec.identity)
         except BaseException:
             if self.relay is not None:
                 quietly(self.relay.announce)
@@ -251,14 +258,14 @@ class ZoneReader:
             parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
             verify_sources(self.ctx, parts, rec, deadline)
 
-    def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
+    def _hold(self, ranges: Ranges, version: tuple[int, int, str] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
             self.relay.hold(ranges, version, wake)
 
     def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
         """A subscriber whose layout no relay has: the planner's reads from the relays that hold
         version ``rec`` whole (any layouts: one more source each), else from the publishers."""
-        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch)]
+        full = [p for p in peers if p.identity == rec.identity]
         full = sorted((p for p in full if not subtract([(0, int(p.record["size"]))], list(p.held))), key=_number_of)
         if full:
             try:
@@ -336,7 +343,7 @@ class ZoneReader:
         """Reads what ``peers`` announce of ``missing``, spread evenly over the peers that hold each
         piece, within ``deadline`` (half the pull's: a frozen peer leaves time for publishers);
         returns the ranges read and checked, and the peers that failed."""
-        holders = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and p.key not in failed and p.held]
+        holders = [p for p in peers if p.identity == rec.identity and p.key not in failed and p.held]
         if not holders:
             return [], set()
         cuts = sorted({x for p in holders for r in p.held for x in r} | {x for r in missing for x in r})
