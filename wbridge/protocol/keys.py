@@ -41,8 +41,10 @@ without generations.
 every subscriber's lease and state (one batched read per poll); the other ranks block on those keys
 appearing (see ``wbridge.publish.tracker``).
 
-Garbage collection: the committer of v deletes the ``v/<v - lag>/...`` keys (``lag`` = slots + 2,
-``version_keys``), and the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
+Garbage collection: the committer of v deletes ``v/<v>/e/<e>/snap`` (every rank added to it) and
+the ``v/<v - lag>/...`` keys (``lag`` = slots + 2, ``version_keys``), each publisher rank deletes its
+``e/<e>/r/<rank>`` record and packed layouts two epochs after ``e`` when it registers again, and
+the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
 subscriber once its lease lapsed, with the relay record its subscriber record names (readers of a
 zone delete those of dead relays too; a relay deletes old ``ann/<n>`` keys as it announces, keeping
 at most the last ``2 * _relay.ANN_KEEP``), so the store holds a bounded number of keys however many
