@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .._lifecycle import quietly
-from ..errors import IntegrityError, StaleVersionError, TransportError
+from ..errors import IntegrityError, StaleVersionError, TransportError, UsageError
 from ..protocol.state import state_bytes
 from ..protocol.version import VersionRecord
 from . import delta
@@ -38,6 +38,12 @@ log = logging.getLogger("wbridge")
 def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zone: ZoneReader | None) -> PullResult:
     """Reads ``rec`` into the destination (see the module docstring); ``zone``: the subscriber's
     zone reader, if it has a zone."""
+    if ctx.verify and not rec.checksums:
+        raise UsageError(
+            f"subscriber {ctx.name}: verify=True, but the publishers of channel {ctx.channel!r} keep no "
+            "checksums to verify against: publish with Staging(checksums=True) (or ZeroCopy(checksums=True)), "
+            "or pull with verify=False"
+        )
     session = ctx.session
     gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
     reused = session is not None and session.epoch == rec.epoch and session.gens == gens

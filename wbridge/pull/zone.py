@@ -64,6 +64,8 @@ from .session import Source, SourcesFailed, connect_source
 log = logging.getLogger("wbridge")
 
 RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subscriber's own transports)
+RELAY_SHARE = 0.5  # of the time left: what reads from relays may take before publishers stand in
+DISTRUST_S = 30.0  # a relay that was slow, frozen or served bad bytes is not read for this long
 STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
 OWN_CHUNKS = 4  # a relay announces its own range in this many chunks, as they arrive
 
@@ -112,6 +114,8 @@ class ZoneReader:
         self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
         self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
+        self.distrusted: dict[str, float] = {}  # relay record key -> until when it is not read
+        self.unchecked = False  # warned that the publishers keep no checksums to check relays with
 
     # -- the zone's relays ---------------------------------------------------------------------
     def scan(self) -> list[Peer]:
@@ -132,6 +136,8 @@ class ZoneReader:
             self.absent.pop(k, None)
             if self.relay is not None and key == self.relay.key:
                 continue
+            if self.distrusted.get(key, 0.0) > now:
+                continue  # slow, frozen or wrong lately: read elsewhere
             try:
                 d = ctx.chan.open(key, raw)
                 found.append((key, d, str(d["lease"]), float(d["ttl"])))
@@ -156,6 +162,17 @@ class ZoneReader:
         start = time.monotonic()
         if self.relay is not None:
             self.relay.begin(rec.identity)
+        if not rec.checksums:  # relays are peers, not authorities: nothing to check their bytes with
+            if not self.unchecked:
+                self.unchecked = True
+                log.warning(
+                    "subscriber %s: zone %s relays are not read: the publishers keep no checksums to check "
+                    "their bytes with (publish with Staging(checksums=True))",
+                    self.ctx.name,
+                    self.zone,
+                )
+            session, n = self._from_publishers(session, rec, None, deadline)
+            return session, n, 0
         everyone = self.scan()
         peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
         if self.relay is None and not peers:  # no relay with this layout: plan over full relays
@@ -242,7 +259,8 @@ class ZoneReader:
         try:
             for chunk in chunks:
                 session, k = self._from_publishers(session, rec, [chunk], deadline)
-                self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
+                if self.ctx.verify:  # never serve bytes corrupted in flight (readers check them anyway)
+                    self._verify(session, rec, [chunk], deadline)
                 n += k
                 self._hold([chunk], rec.identity)
         except BaseException:
@@ -251,12 +269,11 @@ class ZoneReader:
             raise
         return session, n, time.monotonic() - t0
 
-    def _verify(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> None:
-        """With ``verify=True`` and publisher checksums: checks the buffer's bytes ``ranges`` (read
-        from anywhere) against the publishers' chunk sums (``IntegrityError``)."""
-        if self.ctx.verify and rec.checksums:
-            parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
-            verify_sources(self.ctx, parts, rec, deadline)
+    def _verify(self, session: Any, rec: Any, ranges: Ranges | None, deadline: float) -> None:
+        """Checks the destination's bytes ``ranges`` (None: all) against the publishers' chunk sums
+        (``IntegrityError``); ``read`` reads relays only where the publishers keep them."""
+        parts = [s if ranges is None else replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
+        verify_sources(self.ctx, parts, rec, deadline)
 
     def _hold(self, ranges: Ranges, version: tuple[int, int, str] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
@@ -268,14 +285,18 @@ class ZoneReader:
         full = [p for p in peers if p.identity == rec.identity]
         full = sorted((p for p in full if not subtract([(0, int(p.record["size"]))], list(p.held))), key=_number_of)
         if full:
+            # a frozen relay must not take the pull's whole timeout: publishers get the rest
+            share = time.monotonic() + max(0.0, deadline - time.monotonic()) * RELAY_SHARE
             try:
-                return session, 0, self._from_full(full, rec, deadline)
-            except (TransportError, StaleVersionError, StoreError, PlanError) as e:
+                n = self._from_full(full, rec, share)
+                self._verify(session, rec, None, deadline)  # relays are peers: checked, every byte
+                return session, 0, n
+            except (TransportError, StaleVersionError, StoreError, PlanError, IntegrityError, WaitTimeout) as e:
                 log.warning(
                     "subscriber %s: reading zone %s relays failed (%s); publishers", self.ctx.name, self.zone, e
                 )
                 for p in full:
-                    self._drop(p.key)
+                    self._distrust(p.key)
         session, n = self._from_publishers(session, rec, None, deadline)
         return session, n, 0
 
@@ -296,8 +317,10 @@ class ZoneReader:
             src = self._connect(full[s.src_rank], deadline)
             batch = ReadBatch(s.src_region, s.src_offset, s.dst_region, s.dst_offset, s.nbytes)
             jobs.append((src, self.pool.submit(self._read_peer, src, batch, deadline)))
-        for _, f in jobs:
-            f.result()
+        errors = [f.exception() for _, f in jobs]  # every read over (each bounded) before any error
+        for e in errors:
+            if e is not None:
+                raise e
         for src, _ in jobs:
             check_stamps(ctx, [src], _Stamped(rec.v, rec.epoch), deadline, self.pool)
         return self.plan[1].total_bytes
@@ -380,7 +403,7 @@ class ZoneReader:
                 f.result()
                 # the stamp after the data: the peer still holds version v (it withdrew nothing)
                 check_stamps(self.ctx, [src], _Stamped(rec.v, rec.epoch), deadline, self.pool)
-                self._verify(session, rec, union(work[k]), deadline)  # a relay that served bad bytes
+                self._verify(session, rec, union(work[k]), deadline)  # relays are peers: always checked
                 got += work[k]
             except (TransportError, StaleVersionError, IntegrityError) as e:
                 self._failed(k, e, gone)
@@ -388,8 +411,14 @@ class ZoneReader:
 
     def _failed(self, key: str, e: Exception, gone: set[str]) -> None:
         log.warning("subscriber %s: relay %s failed (%s); its bytes come from elsewhere", self.ctx.name, key, e)
-        self._drop(key)
+        self._distrust(key)
         gone.add(key)
+
+    def _distrust(self, key: str) -> None:
+        """Not read for ``DISTRUST_S`` (slow, frozen or wrong): its connection is dropped."""
+        self.distrusted = {k: t for k, t in self.distrusted.items() if t > time.monotonic()}
+        self.distrusted[key] = time.monotonic() + DISTRUST_S
+        self._drop(key)
 
     def _read_peer(self, src: Source, batch: ReadBatch, deadline: float) -> None:
         """Posts ``batch`` from a relay's buffer (its stamp is checked next)."""
