@@ -111,7 +111,11 @@ def _read(
         if result is not None:
             return ctx.session or session, result
     if zone is not None:  # relays of the zone first, publishers for the rest
-        session, from_pub, from_peers = zone.read(session, rec, deadline)
+        try:
+            session, from_pub, from_peers = zone.read(session, rec, deadline)
+        except IntegrityError:  # (a relay checking its own range from the publishers)
+            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            raise
         return session, PullResult(from_pub, from_peers, len(session.plan))
     while True:
         try:
