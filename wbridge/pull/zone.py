@@ -115,6 +115,7 @@ class ZoneReader:
         self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
         self.distrusted: dict[str, float] = {}  # relay record key -> until when it is not read
+        self.sums: tuple[Any, dict] = (None, {})  # (version identity, publisher sums by rank) read
         self.unchecked = False  # warned that the publishers keep no checksums to check relays with
 
     # -- the zone's relays ---------------------------------------------------------------------
@@ -273,7 +274,9 @@ class ZoneReader:
         """Checks the destination's bytes ``ranges`` (None: all) against the publishers' chunk sums
         (``IntegrityError``); ``read`` reads relays only where the publishers keep them."""
         parts = [s if ranges is None else replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
-        verify_sources(self.ctx, parts, rec, deadline)
+        if self.sums[0] != rec.identity:  # each version's sums are read once, however many ranges
+            self.sums = (rec.identity, {})
+        verify_sources(self.ctx, parts, rec, deadline, self.sums[1])
 
     def _hold(self, ranges: Ranges, version: tuple[int, int, str] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
