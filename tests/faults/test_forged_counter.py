@@ -49,3 +49,41 @@ def test_forged_subscriber_counter_is_ignored_and_recovered_from(store_url: str)
         spy.close()
         for w in [*subs, pub]:
             w.stop()
+
+
+@pytest.mark.slow
+def test_forged_relay_counter_is_ignored_and_recovered_from(standalone_store: str) -> None:
+    """The same for a zone's relay counter: before, every reader of the zone read a million relay
+    record keys per look and its pulls timed out."""
+    from tests.runtime.actors import PubActor, SubActor
+    from wbridge import Async, Staging, Zone
+
+    url = standalone_store
+    pub = Worker("pub", PubActor, url, 0, 1, 1, staging=Staging(checksums=True), mode=Async(max_staleness=100))
+    relay = dict(fused=False, zone=Zone("a", relay=True), transport="tcp")
+    workers = [Worker("relay1", SubActor, url, 1, 0, **relay)]
+    reader = Worker("reader", FaultSub, url, 1, 0, fused=True, model_kind="small", zone=Zone("a"), transport="tcp")
+    spy = open_store(url, connect_timeout=10.0)  # a store client without the token
+    try:
+        pub.call("publish", 1)
+        assert workers[0].call("pull", 1)["bad"] == []
+        assert reader.call("pull", 1)["from_peers"] > 0
+        live = reader.call("live_key")
+        counter = live[: live.index("sub/")] + "zone/a/n"
+        sane = spy.get(counter)
+        spy.set(counter, b"1000000")  # the forged write
+        pub.call("publish", 2)
+        assert workers[0].call("pull", 2)["bad"] == []
+        got = reader.call("pull", 2, timeout=10.0)
+        assert got["bad"] == [] and got["from_peers"] > 0, got  # still reads its relay
+        spy.set(counter, sane)  # repaired; a relay that joins now is read too
+        workers.append(Worker("relay2", SubActor, url, 1, 0, **relay))
+        workers[0].stop()
+        pub.call("publish", 3)
+        assert workers[1].call("pull", 3)["bad"] == []
+        got = reader.call("pull", 3, timeout=10.0)
+        assert got["bad"] == [] and got["from_peers"] > 0, got
+    finally:
+        spy.close()
+        for w in [reader, *workers, pub]:
+            w.stop()

@@ -57,6 +57,13 @@ from ..errors import UsageError
 
 MAX_CHANNEL = 128  # characters of a channel name (part of every store key)
 
+# Counters that number records (``subs``, ``zone/<z>/n``) are plain store values any store client
+# can write. A jump by more than ``COUNTER_JUMP_MAX`` since a reader's last look is no burst of
+# joins but a forged value: the numbers in between are not looked at (only the newest
+# ``COUNTER_WINDOW``, which real joins after the write get), and it is logged.
+COUNTER_JUMP_MAX = 4096
+COUNTER_WINDOW = 64
+
 
 class Keys:
     def __init__(self, channel: str, gen: str = "") -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from ..errors import StoreError, UsageError, WaitTimeout
 from ..protocol import generation as _generation
 from ..protocol.channel import ChannelStore
-from ..protocol.keys import Keys
+from ..protocol.keys import COUNTER_JUMP_MAX, COUNTER_WINDOW, Keys
 from ..protocol.state import parse_state
 from ..store import Store
 
@@ -43,11 +43,6 @@ log = logging.getLogger("wbridge")
 
 FALLBACK_S = 2.0  # a non-aggregating rank scans by itself after waiting this long for a key, then
 # after twice as long again each time (a long wait on slow subscribers costs O(log) scans per rank)
-# The subscriber counter is a plain store value any store client can write. A jump by more than this
-# since the last scan is no burst of joins but a forged value: the ids in between are not looked
-# for (only the newest ``COUNTER_WINDOW``, which real joins after the write get), and it is logged.
-COUNTER_JUMP_MAX = 4096
-COUNTER_WINDOW = 64
 PENDING_GRACE_S = 10.0  # an id whose record never appears (collected, or its owner died) is dropped
 BEAT_S = 0.5  # how often the aggregator, while it waits, says for which key (Keys.aggregating)
 MAX_POLL_S = 0.02  # the aggregator's poll backoff cap; a tenth of the time waited so far if longer

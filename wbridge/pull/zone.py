@@ -54,6 +54,7 @@ from transports.base import ReadBatch
 from .._lifecycle import quietly
 from .._selection import candidates
 from ..errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
+from ..protocol.keys import COUNTER_JUMP_MAX, COUNTER_WINDOW
 from .connect import failover
 from .context import PullContext
 from .ranges import Ranges, clip, part, subtract, union
@@ -111,6 +112,8 @@ class ZoneReader:
         self.ctx, self.zone, self.relay, self.layout, self.size = ctx, zone, relay, layout, size
         self.announced = 0  # the zone's announcement counter, read before the records by scan()
         self.absent: dict[int, float] = {}  # record number -> when first found missing
+        self.counted = 0  # the zone's relay counter as of the last scan
+        self.skipped: list[tuple[int, int]] = []  # record numbers of forged jumps, not looked at
         self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
         self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
@@ -125,9 +128,9 @@ class ZoneReader:
         store, keys = ctx.store, ctx.keys
         # the announcement counter before the records: every announcement up to it is in them
         counters = store.get_many([keys.zone_count(self.zone), keys.zone_announced(self.zone)])
-        count, self.announced = (int(x or 0) for x in counters)
+        count, self.announced = (_int(x) for x in counters)
         now = time.monotonic()
-        nums = [k for k in range(1, count + 1) if now - self.absent.get(k, now) < 10.0]
+        nums = [k for k in self._numbers(count) if now - self.absent.get(k, now) < 10.0]
         rkeys = [keys.zone_relay(self.zone, k) for k in nums]
         found = []
         for k, key, raw in zip(nums, rkeys, store.get_many(rkeys)):
@@ -154,6 +157,30 @@ class ZoneReader:
             nonce = str(d.get("nonce", ""))
             out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), nonce, held, d))
         return out
+
+    def _numbers(self, count: int) -> list[int]:
+        """The relay record numbers to look at: 1 .. ``count`` but those of a forged jump of the
+        counter (any store client can write it: by more than ``COUNTER_JUMP_MAX`` since the last
+        scan), logged once; relays numbered after it (its newest ``COUNTER_WINDOW``) and after a
+        repair (the counter went back) are looked at."""
+        if count < self.counted:  # repaired: the numbers of a forged jump are given out again
+            self.skipped = []
+        elif count - self.counted > COUNTER_JUMP_MAX:
+            log.warning(
+                "subscriber %s: zone %s relay counter jumped from %d to %d: ignoring the numbers between",
+                self.ctx.name,
+                self.zone,
+                self.counted,
+                count,
+            )
+            self.skipped.append((self.counted + 1, count - COUNTER_WINDOW))
+        self.counted = count
+        nums: list[int] = []
+        lo = 1
+        for a, b in sorted(self.skipped):
+            nums += range(lo, min(a, count + 1))
+            lo = max(lo, b + 1)
+        return nums + list(range(lo, count + 1))
 
     # -- one version ---------------------------------------------------------------------------
     def read(self, session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
@@ -471,6 +498,14 @@ def join_zone(ctx: PullContext, zone: str, relay: bool, layout: str) -> ZoneRead
         server = RelayServer(m.chan, zone, served, regions, size, layout, m.id, m.ttl, ctx.name)
         m.announce(m.layout, server.key)
     return ZoneReader(ctx, zone, server, layout, size)
+
+
+def _int(raw: bytes | None) -> int:
+    """A counter's value; a malformed one (any store client can write it) counts as 0."""
+    try:
+        return max(0, int(raw or 0))
+    except ValueError:
+        return 0
 
 
 def _number(key: str) -> int:
