@@ -19,23 +19,41 @@ from wbridge.protocol.keys import Keys
 from wbridge.protocol.records import open_sealed
 
 
-def lose_store(url: str, store: Any, etcd: Any) -> Any:
+def lose_store(url: str, store: Any, etcd: Any, replay: bool = False) -> Any:
     """The store comes back empty: the hosted TCPStore is closed and a fresh one hosted on the same
-    port, or etcd is killed, its data wiped, and restarted. Returns the new hosted store (tcp)."""
+    port, or etcd is killed, its data wiped, and restarted. Returns the new hosted store (tcp).
+    ``replay``: the channel's generation record is kept (as a store client without the token
+    could) and put back into the emptied store before anyone writes another one."""
+    key = Keys("t").generation
+    kept = None
+    if replay:
+        spy = store if store is not None else open_store(url, connect_timeout=10.0)
+        kept = spy.get(key)
+        if spy is not store:
+            spy.close()
     if etcd is not None:
         etcd.kill()
         shutil.rmtree(os.path.join(etcd.data_dir, "data"), ignore_errors=True)
         etcd.start()
-        return None
-    store.close()
-    deadline = time.monotonic() + 30.0
-    while True:
-        try:
-            return open_store(url, host_store=True)
-        except Exception:  # noqa: BLE001 - the port may linger a moment
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+        new = None
+    else:
+        store.close()
+        deadline = time.monotonic() + 30.0
+        while True:
+            try:
+                new = open_store(url, host_store=True)
+                break
+            except Exception:  # noqa: BLE001 - the port may linger a moment
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    if kept is not None:
+        spy = new if new is not None else open_store(url, connect_timeout=10.0)
+        if not spy.compare_set(key, None, kept):
+            print("soak: the replay lost the race (a client wrote a new generation first)", flush=True)
+        if spy is not new:
+            spy.close()
+    return new
 
 
 def tcp_endpoints(url: str, ranks: int) -> list[tuple[str, int]]:

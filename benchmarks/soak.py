@@ -32,6 +32,16 @@ Faults beyond the subscriber kills, spread evenly over the run:
   hold it, the rank is restarted and every rank registers again (a new epoch).
 - ``--slowloris`` connections per publisher rank trickle a byte a second into its tcp server and
   never authenticate (reconnecting when closed), for the whole run.
+- Relays of zone ``z`` (tcp, staged): a good one, one that is frozen (SIGSTOP) ``--frozen-relay``
+  times for ``--freeze-s`` seconds (its lease outlives that: it still looks alive), and one whose
+  every data read has a bit flipped (``verify=False``: it serves corrupted bytes, ``--corrupt-relay``).
+  The TP=2 rank 1 and the TP=1 subscribers read through the zone (layouts the relays do not have:
+  the planner's path over whole relays; the relays read each other's ranges: the same-layout path).
+  The corrupting relay's own pulls are counted apart (``corrupt``: its bytes are the fault).
+- ``--replays`` of the store losses are replayed generation records: the driver (a store client
+  without the token) keeps the channel's signed generation record, puts it back into the emptied
+  store before anyone else writes one, and the trainer restarts (every publisher rank killed and
+  started again): the new trainer counts versions and epochs from 1 under the old generation.
 
 Counted:
 - ``pulls``: pulls that returned a version; ``torn``: those whose bytes do not match the version
@@ -41,14 +51,17 @@ Counted:
 - ``restarts``: subscribers killed and restarted. Pulls that raised are listed by error type.
 
 Last line: ``soak: versions=<n> pulls=<n> torn=<n> hangs=<n> stale=<n> restarts=<n>``; exit status
-1 unless torn=0, hangs=0 and stale=0.
+1 unless torn=0, hangs=0 and stale=0 (and every subscriber holds the last version).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import random
+import signal
 import sys
 import time
 from multiprocessing.connection import wait
@@ -58,13 +71,19 @@ from benchmarks._faults import Slowloris, lose_store
 from tests.faults.actors import FaultPub
 from tests.runtime.actors import SubActor
 from tests.runtime.harness import Worker, WorkerError, call_all, free_port
-from wbridge import Async, Staging
+from wbridge import Async, Staging, Zone
 
 TP, DP = 2, 2
+ZONE = "z"
+RELAY_TTL = 10.0  # a relay's lease: longer than a freeze, so a frozen relay still looks alive
+FLIP = ("flip-bit", {"on_reads": range(1, 100_000), "min_bytes": 1024})  # every data read it makes
 SUBSCRIBERS = (
     dict(tp=2, rank=0, fused=True, staged=False, transport="auto"),
-    dict(tp=2, rank=1, fused=True, staged=True, transport="tcp"),
-    dict(tp=1, rank=0, fused=False, staged=False, transport="tcp"),
+    dict(tp=2, rank=1, fused=True, staged=True, transport="tcp", zone=Zone(ZONE)),
+    dict(tp=1, rank=0, fused=False, staged=False, transport="tcp", zone=Zone(ZONE)),
+    dict(tp=1, rank=0, fused=False, staged=True, transport="tcp", zone=Zone(ZONE, relay=True), role="relay"),
+    dict(tp=1, rank=0, fused=False, staged=True, transport="tcp", zone=Zone(ZONE, relay=True), role="frozen"),
+    dict(tp=1, rank=0, fused=False, staged=True, transport="tcp", zone=Zone(ZONE, relay=True), role="corrupt"),
 )
 GRACE = 15.0  # beyond a call's own timeout before it counts as a hang
 
@@ -83,7 +102,8 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.url = f"tcp://127.0.0.1:{free_port()}"
         self.versions = self.pulls = self.torn = self.hangs = self.restarts = self.stale = 0
-        self.store_restarts = self.replica_deaths = 0
+        self.store_restarts = self.replica_deaths = self.replays = self.freezes = self.corrupt = 0
+        self.thaw_at: tuple[int, float] | None = None  # (pid, when) of the frozen relay
         self.etcd = None
         self.slowloris: Slowloris | None = None
         self.stale_retries = 0
@@ -109,7 +129,7 @@ class Soak:
         else:
             self.store = open_store(self.url, host_store=True)
         self.pubs = [self.start_pub(r) for r in range(TP * DP)]
-        for i in range(len(SUBSCRIBERS)):
+        for i in self.active():
             self.start_sub(i)
         if self.args.slowloris:
             self.slowloris = Slowloris(self.url, TP * DP, self.args.slowloris)
@@ -129,9 +149,20 @@ class Soak:
             transport=["tcp", "local"],
         )
 
+    def active(self) -> list[int]:
+        """The subscribers this run has (relays only with ``--relays``)."""
+        return [i for i, s in enumerate(SUBSCRIBERS) if self.args.relays or "role" not in s]
+
     def start_sub(self, i: int) -> None:
         spec = SUBSCRIBERS[i]
         self.generation[i] += 1
+        extra: dict[str, Any] = {}
+        if "zone" in spec and self.args.relays:
+            extra["zone"] = spec["zone"]
+        if spec.get("role") in ("relay", "frozen", "corrupt"):
+            extra["lease_ttl"] = RELAY_TTL
+        if spec.get("role") == "corrupt":
+            extra |= dict(fault=FLIP, verify=False)
         self.subs[i] = Worker(
             f"sub{i}.{self.generation[i]}",
             SubActor,
@@ -142,8 +173,7 @@ class Soak:
             staged=spec["staged"],
             transport=spec["transport"],
             model_kind=self.args.model,
-            verify=True,
-            lease_ttl=self.args.lease_ttl,
+            **({"verify": True, "lease_ttl": self.args.lease_ttl} | extra),
         )
         self.have[i] = 0
 
@@ -156,6 +186,7 @@ class Soak:
         self.start_sub(i)
 
     def stop(self) -> None:
+        self.thaw()
         if self.slowloris is not None:
             self.slowloris.close()
         for w in [*self.subs, *reversed(self.pubs)]:
@@ -175,7 +206,7 @@ class Soak:
     def feed_subscribers(self) -> None:
         """Every idle subscriber behind the newest committed version pulls it (or newer)."""
         for i, w in enumerate(self.subs):
-            if w in self.calls or self.have[i] >= self.committed:
+            if w is None or w in self.calls or self.have[i] >= self.committed:
                 continue
             self.send(w, "pull", self.args.timeout, min_version=self.have[i] + 1)
             if self.rng.random() < self.args.kill_prob:
@@ -190,6 +221,10 @@ class Soak:
             if self.errors[e.exc_type] == 1:  # the first of each kind, for the record
                 print(f"soak: sub{i} pull failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr, flush=True)
             return
+        self.have[i] = r["v"]
+        if SUBSCRIBERS[i].get("role") == "corrupt":  # its own bytes are the fault
+            self.corrupt += 1
+            return
         self.pulls += 1
         self.stale_retries += r["retries"]
         if r["untouched"]:
@@ -199,12 +234,12 @@ class Soak:
             self.torn += 1
             if len(self.torn_examples) < 5:
                 self.torn_examples.append(f"sub{i} v{r['v']}: {r['bad'][:3]}")
-        self.have[i] = r["v"]
 
     def step(self, until: float) -> None:
         """Waits (without spinning) for answers, scheduled kills and hung calls, up to ``until``."""
         now = time.monotonic()
-        wake = min([until, *self.kill_at.values(), *(c.deadline for c in self.calls.values())])
+        thaw = [self.thaw_at[1]] if self.thaw_at else []
+        wake = min([until, *thaw, *self.kill_at.values(), *(c.deadline for c in self.calls.values())])
         # Worker keeps its pipe private; waiting on all of them at once is what this loop needs.
         conns = {w._conn: w for w in self.calls}  # noqa: SLF001
         for conn in wait(list(conns), timeout=max(0.0, wake - now)):
@@ -215,6 +250,8 @@ class Soak:
                 self.calls.pop(w, None)  # a publisher's answer: collected by publish_all
                 self.done_pubs[w] = w
         now = time.monotonic()
+        if self.thaw_at and self.thaw_at[1] <= now:
+            self.thaw()
         for i, when in list(self.kill_at.items()):
             if when <= now:
                 self.kill_sub(i)
@@ -256,16 +293,39 @@ class Soak:
     def drain(self) -> None:
         """Lets every subscriber catch up with the last version."""
         deadline = time.monotonic() + self.args.timeout + GRACE
-        while any(h < self.committed for h in self.have) and time.monotonic() < deadline:
+        while any(self.have[i] < self.committed for i in self.active()) and time.monotonic() < deadline:
             self.feed_subscribers()
             self.kill_at.clear()  # no more kills: the run ends with everyone on the last version
             self.step(min(deadline, time.monotonic() + 1.0))
 
-    def lose_store(self) -> None:
-        """The store comes back empty: a new generation, where versions count from 1 again."""
-        self.store = lose_store(self.url, self.store, self.etcd)
+    def lose_store(self, replay: bool = False) -> None:
+        """The store comes back empty: a new generation, where versions count from 1 again. With
+        ``replay``, the old generation record is put back and the trainer restarts: the same
+        generation, but versions and epochs count from 1 again all the same."""
+        self.thaw()
+        self.store = lose_store(self.url, self.store, self.etcd, replay=replay)
         self.store_restarts += 1
+        if replay:
+            self.replays += 1
+            for p in self.pubs:  # the trainer restarts
+                self.calls.pop(p, None)
+                p.kill()
+            self.pubs = [self.start_pub(r) for r in range(TP * DP)]
         self.committed, self.have = 0, [0] * len(SUBSCRIBERS)
+
+    def freeze_relay(self) -> None:
+        """SIGSTOP the relay to freeze, for ``--freeze-s`` (pulls go on meanwhile)."""
+        i = next(k for k, s in enumerate(SUBSCRIBERS) if s.get("role") == "frozen")
+        pid = self.subs[i].proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        self.thaw_at = (pid, time.monotonic() + self.args.freeze_s)
+        self.freezes += 1
+
+    def thaw(self) -> None:
+        if self.thaw_at is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.thaw_at[0], signal.SIGCONT)
+            self.thaw_at = None
 
     def kill_replica(self) -> None:
         """A publisher rank dies while subscribers pull the version just committed; once they hold
@@ -283,14 +343,19 @@ class Soak:
         n, a = self.args.versions, self.args
         losses = {n * (k + 1) // (a.store_restarts + 1) for k in range(a.store_restarts)}
         deaths = {n * (2 * k + 1) // (2 * a.replica_deaths + 2) for k in range(a.replica_deaths)} - losses
+        replays = set(sorted(losses)[: a.replays])
+        frozen = a.frozen_relay if a.relays else 0
+        freezes = {n * (2 * k + 1) // (2 * frozen) + 1 for k in range(frozen)} - losses - deaths
         v = 0
         for step in range(1, n + 1):
             v += 1
             self.publish_all(v)
+            if step in freezes:
+                self.freeze_relay()
             if step in deaths:
                 self.kill_replica()
             if step in losses:
-                self.lose_store()
+                self.lose_store(replay=step in replays)
                 v = 0
             if step % 20 == 0:
                 print(
@@ -321,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-restarts", type=int, default=2, help="times the store is lost (comes back empty)")
     p.add_argument("--replica-deaths", type=int, default=2, help="publisher ranks killed mid-pull, then restarted")
     p.add_argument("--slowloris", type=int, default=64, help="unauthenticated trickling connections per rank")
+    p.add_argument("--relays", type=int, choices=[0, 1], default=1, help="1: zone relays (good, frozen, corrupting)")
+    p.add_argument("--frozen-relay", type=int, default=2, help="times the frozen relay is stopped (SIGSTOP)")
+    p.add_argument("--freeze-s", type=float, default=6.0, help="how long each freeze lasts")
+    p.add_argument("--replays", type=int, default=1, help="store losses that put the old generation record back")
     args = p.parse_args(argv)
     soak = Soak(args)
     try:
@@ -328,10 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         soak.run()
     finally:
         soak.stop()
-    behind = [f"sub{i}:v{h}" for i, h in enumerate(soak.have) if h < soak.committed]
+    behind = [f"sub{i}:v{soak.have[i]}" for i in soak.active() if soak.have[i] < soak.committed]
     print(
-        f"soak: {soak.seconds:.1f}s, {args.model} model, {args.store} store lost {soak.store_restarts}x, "
-        f"replicas killed {soak.replica_deaths}x, slowloris {args.slowloris}/rank, stale-version retries "
+        f"soak: {soak.seconds:.1f}s, {args.model} model, {args.store} store lost {soak.store_restarts}x "
+        f"({soak.replays} with its generation record replayed), replicas killed {soak.replica_deaths}x, "
+        f"relay frozen {soak.freezes}x, corrupting relay's own pulls {soak.corrupt}, "
+        f"slowloris {args.slowloris}/rank, stale-version retries "
         f"inside pulls: {soak.stale_retries}, failed calls: {dict(soak.errors) or 'none'}"
         + (f", behind at the end: {behind}" if behind else "")
     )

@@ -122,11 +122,21 @@ def fill(t, i: int, v: int) -> None:
 class Trainer:
     def __init__(self, ns: str, host: str, port: int, mb: int) -> None:
         enter(ns)
-        from wbridge import Publisher
+        from wbridge import Publisher, Staging
 
         self.t = tensors(mb, 0)
         url = f"tcp://{host}:{port}"
-        self.pub = Publisher("z", url, host_store=True, token=TOKEN, transport="tcp", host=host, zone="train")
+        # relays are read only where the publishers keep checksums (their bytes are checked)
+        self.pub = Publisher(
+            "z",
+            url,
+            host_store=True,
+            token=TOKEN,
+            transport="tcp",
+            host=host,
+            zone="train",
+            staging=Staging(checksums=True),
+        )
         self.pub.register(self.t)
 
     def wait_for(self, n: int) -> int:

@@ -58,6 +58,17 @@ def boolean(value: Any, what: str) -> bool:
     return value
 
 
+MAX_NAME = 256  # characters of a subscriber's name (recorded in the store, shown in errors)
+
+
+def name(value: Any, what: str) -> str:
+    """A name of 1 to ``MAX_NAME`` characters."""
+    if not isinstance(value, str) or not value or len(value) > MAX_NAME:
+        shown = value if not isinstance(value, str) or len(value) <= 40 else f"{value[:40]}... ({len(value)} chars)"
+        raise UsageError(f"{what} must be 1 to {MAX_NAME} characters, got {shown!r}")
+    return value
+
+
 MAX_ZONE = 128  # characters of a zone name (part of store keys)
 
 
@@ -69,4 +80,4 @@ def zone(value: Any, who: str) -> str | None:
     return value
 
 
-__all__ = ["MAX_TIMEOUT", "MAX_ZONE", "boolean", "integer", "tensors", "timeout", "token", "zone"]
+__all__ = ["MAX_NAME", "MAX_TIMEOUT", "MAX_ZONE", "boolean", "integer", "name", "tensors", "timeout", "token", "zone"]

@@ -36,6 +36,7 @@ drives a publisher; ``wait_acked()``, ``subscribers()`` and ``close()`` may come
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -53,7 +54,7 @@ from ._lifecycle import Closeable, log, quietly
 from ._selection import RDMA_FIRST, rdma_present
 from ._stats import PublishStats
 from ._tensors import FLOATING, build_layout, dtype_name
-from .errors import UsageError, WaitTimeout
+from .errors import StoreError, UsageError, WaitTimeout, WBridgeError
 from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
 from .protocol.channel import ChannelStore
@@ -95,7 +96,7 @@ def served_transports(transport: str | Sequence[str]) -> list[str]:
 class Publisher(Closeable):
     """A trainer rank's side of a channel; see the module docstring for the call protocol.
 
-    - ``channel``: the channel name (non-empty, no ``/``); publishers and subscribers meet by it.
+    - ``channel``: the channel name (1 to 128 characters, no ``/``); publishers and subscribers meet by it.
     - ``store``: the metadata store URL (``tcp://host:port`` or ``etcd://host:port[,...]``) or a ``Store``.
     - ``rank``, ``world_size``: this rank among the channel's publisher ranks (``0 <= rank < world_size``).
     - ``host_store``: this rank hosts the ``tcp://`` store (exactly one rank, usually 0).
@@ -155,6 +156,7 @@ class Publisher(Closeable):
         self._closed = False
         self._lock = threading.Lock()
         self._reg: Registration | None = None
+        self._old_epochs: list[tuple[int, int]] = []  # (epoch, packing generations) of replaced registrations
         self.stats: list[PublishStats] = []
         self._connect_timeout = connect_timeout
         # publish_async(): one worker thread, at most one publish in flight, and a stop signal
@@ -265,7 +267,25 @@ class Publisher(Closeable):
             self._reg = reg
         if old is not None:
             self._release_regions(old)
+            self._collect_epochs(old, reg.epoch)
         return reg.epoch
+
+    def _collect_epochs(self, old: Registration, epoch: int) -> None:
+        """Deletes this rank's records of the epochs two and more before ``epoch`` (its record and
+        packed slot layouts): subscribers plan against the epoch of the version they read, at
+        worst the one before. Best effort: a later registration tries again."""
+        if old.epoch != epoch:
+            self._old_epochs.append((old.epoch, old.packer.gen if old.packer is not None else 0))
+        due = [(e, g) for e, g in self._old_epochs if e <= epoch - 2]
+        if not due:
+            return
+        keys = [self.keys.rank(e, self.rank) for e, _ in due]
+        keys += [self.keys.packed(e, self.rank, k) for e, g in due for k in range(1, g + 1)]
+        try:
+            self._store.delete_many(keys)
+        except WBridgeError:
+            return
+        self._old_epochs = [x for x in self._old_epochs if x not in due]
 
     def _build(
         self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None, transforms: dict
@@ -399,8 +419,9 @@ class Publisher(Closeable):
                 committed_at=now(),
                 mode=self.mode,
                 packing=() if reg.packer is None else packing_gens(self._chan, v, self.world_size),
+                nonce=os.urandom(16).hex(),
             ).write(self._chan)  # and its ready key: subscribers wake
-            self._collect(v, reg.epoch)
+            self._collect(v, reg.epoch)  # (and this version's snapshot counter: every rank added)
         self._next_version = v + 1
         if self.mode == "sync" or self.zero_copy:
             self._wait_acked(v, deadline, f"publisher rank {self.rank}: acks of version {v}")
@@ -415,19 +436,23 @@ class Publisher(Closeable):
         return v
 
     def _collect(self, v: int, epoch: int) -> None:
-        """Deletes the keys of the version ``slots + 2`` before ``v``: every rank is past its waits
+        """Deletes the snapshot counter of ``v`` (committed: every rank added to it) and the keys of
+        the version ``slots + 2`` before ``v``: every rank is past its waits
         for it, and its slot was overwritten since (a reader still verifying it fails stale, as it
         would on the overwritten slot). Best effort: the next commit tries the next one."""
         old = v - (self.slots + 2)
+        keys = [self.keys.snap(v, epoch)]
         if old >= 1:
-            quietly(self._store.delete_many, self.keys.version_keys(old, epoch, self.world_size, self.checksums))
+            keys += self.keys.version_keys(old, epoch, self.world_size, self.checksums)
+        quietly(self._store.delete_many, keys)
 
     def wait_acked(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until every live subscriber acked ``version`` or later."""
         self._check_open()
         version = _validate.integer(version, "wait_acked() version")
         deadline = time.monotonic() + _validate.timeout(timeout, "wait_acked() timeout")
-        self._wait_acked(version, deadline, f"acks of version {version}")
+        with self._store.deadline(deadline):
+            self._wait_acked(version, deadline, f"acks of version {version}")
 
     def live_subscribers(self) -> int:
         return len(self._tracker.live())
@@ -437,15 +462,21 @@ class Publisher(Closeable):
         self._check_open()
         if type(n) is not int or n < 0:  # noqa: E721 - bool is no count
             raise UsageError(f"publisher rank {self.rank}: wait_for_subscribers(n) needs an int >= 0, got {n!r}")
+        timeout = _validate.timeout(timeout, "wait_for_subscribers() timeout")
         seen = [0]
 
         def probe():
             self._check_stopped()
-            seen[0] = len(self._tracker.live())
+            try:
+                seen[0] = len(self._tracker.live())
+            except StoreError:  # the store down for a while: polled again until the deadline
+                return None
             return seen[0] if seen[0] >= n else None
 
         try:
-            return Store.wait_until(probe, timeout, f"{n} live subscribers", poll=0.005, max_poll=0.1)
+            # every store call of the wait (reconnects included) ends by the caller's deadline
+            with self._store.deadline(time.monotonic() + timeout):
+                return Store.wait_until(probe, timeout, f"{n} live subscribers", poll=0.005, max_poll=0.1)
         except WaitTimeout:
             raise WaitTimeout(
                 f"publisher rank {self.rank} of channel {self.channel!r}: {seen[0]} of {n} subscribers "

@@ -55,7 +55,7 @@ from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 class Subscriber(Closeable):
     """A rollout worker's side of a channel; see the module docstring for the call protocol.
 
-    - ``channel``: the channel name (non-empty, no ``/``), as the publishers named it.
+    - ``channel``: the channel name (1 to 128 characters, no ``/``), as the publishers named it.
     - ``store``: the metadata store URL (``tcp://host:port`` or ``etcd://host:port[,...]``) or a ``Store``.
     - ``token``: the channel's shared secret (checks store records, authenticates to publishers).
     - ``transport``: ``"auto"`` (best common transport per publisher rank, see ``transports.select``) or a name.
@@ -64,7 +64,8 @@ class Subscriber(Closeable):
       delta pulls always check them).
     - ``connect_timeout``: seconds to wait for the store when opening it.
     - ``lease_ttl``: seconds without a lease refresh after which publishers stop waiting for it.
-    - ``name``: shown to publishers and in errors, matched by ``Publisher.evict`` (default ``<hostname>:<pid>``).
+    - ``name``: shown to publishers and in errors, matched by ``Publisher.evict`` (1 to 256 characters;
+      default ``<hostname>:<pid>``).
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
     - ``zone``: a ``Zone`` (``wbridge.options``): read from the zone's relays first and from
@@ -88,7 +89,7 @@ class Subscriber(Closeable):
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
         zone: Zone | None = None,
     ) -> None:
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.name = _validate.name(f"{socket.gethostname()}:{os.getpid()}" if name is None else name, "name")
         if zone is not None and not isinstance(zone, Zone):
             raise UsageError(
                 f"subscriber {self.name}: zone takes a Zone: write zone=Zone({zone!r}) "
@@ -103,13 +104,14 @@ class Subscriber(Closeable):
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         self.channel, self.preference, self.host, self.lease_ttl = channel, transport, host, lease_ttl
         self.token = _validate.token(token)
+        keys = Keys(channel)  # (checks the name before the store is opened)
         self.stats = SubscriberStats()
         self._closed = False
         self._lock = threading.Lock()
         self._pull_lock = threading.Lock()
         self._zone: ZoneReader | None = None
         self._store = open_store(store, connect_timeout=connect_timeout)
-        member = Membership(ChannelStore(self._store, Keys(channel), self.token), self.name, lease_ttl)
+        member = Membership(ChannelStore(self._store, keys, self.token), self.name, lease_ttl)
         endpoints = Endpoints(self.token, host, transport_options or {}, transport)
         self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verify, self.stats)
 
@@ -151,7 +153,8 @@ class Subscriber(Closeable):
         ctx.endpoints.bind(buffers, device)
         ctx.dest = Destination(layout, live, buffers, device, self.staged)
         ctx.member.announce(layout)  # publishers pack their slots for the layouts they are told
-        ctx.version = ctx.held = None
+        ctx.hold(None)
+        ctx.held = None
         if self.zone is not None:
             self._join_zone()
 
@@ -202,6 +205,7 @@ class Subscriber(Closeable):
         if type(floor) is not int or floor < 0:  # noqa: E721 - bool is no version
             raise UsageError(f"subscriber {self.name}: wait_version(after=) needs an int >= 0, got {after!r}")
 
+        timeout = _validate.timeout(timeout, "wait_version() timeout")
         deadline = time.monotonic() + timeout
         with self._store.deadline(deadline):
             while True:
@@ -268,7 +272,7 @@ class Subscriber(Closeable):
                 rec, fence = next_version(self._ctx, want, deadline, timeout, first, self._check_membership)
             except GenerationChanged:
                 continue
-            if rec.v == self._ctx.version:
+            if self._ctx.holds(rec):  # the same version (number, epoch, nonce): nothing to read
                 return rec.v
             t0 = time.perf_counter()
             try:

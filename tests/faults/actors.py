@@ -70,6 +70,10 @@ class FaultPub(PubActor):
     def epoch(self) -> int:
         return self.pub._reg.epoch  # noqa: SLF001 - test introspection
 
+    def api(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.pub.<method>(...)``: a public call with the test's arguments (bad ones, say)."""
+        return getattr(self.pub, method)(*args, **kwargs)
+
     def held(self) -> dict:
         """What this process holds: open fds, and bytes of memfd (shared memory) mappings."""
         shm = 0
@@ -88,6 +92,10 @@ class FaultSub(SubActor):
 
     def live_key(self) -> str:
         return self.sub.keys.sub(self.sub.id, "live")
+
+    def api(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.sub.<method>(...)``: a public call with the test's arguments (bad ones, say)."""
+        return getattr(self.sub, method)(*args, **kwargs)
 
 
 def one_slot_pub(kind: str, request: Any) -> tuple[Any, str]:

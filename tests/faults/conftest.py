@@ -16,9 +16,12 @@ from tests.hosts import ROOT, network  # noqa: F401 - re-exported fixture
 from tests.runtime.harness import free_port
 
 
-def standalone_store_proc(host: str = "127.0.0.1", timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """``wbridge store serve`` in its own process; returns it and its URL once it serves."""
-    port = free_port()
+def standalone_store_proc(
+    host: str = "127.0.0.1", timeout: float = 60.0, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``wbridge store serve`` in its own process (on ``port``, default a free one); returns it
+    and its URL once it serves."""
+    port = free_port() if port is None else port
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
         [sys.executable, "-u", "-m", "wbridge.cli", "store", "serve", "--host", host, "--port", str(port)],

@@ -27,7 +27,18 @@ def load_soak():
 def test_soak_smoke(capsys) -> None:
     status = load_soak().main(
         ["--versions", "10", "--kill-prob", "0.25", "--seed", "3", "--timeout", "30", "--lease-ttl", "1.0"]
-        + ["--store-restarts", "1", "--replica-deaths", "1", "--slowloris", "16"]
+        + [
+            "--store-restarts",
+            "1",
+            "--replica-deaths",
+            "1",
+            "--slowloris",
+            "16",
+            "--frozen-relay",
+            "1",
+            "--freeze-s",
+            "3",
+        ]
     )
     lines = capsys.readouterr().out.strip().splitlines()
     m = LAST_LINE.match(lines[-1])
@@ -35,5 +46,6 @@ def test_soak_smoke(capsys) -> None:
     versions, pulls, torn, hangs, stale, restarts = map(int, m.groups())
     assert (versions, torn, hangs, stale) == (10, 0, 0, 0), lines[-2:]
     assert pulls >= 5 and restarts >= 1, lines[-2:]  # subscribers may skip versions (and a lost store)
-    assert "store lost 1x, replicas killed 1x" in lines[-2], lines[-2]
+    assert "store lost 1x (1 with its generation record replayed), replicas killed 1x" in lines[-2], lines[-2]
+    assert "relay frozen 1x" in lines[-2], lines[-2]
     assert status == 0, lines

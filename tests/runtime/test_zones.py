@@ -53,7 +53,9 @@ def test_relays_split_the_publisher_bytes(store, transport: str) -> None:
     staging buffer through the same transport contract a publisher does."""
     if transport not in transports.available():
         pytest.skip(f"{transport} is not installed here")
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train", transport=[transport])
+    pub = Worker(
+        "pub", PubActor, store.url, 0, 1, 1, zone="train", transport=[transport], staging=Staging(checksums=True)
+    )
     subs = _subs(store.url, 4, zone=Zone("b", relay=True), transport=transport)
     try:
         for v in (1, 2):
@@ -81,7 +83,7 @@ def test_relays_with_etcd_and_checksums(etcd_server) -> None:
 def test_zones_never_mix_and_late_readers_use_full_relays(store) -> None:
     """Zone b never reads zone a's relays; late subscribers of zone a, of its layout or another,
     read only from zone a's relays once they hold the version whole."""
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train", staging=Staging(checksums=True))
     relays = _subs(store.url, 2, zone=Zone("a", relay=True))
     other = Worker("other", SubActor, store.url, 1, 0, fused=False, zone=Zone("b", relay=True))
     late = Worker("late", SubActor, store.url, 1, 0, fused=False, zone=Zone("a"), staged=True)
@@ -111,7 +113,7 @@ def test_relay_killed_mid_version(store, tmp_path, transport: str) -> None:
     signal, release = tmp_path / "paused", tmp_path / "release"
     release.touch()  # version 1: the victim's reads pass
     fault = ("pause", {"signal_path": str(signal), "release_path": str(release), "on_reads": range(1, 10_000)})
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1)
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, staging=Staging(checksums=True))
     kw = {"zone": Zone("b", relay=True), "transport": transport, "lease_ttl": 2.0}
     victim = Worker("victim", SubActor, store.url, 1, 0, fused=False, fault=fault, **kw)
     others = _subs(store.url, 3, **kw)
@@ -167,7 +169,7 @@ def test_relay_killed_while_serving(store, transport: str) -> None:
     """The relay the others read from dies between their data reads and their check of its stamp
     (each of their reads is followed by a 1 s pause): they drop what they read from it and end
     bit-exact at that version, its share read again from the publishers, within their timeout."""
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1)
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, staging=Staging(checksums=True))
     kw = {"zone": Zone("b", relay=True), "transport": transport, "lease_ttl": 2.0}
     victim = Worker("victim", SubActor, store.url, 1, 0, fused=False, **kw)  # relay record 1
     slow = ("slow", {"delay": 1.0, "on_reads": range(1, 10_000)})
@@ -237,7 +239,7 @@ def test_relay_waits_for_a_slow_peer_on_the_store(store) -> None:
     the zone's next announcement key (a TCPStore wait) until it gives up on the peer after
     ``STALL_MIN_S``: a few store requests for that second, where polling the records every 10 ms
     made hundreds. Both end bit-exact."""
-    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train")
+    pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train", staging=Staging(checksums=True))
     kw = {"fused": False, "zone": Zone("b", relay=True), "timeout": None}
     waiting = Worker("waiting", _CountingSub, store.url, 1, 0, **kw)
     slow = Worker("slow", SubActor, store.url, 1, 0, fault=("slow", {"delay": 2.5}), **kw)

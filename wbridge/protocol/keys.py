@@ -41,8 +41,10 @@ without generations.
 every subscriber's lease and state (one batched read per poll); the other ranks block on those keys
 appearing (see ``wbridge.publish.tracker``).
 
-Garbage collection: the committer of v deletes the ``v/<v - lag>/...`` keys (``lag`` = slots + 2,
-``version_keys``), and the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
+Garbage collection: the committer of v deletes ``v/<v>/e/<e>/snap`` (every rank added to it) and
+the ``v/<v - lag>/...`` keys (``lag`` = slots + 2, ``version_keys``), each publisher rank deletes its
+``e/<e>/r/<rank>`` record and packed layouts two epochs after ``e`` when it registers again, and
+the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
 subscriber once its lease lapsed, with the relay record its subscriber record names (readers of a
 zone delete those of dead relays too; a relay deletes old ``ann/<n>`` keys as it announces, keeping
 at most the last ``2 * _relay.ANN_KEEP``), so the store holds a bounded number of keys however many
@@ -53,11 +55,21 @@ from __future__ import annotations
 
 from ..errors import UsageError
 
+MAX_CHANNEL = 128  # characters of a channel name (part of every store key)
+
+# Counters that number records (``subs``, ``zone/<z>/n``) are plain store values any store client
+# can write. A jump by more than ``COUNTER_JUMP_MAX`` since a reader's last look is no burst of
+# joins but a forged value: the numbers in between are not looked at (only the newest
+# ``COUNTER_WINDOW``, which real joins after the write get), and it is logged.
+COUNTER_JUMP_MAX = 4096
+COUNTER_WINDOW = 64
+
 
 class Keys:
     def __init__(self, channel: str, gen: str = "") -> None:
-        if not isinstance(channel, str) or not channel or "/" in channel:
-            raise UsageError(f"channel name {channel!r} must be a non-empty string without '/'")
+        if not isinstance(channel, str) or not channel or "/" in channel or len(channel) > MAX_CHANNEL:
+            shown = channel if not isinstance(channel, str) or len(channel) <= 40 else f"{channel[:40]}..."
+            raise UsageError(f"channel name {shown!r} must be 1 to {MAX_CHANNEL} characters without '/'")
         self.channel, self.gen = channel, gen
         self.base = f"wb/{channel}/"
         self.p = self.base + (f"g/{gen}/" if gen else "")

@@ -21,12 +21,21 @@ class VersionRecord:
     committed_at: float
     mode: str = "one_step_off"  # the publishers' sync mode (subscribers refuse pulls that would deadlock)
     packing: tuple[int, ...] = ()  # per rank: packing generation of its slot (empty: all plain)
+    # drawn fresh by the committing rank for this version: with v and epoch, the version's identity.
+    # A store that lost its history (wiped, restored from a backup, an old generation record put
+    # back) can show a version number again for other bytes; never its nonce.
+    nonce: str = ""
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "packing", tuple(int(g) for g in self.packing))
         except (TypeError, ValueError) as e:
             raise StoreError(f"malformed version record: packing {self.packing!r}: {e}") from None
+
+    @property
+    def identity(self) -> tuple[int, int, str]:
+        """What a subscriber holds a version by: its number, publisher epoch and nonce."""
+        return self.v, self.epoch, self.nonce
 
     @classmethod
     def read(cls, chan: ChannelStore) -> VersionRecord | None:

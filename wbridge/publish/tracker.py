@@ -25,6 +25,7 @@ alive after all its next pull finds its record gone and joins again under a new 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +35,11 @@ from typing import Any
 from ..errors import StoreError, UsageError, WaitTimeout
 from ..protocol import generation as _generation
 from ..protocol.channel import ChannelStore
-from ..protocol.keys import Keys
+from ..protocol.keys import COUNTER_JUMP_MAX, COUNTER_WINDOW, Keys
 from ..protocol.state import parse_state
 from ..store import Store
+
+log = logging.getLogger("wbridge")
 
 FALLBACK_S = 2.0  # a non-aggregating rank scans by itself after waiting this long for a key, then
 # after twice as long again each time (a long wait on slow subscribers costs O(log) scans per rank)
@@ -81,6 +84,7 @@ class SubscriberTracker:
     pending: dict[int, float] = field(default_factory=dict)  # id -> when first counted, no record yet
     counted: int = 0  # the subscriber counter as of the last scan
     layouts: tuple[str, ...] | None = None  # the reader layouts last written to Keys.readers
+    odd: bytes | None = None  # the last odd value of the subscriber counter, logged once
     beats: int = 0  # how often this (aggregating) rank said it was at work on a wait
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -114,15 +118,16 @@ class SubscriberTracker:
         keys = [self.keys.subs, *self._state_keys(views), *(self.keys.sub(i) for i in pending)]
         values = self.store.get_many(keys)
         now = time.monotonic()
-        try:
-            count = int(values[0] or 0)
-        except ValueError:
-            count = self.counted  # a malformed counter adds nobody
+        count = self._count(values[0])
         records = list(zip(pending, values[1 + 2 * len(views) :]))
-        new = list(range(self.counted + 1, count + 1))
+        if self.counted <= count <= self.counted + COUNTER_JUMP_MAX:
+            new = list(range(self.counted + 1, count + 1))
+        else:  # forged, or repaired after: only the newest ids, those real joins got since
+            window = range(max(1, count - COUNTER_WINDOW + 1), count + 1)
+            new = [i for i in window if i not in self.known and i not in self.pending]
         for i in new:
             self.pending[i] = now
-        self.counted = max(self.counted, count)
+        self.counted = count
         if new:  # registered since the last scan: their records now, not a poll later
             records += zip(new, self.store.get_many([self.keys.sub(i) for i in new]))
         fresh = []
@@ -162,6 +167,27 @@ class SubscriberTracker:
                 self.chan.write(self.keys.readers, list(layouts))
                 self.layouts = layouts
         return out
+
+    def _count(self, raw: bytes | None) -> int:
+        """The subscriber counter's value, read defensively (any store client can write it): a
+        malformed one adds nobody; a jump or one that went back (repaired after a forged write) is
+        followed, and only its newest ids are looked for (``_scan``). Each odd value is logged once."""
+        try:
+            count = int(raw or 0)
+        except ValueError:
+            count = -1
+        if count < 0 or count - self.counted > COUNTER_JUMP_MAX or count < self.counted:
+            if raw != self.odd:
+                self.odd = raw
+                log.warning(
+                    "channel %r: subscriber counter %s holds %r after %d: %s",
+                    self.keys.channel,
+                    self.keys.subs,
+                    (raw or b"")[:40],
+                    self.counted,
+                    "ignored" if count < 0 else "followed (ids in a jump are not looked for)",
+                )
+        return self.counted if count < 0 else count
 
     def evict(self, who: int | str) -> list[int]:
         """Collects the live subscribers with id ``who`` (an int) or name ``who`` (a str) as if

@@ -16,28 +16,38 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from .._lifecycle import quietly
-from ..errors import IntegrityError, StaleVersionError
+from ..errors import IntegrityError, StaleVersionError, TransportError, UsageError
 from ..protocol.state import state_bytes
 from ..protocol.version import VersionRecord
 from . import delta
 from .connect import failover, setup
 from .context import Held, PullContext, PullResult
 from .reads import check_stamps, read_sources, verify_sources
-from .session import SourcesFailed
+from .session import Session, SourcesFailed
 from .zone import ZoneReader
+
+log = logging.getLogger("wbridge")
 
 
 def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zone: ZoneReader | None) -> PullResult:
     """Reads ``rec`` into the destination (see the module docstring); ``zone``: the subscriber's
     zone reader, if it has a zone."""
+    if ctx.verify and not rec.checksums:
+        raise UsageError(
+            f"subscriber {ctx.name}: verify=True, but the publishers of channel {ctx.channel!r} keep no "
+            "checksums to verify against: publish with Staging(checksums=True) (or ZeroCopy(checksums=True)), "
+            "or pull with verify=False"
+        )
     session = ctx.session
     gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
-    if session is None or session.epoch != rec.epoch or session.gens != gens:
+    reused = session is not None and session.epoch == rec.epoch and session.gens == gens
+    if not reused:
         session = setup(ctx, rec, gens, deadline)
     member = ctx.member
     state_key = ctx.keys.sub(member.id, "state")
@@ -47,25 +57,18 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
         if fence != rec.fence:
             raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
         if not ctx.dest.staged:
-            ctx.version = None  # the live tensors are about to hold a mix until we finish
-        result = None
-        if zone is None and delta.usable(ctx, session, rec, held):  # a zone's readers read whole versions
-            try:
-                result = delta.pull(ctx, session, rec, held.v, deadline)
-            except IntegrityError:
-                check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            ctx.hold(None)  # the live tensors are about to hold a mix until we finish
+        try:
+            session, result = _read(ctx, session, rec, held, deadline, zone)
+        except TransportError as e:
+            if not reused:
                 raise
-        if result is None and zone is not None:  # relays of the zone first, publishers for the rest
-            session, from_pub, from_peers = zone.read(session, rec, deadline)
-            result = PullResult(from_pub, from_peers, len(session.plan))
-        elif result is None:
-            while True:
-                try:
-                    read_sources(ctx, session.sources, rec.slot, deadline)
-                    break
-                except SourcesFailed as failed:  # a source died: its replicas stand in, if any
-                    session = failover(ctx, session, failed, deadline)
-            result = PullResult(session.plan.total_bytes, 0, len(session.plan))
+            # The publishers planned for are gone although the epoch is the same: a restarted
+            # trainer in a store that lost its history (the same epoch numbers again). Their
+            # records say where they are now; a full read (the destination may hold a mix).
+            log.warning("subscriber %s: publishers of epoch %d gone (%s); planning again", ctx.name, rec.epoch, e)
+            session = setup(ctx, rec, gens, deadline)
+            session, result = _read(ctx, session, rec, None, deadline, zone)
         if not result.delta and ctx.verify and rec.checksums:
             try:
                 verify_sources(ctx, session.sources, rec, deadline)
@@ -84,10 +87,43 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
             np.copyto(dst, src)
         else:
             dst.copy_(src)
-    ctx.version = member.acked = rec.v
+    ctx.hold(rec)
+    member.acked = rec.v
     ctx.held = Held(rec.v, rec.epoch, gens)
     ctx.store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
     return result
+
+
+def _read(
+    ctx: PullContext, session: Session, rec: VersionRecord, held: Held | None, deadline: float, zone: ZoneReader | None
+) -> tuple[Session, PullResult]:
+    """The reads of ``rec``: deltas onto ``held`` where usable, else through the zone, else from
+    every source (failing over to replicas); the session (a new one after a failover) and result."""
+    if zone is None and delta.usable(ctx, session, rec, held):  # a zone's readers read whole versions
+        try:
+            result = delta.pull(ctx, session, rec, held.v, deadline)
+        except IntegrityError:
+            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            raise
+        except TransportError as e:  # a source died mid-pull: the full read below fails over
+            log.warning("subscriber %s: delta pull of version %d failed (%s); pulling in full", ctx.name, rec.v, e)
+            result = None
+        if result is not None:
+            return ctx.session or session, result
+    if zone is not None:  # relays of the zone first, publishers for the rest
+        try:
+            session, from_pub, from_peers = zone.read(session, rec, deadline)
+        except IntegrityError:  # (a relay checking its own range from the publishers)
+            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            raise
+        return session, PullResult(from_pub, from_peers, len(session.plan))
+    while True:
+        try:
+            read_sources(ctx, session.sources, rec.slot, deadline)
+            break
+        except SourcesFailed as failed:  # a source died: its replicas stand in, if any
+            session = failover(ctx, session, failed, deadline)
+    return session, PullResult(session.plan.total_bytes, 0, len(session.plan))
 
 
 __all__ = ["apply"]

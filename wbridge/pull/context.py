@@ -167,6 +167,7 @@ class PullContext:
     dest: Destination | None = None
     session: Session | None = None  # planned for the current publisher epoch
     version: int | None = None  # the version the live tensors hold whole (None: none, or a mix)
+    identity: tuple | None = None  # that version's ``VersionRecord.identity``
     held: Held | None = None  # the version the destination buffers hold whole
     newest: int = 0  # the newest version number seen; records older than it are refused
     nslots: int = 1  # fences read along with the version record: slots 0 .. nslots - 1
@@ -214,10 +215,21 @@ class PullContext:
             if src.peer is not None:
                 quietly(t.disconnect, src.peer)
 
+    def holds(self, rec: Any) -> bool:
+        """Whether the live tensors hold version record ``rec`` whole: the same number, publisher
+        epoch and nonce (``VersionRecord.identity``), never the number alone."""
+        return self.version is not None and self.identity == rec.identity
+
+    def hold(self, rec: Any | None) -> None:
+        """The live tensors now hold ``rec`` whole (None: no whole version)."""
+        self.version = None if rec is None else rec.v
+        self.identity = None if rec is None else rec.identity
+
     def forget(self) -> None:
         """The store was lost (a new generation): nothing known of the old one holds."""
         self.drop_session()
-        self.version, self.newest, self.held = None, 0, None
+        self.hold(None)
+        self.newest, self.held = 0, None
 
     def close(self) -> None:
         self.drop_session()

@@ -88,15 +88,21 @@ def check_stamps(
         f.result()
 
 
-def verify_sources(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float) -> None:
-    """Checks every chunk the plan read from each source against the publisher's sums."""
-    sum_keys = [ctx.keys.sums(rec.v, src.rank) for src in sources]
-    for src, key, raw in zip(sources, sum_keys, ctx.store.get_many(sum_keys)):
+def verify_sources(
+    ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float, known: dict | None = None
+) -> None:
+    """Checks every chunk the plan read from each source against the publisher's sums. ``known``:
+    sums read already, by rank (of this very version); those read here are added to it."""
+    known = {} if known is None else known
+    todo = [src for src in sources if src.rank not in known]
+    sum_keys = [ctx.keys.sums(rec.v, src.rank) for src in todo]
+    for src, key, raw in zip(todo, sum_keys, ctx.store.get_many(sum_keys) if todo else []):
         if raw is None:  # written before the commit: collected since, so the slot was reused
             raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
+        known[src.rank] = ctx.chan.open(key, raw)
+    for src in sources:
         t = ctx.endpoints[src.transport]
-        sums = ctx.chan.open(key, raw)
-        verify_source(src, rec, sums, ctx.dest.buffers, fetch_chunk(t, src, rec.slot, deadline))
+        verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch_chunk(t, src, rec.slot, deadline))
 
 
 __all__ = ["check_stamps", "read_sources", "verify_sources"]

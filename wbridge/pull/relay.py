@@ -69,30 +69,33 @@ class RelayServer:
             "transports": served,
         }
         self.v = self.epoch = 0
+        self.nonce = ""  # the version's nonce (``VersionRecord.identity``)
         self.held: Ranges = []
         self.lock = threading.Lock()
         self.key = keys.zone_relay(zone, store.add(keys.zone_count(zone), 1))
         self._write()
 
     def _write(self) -> None:
-        rec = {**self.base, "v": self.v, "epoch": self.epoch, "held": [list(r) for r in self.held]}
+        rec = {**self.base, "v": self.v, "epoch": self.epoch, "nonce": self.nonce, "held": [list(r) for r in self.held]}
         self.chan.write(self.key, rec)
 
-    def begin(self, v: int, epoch: int) -> None:
-        """About to write version ``v`` into the buffer: withdraw what it held, then the stamp."""
-        if (v, epoch) == (self.v, self.epoch):
+    def begin(self, identity: tuple[int, int, str]) -> None:
+        """About to write the version of ``identity`` (``VersionRecord.identity``) into the buffer:
+        withdraw what it held, then the stamp."""
+        if identity == (self.v, self.epoch, self.nonce):
             return
-        self.v, self.epoch, self.held = v, epoch, []
+        v, epoch, nonce = identity
+        self.v, self.epoch, self.nonce, self.held = v, epoch, nonce, []
         self._write()
         self.stamp.numpy().view(np.uint64)[:] = (STAMP_MAGIC, v, STAMP_STABLE, epoch)
 
-    def hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
+    def hold(self, ranges: Ranges, version: tuple[int, int, str] | None = None, wake: bool = True) -> None:
         """Announces that ``ranges`` of the buffer now hold the version begun (verified), unless
-        another ``version`` (v, epoch) was begun since; called from the thread fetching its own
+        another ``version`` (its identity) was begun since; called from the thread fetching its own
         range and the one reading peers. ``wake``: bytes new to the zone (from publishers) wake the
         zone's waiting readers; bytes read from peers do not (their owner's announcement did)."""
         with self.lock:
-            if version is not None and version != (self.v, self.epoch):
+            if version is not None and version != (self.v, self.epoch, self.nonce):
                 return
             self.held = union(self.held + list(ranges))
             self._write()

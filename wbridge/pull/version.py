@@ -3,17 +3,23 @@
 A pull blocks on the ``ready`` key of the version it needs next (a TCPStore wait, an etcd watch),
 not polling; that key holds the version's record, so a wait needs no further read. It never goes
 back: a store replaying an older (genuinely signed) version record must not roll a subscriber back
-to stale weights.
+to stale weights. The one exception is a record of an epoch before the one of the version held:
+epochs never go back in one store history, so the store lost it (an old generation record put back,
+a backup restored) and counts from 1 again; what was known is dropped (a replayed record of an old
+epoch gains nothing: its slot stamps, read from the publishers, no longer say its version).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from ..errors import StoreError, UsageError, WaitTimeout
 from ..protocol.version import VersionRecord
 from .context import MAX_SLOTS, PullContext
+
+log = logging.getLogger("wbridge")
 
 # A pull waiting for a version blocks on its ``ready`` key in slices this long, re-reading the version
 # record in between (a zero-copy version fenced off, or a key collected before the wait began: that
@@ -37,7 +43,7 @@ def next_version(
     ``VersionRecord.keys_with_fence`` read already). ``check_membership()`` re-checks the
     subscriber's place in the channel when no record is found (None: it changed, and
     ``GenerationChanged`` is raised)."""
-    want = max(want, ctx.newest)
+    asked, want = want, max(want, ctx.newest)
     ready: VersionRecord | None = None  # the record in the ready key a wait returned
     while True:
         if ready is not None and not ready.zero_copy:  # (zero-copy: readable only while its publish() runs)
@@ -45,16 +51,30 @@ def next_version(
         else:
             rec, fence = VersionRecord.read_with_fence(ctx.member.chan, ctx.nslots, known)
         known = ready = None
+        if rec is not None and ctx.identity is not None and rec.epoch < ctx.identity[1]:
+            # epochs never go back in one store history: this one lost its history although its
+            # generation record is the same (an old one put back, a backup restored) and counts
+            # versions and epochs from 1 again. What was known of the old history is void.
+            log.warning(
+                "subscriber %s: channel %r is at epoch %d, before the %d of the version held: the store "
+                "lost its history; reading its versions afresh",
+                ctx.name,
+                ctx.channel,
+                rec.epoch,
+                ctx.identity[1],
+            )
+            ctx.forget()
+            want = asked
         if rec is None and check_membership() is None:
             raise GenerationChanged
         if rec is not None and rec.slot >= ctx.nslots:
             ctx.nslots = min(rec.slot + 1, MAX_SLOTS)
         if rec is not None and rec.v >= want:
             # zero-copy versions are readable only while their publish() runs
-            if rec.v == ctx.version or not rec.zero_copy or fence == rec.fence:
+            if ctx.holds(rec) or not rec.zero_copy or fence == rec.fence:
                 ctx.newest = max(ctx.newest, rec.v)
                 return rec, fence
-        elif rec is not None and rec.mode == "sync" and rec.v != ctx.version and ctx.member.lease is not None:
+        elif rec is not None and rec.mode == "sync" and not ctx.holds(rec) and ctx.member.lease is not None:
             raise UsageError(
                 f"subscriber {ctx.name}: channel {ctx.channel!r} is in sync mode and version {rec.v} "
                 f"waits for this subscriber's ack, so version {want} cannot come until it pulls "

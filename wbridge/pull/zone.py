@@ -54,6 +54,7 @@ from transports.base import ReadBatch
 from .._lifecycle import quietly
 from .._selection import candidates
 from ..errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
+from ..protocol.keys import COUNTER_JUMP_MAX, COUNTER_WINDOW
 from .connect import failover
 from .context import PullContext
 from .ranges import Ranges, clip, part, subtract, union
@@ -64,6 +65,8 @@ from .session import Source, SourcesFailed, connect_source
 log = logging.getLogger("wbridge")
 
 RELAY_TRANSPORTS = ("tcp", "local")  # what a relay serves by default (the subscriber's own transports)
+RELAY_SHARE = 0.5  # of the time left: what reads from relays may take before publishers stand in
+DISTRUST_S = 30.0  # a relay that was slow, frozen or served bad bytes is not read for this long
 STALL_MIN_S = 1.0  # a reader waits at least this long without progress before going to publishers
 OWN_CHUNKS = 4  # a relay announces its own range in this many chunks, as they arrive
 
@@ -77,8 +80,14 @@ class Peer:
     layout: str
     v: int
     epoch: int
+    nonce: str
     held: tuple[tuple[int, int], ...]
     record: dict
+
+    @property
+    def identity(self) -> tuple[int, int, str]:
+        """The version it holds (``VersionRecord.identity``)."""
+        return self.v, self.epoch, self.nonce
 
 
 class _Stamped:
@@ -103,9 +112,14 @@ class ZoneReader:
         self.ctx, self.zone, self.relay, self.layout, self.size = ctx, zone, relay, layout, size
         self.announced = 0  # the zone's announcement counter, read before the records by scan()
         self.absent: dict[int, float] = {}  # record number -> when first found missing
+        self.counted = 0  # the zone's relay counter as of the last scan
+        self.skipped: list[tuple[int, int]] = []  # record numbers of forged jumps, not looked at
         self.peers: dict[str, tuple[tuple, Source]] = {}  # record key -> (endpoints, connection)
         self.plan: tuple[tuple, Plan] | None = None  # a foreign layout's plan over full relays, by relays
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
+        self.distrusted: dict[str, float] = {}  # relay record key -> until when it is not read
+        self.sums: tuple[Any, dict] = (None, {})  # (version identity, publisher sums by rank) read
+        self.unchecked = False  # warned that the publishers keep no checksums to check relays with
 
     # -- the zone's relays ---------------------------------------------------------------------
     def scan(self) -> list[Peer]:
@@ -114,9 +128,9 @@ class ZoneReader:
         store, keys = ctx.store, ctx.keys
         # the announcement counter before the records: every announcement up to it is in them
         counters = store.get_many([keys.zone_count(self.zone), keys.zone_announced(self.zone)])
-        count, self.announced = (int(x or 0) for x in counters)
+        count, self.announced = (_int(x) for x in counters)
         now = time.monotonic()
-        nums = [k for k in range(1, count + 1) if now - self.absent.get(k, now) < 10.0]
+        nums = [k for k in self._numbers(count) if now - self.absent.get(k, now) < 10.0]
         rkeys = [keys.zone_relay(self.zone, k) for k in nums]
         found = []
         for k, key, raw in zip(nums, rkeys, store.get_many(rkeys)):
@@ -126,6 +140,8 @@ class ZoneReader:
             self.absent.pop(k, None)
             if self.relay is not None and key == self.relay.key:
                 continue
+            if self.distrusted.get(key, 0.0) > now:
+                continue  # slow, frozen or wrong lately: read elsewhere
             try:
                 d = ctx.chan.open(key, raw)
                 found.append((key, d, str(d["lease"]), float(d["ttl"])))
@@ -138,8 +154,33 @@ class ZoneReader:
                 quietly(store.delete, key)  # collected by whoever sees it dead first
                 continue
             held = tuple((int(a), int(b)) for a, b in d.get("held", []))
-            out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), held, d))
+            nonce = str(d.get("nonce", ""))
+            out.append(Peer(key, int(d["id"]), str(d["layout"]), int(d["v"]), int(d["epoch"]), nonce, held, d))
         return out
+
+    def _numbers(self, count: int) -> list[int]:
+        """The relay record numbers to look at: 1 .. ``count`` but those of a forged jump of the
+        counter (any store client can write it: by more than ``COUNTER_JUMP_MAX`` since the last
+        scan), logged once; relays numbered after it (its newest ``COUNTER_WINDOW``) and after a
+        repair (the counter went back) are looked at."""
+        if count < self.counted:  # repaired: the numbers of a forged jump are given out again
+            self.skipped = []
+        elif count - self.counted > COUNTER_JUMP_MAX:
+            log.warning(
+                "subscriber %s: zone %s relay counter jumped from %d to %d: ignoring the numbers between",
+                self.ctx.name,
+                self.zone,
+                self.counted,
+                count,
+            )
+            self.skipped.append((self.counted + 1, count - COUNTER_WINDOW))
+        self.counted = count
+        nums: list[int] = []
+        lo = 1
+        for a, b in sorted(self.skipped):
+            nums += range(lo, min(a, count + 1))
+            lo = max(lo, b + 1)
+        return nums + list(range(lo, count + 1))
 
     # -- one version ---------------------------------------------------------------------------
     def read(self, session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
@@ -148,7 +189,18 @@ class ZoneReader:
         checks the publishers' stamps afterwards as usual."""
         start = time.monotonic()
         if self.relay is not None:
-            self.relay.begin(rec.v, rec.epoch)
+            self.relay.begin(rec.identity)
+        if not rec.checksums:  # relays are peers, not authorities: nothing to check their bytes with
+            if not self.unchecked:
+                self.unchecked = True
+                log.warning(
+                    "subscriber %s: zone %s relays are not read: the publishers keep no checksums to check "
+                    "their bytes with (publish with Staging(checksums=True))",
+                    self.ctx.name,
+                    self.zone,
+                )
+            session, n = self._from_publishers(session, rec, None, deadline)
+            return session, n, 0
         everyone = self.scan()
         peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
         if self.relay is None and not peers:  # no relay with this layout: plan over full relays
@@ -156,7 +208,7 @@ class ZoneReader:
         whole = [(0, self.size)]
         missing: Ranges = whole if self.size else []
         from_pub = from_peers = 0
-        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and not subtract(whole, list(p.held))]
+        full = [p for p in peers if p.identity == rec.identity and not subtract(whole, list(p.held))]
         own = None
         if self.relay is not None and not full and missing:
             group = sorted([self.relay.key, *(p.key for p in peers)], key=_number)
@@ -210,7 +262,7 @@ class ZoneReader:
                 last = now  # the stall clock starts once its own range is in
             elif own is not None:
                 stall = max(STALL_MIN_S, 2.0 * own.result()[2])
-            busy = self.relay is None and any((p.v, p.epoch) == (rec.v, rec.epoch) for p in peers)
+            busy = self.relay is None and any(p.identity == rec.identity for p in peers)
             if now > give_up or (now - last > stall and not busy):
                 log.warning("subscriber %s: zone %s relays stalled; rest from publishers", self.ctx.name, self.zone)
                 break
@@ -235,40 +287,46 @@ class ZoneReader:
         try:
             for chunk in chunks:
                 session, k = self._from_publishers(session, rec, [chunk], deadline)
-                self._verify(session, rec, [chunk], deadline)  # never serve bytes corrupted in flight
+                if self.ctx.verify:  # never serve bytes corrupted in flight (readers check them anyway)
+                    self._verify(session, rec, [chunk], deadline)
                 n += k
-                self._hold([chunk], (rec.v, rec.epoch))
+                self._hold([chunk], rec.identity)
         except BaseException:
             if self.relay is not None:
                 quietly(self.relay.announce)
             raise
         return session, n, time.monotonic() - t0
 
-    def _verify(self, session: Any, rec: Any, ranges: Ranges, deadline: float) -> None:
-        """With ``verify=True`` and publisher checksums: checks the buffer's bytes ``ranges`` (read
-        from anywhere) against the publishers' chunk sums (``IntegrityError``)."""
-        if self.ctx.verify and rec.checksums:
-            parts = [replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
-            verify_sources(self.ctx, parts, rec, deadline)
+    def _verify(self, session: Any, rec: Any, ranges: Ranges | None, deadline: float) -> None:
+        """Checks the destination's bytes ``ranges`` (None: all) against the publishers' chunk sums
+        (``IntegrityError``); ``read`` reads relays only where the publishers keep them."""
+        parts = [s if ranges is None else replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
+        if self.sums[0] != rec.identity:  # each version's sums are read once, however many ranges
+            self.sums = (rec.identity, {})
+        verify_sources(self.ctx, parts, rec, deadline, self.sums[1])
 
-    def _hold(self, ranges: Ranges, version: tuple[int, int] | None = None, wake: bool = True) -> None:
+    def _hold(self, ranges: Ranges, version: tuple[int, int, str] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
             self.relay.hold(ranges, version, wake)
 
     def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
         """A subscriber whose layout no relay has: the planner's reads from the relays that hold
         version ``rec`` whole (any layouts: one more source each), else from the publishers."""
-        full = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch)]
+        full = [p for p in peers if p.identity == rec.identity]
         full = sorted((p for p in full if not subtract([(0, int(p.record["size"]))], list(p.held))), key=_number_of)
         if full:
+            # a frozen relay must not take the pull's whole timeout: publishers get the rest
+            share = time.monotonic() + max(0.0, deadline - time.monotonic()) * RELAY_SHARE
             try:
-                return session, 0, self._from_full(full, rec, deadline)
-            except (TransportError, StaleVersionError, StoreError, PlanError) as e:
+                n = self._from_full(full, rec, share)
+                self._verify(session, rec, None, deadline)  # relays are peers: checked, every byte
+                return session, 0, n
+            except (TransportError, StaleVersionError, StoreError, PlanError, IntegrityError, WaitTimeout) as e:
                 log.warning(
                     "subscriber %s: reading zone %s relays failed (%s); publishers", self.ctx.name, self.zone, e
                 )
                 for p in full:
-                    self._drop(p.key)
+                    self._distrust(p.key)
         session, n = self._from_publishers(session, rec, None, deadline)
         return session, n, 0
 
@@ -289,8 +347,10 @@ class ZoneReader:
             src = self._connect(full[s.src_rank], deadline)
             batch = ReadBatch(s.src_region, s.src_offset, s.dst_region, s.dst_offset, s.nbytes)
             jobs.append((src, self.pool.submit(self._read_peer, src, batch, deadline)))
-        for _, f in jobs:
-            f.result()
+        errors = [f.exception() for _, f in jobs]  # every read over (each bounded) before any error
+        for e in errors:
+            if e is not None:
+                raise e
         for src, _ in jobs:
             check_stamps(ctx, [src], _Stamped(rec.v, rec.epoch), deadline, self.pool)
         return self.plan[1].total_bytes
@@ -336,7 +396,7 @@ class ZoneReader:
         """Reads what ``peers`` announce of ``missing``, spread evenly over the peers that hold each
         piece, within ``deadline`` (half the pull's: a frozen peer leaves time for publishers);
         returns the ranges read and checked, and the peers that failed."""
-        holders = [p for p in peers if (p.v, p.epoch) == (rec.v, rec.epoch) and p.key not in failed and p.held]
+        holders = [p for p in peers if p.identity == rec.identity and p.key not in failed and p.held]
         if not holders:
             return [], set()
         cuts = sorted({x for p in holders for r in p.held for x in r} | {x for r in missing for x in r})
@@ -373,7 +433,7 @@ class ZoneReader:
                 f.result()
                 # the stamp after the data: the peer still holds version v (it withdrew nothing)
                 check_stamps(self.ctx, [src], _Stamped(rec.v, rec.epoch), deadline, self.pool)
-                self._verify(session, rec, union(work[k]), deadline)  # a relay that served bad bytes
+                self._verify(session, rec, union(work[k]), deadline)  # relays are peers: always checked
                 got += work[k]
             except (TransportError, StaleVersionError, IntegrityError) as e:
                 self._failed(k, e, gone)
@@ -381,8 +441,14 @@ class ZoneReader:
 
     def _failed(self, key: str, e: Exception, gone: set[str]) -> None:
         log.warning("subscriber %s: relay %s failed (%s); its bytes come from elsewhere", self.ctx.name, key, e)
-        self._drop(key)
+        self._distrust(key)
         gone.add(key)
+
+    def _distrust(self, key: str) -> None:
+        """Not read for ``DISTRUST_S`` (slow, frozen or wrong): its connection is dropped."""
+        self.distrusted = {k: t for k, t in self.distrusted.items() if t > time.monotonic()}
+        self.distrusted[key] = time.monotonic() + DISTRUST_S
+        self._drop(key)
 
     def _read_peer(self, src: Source, batch: ReadBatch, deadline: float) -> None:
         """Posts ``batch`` from a relay's buffer (its stamp is checked next)."""
@@ -432,6 +498,14 @@ def join_zone(ctx: PullContext, zone: str, relay: bool, layout: str) -> ZoneRead
         server = RelayServer(m.chan, zone, served, regions, size, layout, m.id, m.ttl, ctx.name)
         m.announce(m.layout, server.key)
     return ZoneReader(ctx, zone, server, layout, size)
+
+
+def _int(raw: bytes | None) -> int:
+    """A counter's value; a malformed one (any store client can write it) counts as 0."""
+    try:
+        return max(0, int(raw or 0))
+    except ValueError:
+        return 0
 
 
 def _number(key: str) -> int:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import StoreError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
@@ -38,16 +39,55 @@ def _socket_inodes() -> dict[str, int]:
 
 
 def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> tuple[object, list[socket.socket]]:
-    """``make()`` builds a TCPStore; its client socket to ``port`` then gets send and receive timeouts.
+    """``make()`` builds a TCPStore within ``timeout``; its client socket to ``port`` then gets send
+    and receive timeouts.
 
     torch's client sets none for most calls, so on a dead link they would block forever; with them a
-    stuck call fails with torch's "Socket Timeout" (a RuntimeError). Sockets are matched by inode, not
-    fd number, because fd numbers are reused.
+    stuck call fails with torch's "Socket Timeout" (a RuntimeError). Its handshake ignores the
+    timeout it is given: a hung server (stopped, its kernel still accepting) held a reconnect for
+    minutes, so ``make()`` runs on a thread of its own and, past ``timeout``, its new sockets are
+    shut down under it (the handshake then fails at once). Sockets are matched by inode, not fd
+    number, because fd numbers are reused.
     """
-    with _CONNECT_LOCK:
+    if not _CONNECT_LOCK.acquire(timeout=max(timeout, 0.01)):
+        raise StoreError(f"store port {port}: another connect held this process for {timeout:.1f}s")
+    try:
         before = _socket_inodes()
-        store = make()
-        after = _socket_inodes()
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["store"] = make()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+
+        maker = threading.Thread(target=run, name=f"wbridge-connect:{port}", daemon=True)
+        maker.start()
+        maker.join(max(timeout, 0.01))
+        if maker.is_alive():  # a hung handshake: cut it short
+            for s in _new_sockets(before, port):
+                with _quiet_os():
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            maker.join(5.0)
+            raise StoreError(f"store port {port}: no answer to the connect handshake within {timeout:.1f}s")
+        if "error" in box:
+            raise box["error"]
+        store = box["store"]
+        socks = _new_sockets(before, port)
+    finally:
+        _CONNECT_LOCK.release()
+    for s in socks:
+        _set_timeouts(s, timeout)
+    if not socks:
+        raise StoreError(f"cannot find the TCPStore client socket to port {port} to bound its calls")
+    # keep the dups: setting their timeouts later bounds a single call by a caller's deadline
+    return store, socks
+
+
+def _new_sockets(before: dict[str, int], port: int) -> list[socket.socket]:
+    """Duplicates of the TCP sockets to ``port`` opened since ``before`` (``_socket_inodes``)."""
+    after = _socket_inodes()
     socks = []
     for inode in after.keys() - before.keys():
         try:
@@ -60,16 +100,20 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
                 and s.type == socket.SOCK_STREAM
                 and s.getpeername()[1] == port
             ):
-                _set_timeouts(s, timeout)
                 socks.append(s)
                 continue
         except OSError:
             pass
         s.close()
-    if not socks:
-        raise StoreError(f"cannot find the TCPStore client socket to port {port} to bound its calls")
-    # keep the dups: setting their timeouts later bounds a single call by a caller's deadline
-    return store, socks
+    return socks
+
+
+@contextlib.contextmanager
+def _quiet_os() -> Iterator[None]:
+    try:
+        yield
+    except OSError:
+        pass
 
 
 def _set_timeouts(s: socket.socket, seconds: float) -> None:
@@ -246,7 +290,7 @@ class TcpStore(Store):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise WaitTimeout(f"timed out after {timeout:.1f}s waiting for store key {key!r}")
-            waiter = self._take_waiter()
+            waiter = self._take_waiter(left)
             try:
                 found = waiter.wait_exists(key, left)
             except BaseException:
@@ -258,13 +302,27 @@ class TcpStore(Store):
                 if value is not None:
                     return value  # else deleted again meanwhile: wait on
 
-    def _take_waiter(self) -> TcpStore:
+    def _take_waiter(self, within: float) -> TcpStore:
+        """An idle waiting connection, or a new one connected ``within`` seconds."""
         with self._lock:
             if self._closed:
                 raise StoreError(f"store {self.url} is closed")
             if self._waiters:
                 return self._waiters.pop()
-        return TcpStore(self.host, self.port, is_host=False, connect_timeout=self._connect_timeout)
+        return self._client(within)
+
+    def _client(self, within: float | None = None) -> TcpStore:
+        """Another client connection, connected within ``within`` seconds, the caller's deadline
+        and ``connect_timeout``, whichever ends first (its later reconnects: ``connect_timeout``)."""
+        limit = self._connect_timeout if within is None else min(within, self._connect_timeout)
+        deadline = self.caller_deadline()
+        if deadline is not None:
+            limit = min(limit, deadline - time.monotonic())
+            if limit <= 0:
+                raise WaitTimeout(f"store {self.url}: the caller's deadline passed")
+        client = TcpStore(self.host, self.port, is_host=False, connect_timeout=limit)
+        client._connect_timeout = self._connect_timeout
+        return client
 
     def _give_back_waiter(self, waiter: TcpStore) -> None:
         with self._lock:
@@ -319,9 +377,9 @@ class TcpStore(Store):
 
     def lease(self, key: str, ttl: float) -> Lease:
         # Its own connection: a refresh stuck on a dead link must not hold up this client's calls.
-        # It connects within connect_timeout (a slow connect is no reason to fail a register());
+        # It connects within connect_timeout and the caller's deadline;
         # each refresh is bounded by ttl (a later one retries).
-        own = TcpStore(self.host, self.port, is_host=False, connect_timeout=self._connect_timeout)
+        own = self._client()
         own.add(key, 1)
 
         def refresh() -> None:

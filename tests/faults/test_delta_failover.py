@@ -1,0 +1,44 @@
+"""Delta pulls fail over to replicas like full pulls (issue 27, defect 7): publishers encode deltas
+(``Staging(delta=Delta())``) on two DP replicas, and the source a subscriber's pull of the next
+version is reading dies half-way through that read. Before, such a pull could raise
+``TransportError`` where a full pull read from the surviving replica; now a delta pull whose source
+dies falls back to the full read, which fails over to the replica, and ends bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.runtime.delta_actors import DeltaPub, DeltaSub
+from tests.runtime.harness import Worker, call_all
+from wbridge import Async, Delta, Staging
+
+from .actors import pause_fault, release, wait_paused
+
+pytestmark = pytest.mark.timeout(180)
+
+FRAC = 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_delta_pull_fails_over_when_a_replica_dies(standalone_store: str, tmp_path, victim: int) -> None:
+    url = standalone_store  # outside the publishers: either may die
+    kw = dict(staging=Staging(delta=Delta()), transport="tcp", mode=Async(max_staleness=100), host_store=False)
+    pubs = [Worker(f"pub{r}", DeltaPub, url, rank=r, world_size=2, **kw) for r in range(2)]
+    fault, paused, go = pause_fault(tmp_path, on_reads=(3,))  # the first read of version 2's pull
+    sub = Worker("sub", DeltaSub, url, transport="tcp", fault=fault)
+    try:
+        call_all(pubs, "publish")
+        assert sub.call("pull", min_version=1)["v"] == 1 and sub.call("bad", []) == []
+        call_all(pubs, "step", 2, FRAC)
+        sub.send("pull", min_version=2, timeout=60.0)
+        wait_paused(paused, 1)
+        pubs[victim].kill()
+        release(go)
+        got = sub.result(60)
+        print(f"victim rank {victim}: {got}")
+        assert got["v"] == 2 and sub.call("bad", [(2, FRAC)]) == [], got
+    finally:
+        sub.stop()
+        for p in pubs:
+            p.stop()
