@@ -31,6 +31,24 @@ from collections.abc import Iterable, MutableMapping, Sequence
 Part = list  # [rank, start, stop] (mutable while balancing)
 
 
+def rotation(rank: int, m: int) -> int:
+    """Which of ``m`` replicas destination ``rank`` reads from: the sum of ``rank``'s base-``m``
+    digits, modulo ``m``; a rank knows it without knowing the other ranks.
+
+    Ranks that differ in one base-``m`` digit only get ``m`` distinct answers (``m`` consecutive
+    ranks from a multiple of ``m``, say), and so do the copies of a rank in replicas numbered one
+    after another (rank ``t + 16 * j`` for ``j = 0..7`` and ``m`` = 2, 4 or 8, as in
+    ``benchmarks/plan_scale.py``): their reads of a replicated box spread evenly over its replicas.
+    """
+    if m <= 1:
+        return 0
+    total = 0
+    while rank:
+        rank, digit = divmod(rank, m)
+        total += digit
+    return total % m
+
+
 def assign(
     weights: Sequence[int],
     candidates: Sequence[Sequence[int]],

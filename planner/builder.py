@@ -30,15 +30,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .balance import assign
+from .balance import assign, rotation
+from .bounds import load_bound
 from .boxes import any_overlap, grid_cells
 from .dtypes import itemsize as _itemsize
 from .errors import PlanError
 from .layout import LocalTensor, RankLayout, TensorSpec
-from .plan import Plan, SourceOps
+from .plan import COLUMNS, Plan, SourceOps
 from .runs import box_runs, coalesce
 
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
+#: How far above the lower bound of the busiest source's bytes rotation may leave a joint plan.
+ROTATION_SLACK = 0.005
 
 Addr = tuple[int, int, tuple[int, ...]]  # (region, byte offset of the box origin, element strides)
 
@@ -339,9 +342,11 @@ class _Emitter:
         return tuple(out)
 
 
-def _emit(ch: _Chunks, parts: list[list[list[int]]]) -> tuple[SourceOps, ...]:
+def _emit(ch: _Chunks, parts: list[list[list[int]]], items: Sequence[int] | None = None) -> tuple[SourceOps, ...]:
+    """The reads of ``parts[k]`` (``[rank, start, stop]`` byte ranges) of chunk ``items[k]`` (of
+    chunk ``k`` without ``items``), coalesced per source rank."""
     todo = []
-    for i, plist in enumerate(parts):
+    for i, plist in zip(items, parts) if items is not None else enumerate(parts):
         g = ch.group[i]
         delta = ch.delta[i]
         for rank, a, b in plist:
@@ -432,18 +437,27 @@ def build_plans(
 ) -> dict[int, Plan]:
     """Plans every rank in ``dests`` together against ``sources``; returns ``{dst_rank: Plan}``.
 
-    Every destination byte that maps to canonical data is read exactly once; among sources that
-    hold the same bytes (replicas) the reads are assigned to minimise the largest number of bytes
-    any source serves across all ``dests``. Raises ``PlanError`` (naming tensors and ranks) if the
-    result would not validate. ``transforms`` names, per canonical tensor, an allowed dtype change.
+    Every destination byte that maps to canonical data is read exactly once. Among sources that
+    hold the same bytes (replicas) each destination reads all bytes of one candidate set from one
+    member, ``rotation(dst_rank, size)``: what ``build_plan`` gives the rank alone, so a rank
+    joining later plans its own part of this plan. Where that leaves the busiest source more than
+    ``ROTATION_SLACK`` above the lower bound for these destinations (fewer destination copies than
+    source replicas, say), the reads are balanced jointly instead, splitting reads (never below
+    ``min_split_bytes``) where that lowers the busiest source. Raises ``PlanError`` (naming
+    tensors and ranks) if the result would not validate. ``transforms`` names, per canonical
+    tensor, an allowed dtype change.
     """
-    # Planning allocates millions of small objects while the layouts hold millions more: the
-    # cyclic GC would rescan them all again and again (2-3x the planning time). Nothing here
-    # makes cycles, so pause it for the call.
+    return _without_gc(sources, dests, min_split_bytes=min_split_bytes, transforms=transforms, lone=False)
+
+
+def _without_gc(sources: Sequence[RankLayout], dests: Sequence[RankLayout], **kwargs) -> dict[int, Plan]:
+    """``_build_plans`` with the cyclic GC paused: planning allocates millions of small objects
+    while the layouts hold millions more, and the GC would rescan them all again and again (2-3x
+    the planning time). Nothing here makes cycles."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_plans(sources, dests, min_split_bytes=min_split_bytes, transforms=transforms)
+        return _build_plans(sources, dests, **kwargs)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -455,13 +469,12 @@ def _build_plans(
     *,
     min_split_bytes: int,
     transforms: Mapping[str, str] | None,
+    lone: bool,
     indexed: tuple[dict[int, tuple[int, ...]], _SourceIndex] | None = None,
 ) -> dict[int, Plan]:
-    """``build_plans``; ``indexed`` is ``(_source_classes(sources), its _SourceIndex)`` when the
-    caller has built them already (``packing.build_packed_plans``)."""
-    # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
-    from .validate import validate_plan
-
+    """``build_plans`` (``build_plan`` with ``lone``: rotation only); ``indexed`` is
+    ``(_source_classes(sources), its _SourceIndex)`` when the caller has built them already
+    (``packing.build_packed_plans``)."""
     transforms = dict(transforms or {})
     if min_split_bytes < 1:
         raise PlanError(f"min_split_bytes must be positive, got {min_split_bytes}")
@@ -499,6 +512,124 @@ def _build_plans(
         ]
         lines += partial[:20] + ([f"... and {len(partial) - 20} more"] if len(partial) > 20 else [])
         raise PlanError("destination bytes without a source: " + "; ".join(lines))
+
+    by_cands = [_by_candidates(ch) for _, ch in chunked]
+    if lone or _rotation_balances(chunked, by_cands, sources):
+        return _rotated_plans(chunked, by_cands, sources, classes)
+    return _joint_plans(chunked, sources, classes, min_split_bytes, align)
+
+
+def _by_candidates(ch: _Chunks) -> dict[tuple[int, ...], list[int]]:
+    """The chunks of ``ch`` per candidate set (the source ranks holding their bytes)."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    for i, g in enumerate(ch.group):
+        out.setdefault(g.ranks, []).append(i)
+    return out
+
+
+def candidate_demand(
+    sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, transforms: Mapping[str, str] | None = None
+) -> dict[int, dict[tuple[int, ...], int]]:
+    """Per destination rank, the bytes it needs from each candidate set (the sorted source ranks
+    holding them), as the planner sees them; the input of ``bounds.load_bound`` (summed over
+    destinations) and ``bounds.min_sources`` (one destination's sets). Raises ``PlanError`` for
+    bytes no source holds."""
+    sources = sorted(sources, key=lambda s: s.rank)
+    classes = _source_classes(sources)
+    index = _SourceIndex(sources, sorted(set(classes.values())))
+    missing: dict[str, list[int]] = {}
+    partial: list[str] = []
+    out: dict[int, dict[tuple[int, ...], int]] = {}
+    for same in _group_identical(list(dests)):
+        ch = _chunks_for(index, same[0], dict(transforms or {}), missing, partial)
+        if missing or partial:
+            raise PlanError(f"destination rank {same[0].rank}: bytes without a source")
+        need = {c: sum(ch.nbytes[i] for i in items) for c, items in _by_candidates(ch).items()}
+        for d in same:
+            out[d.rank] = need
+    return out
+
+
+def _rotation_balances(
+    chunked: list[tuple[list[RankLayout], _Chunks]],
+    by_cands: list[dict[tuple[int, ...], list[int]]],
+    sources: Sequence[RankLayout],
+) -> bool:
+    """Whether reading each candidate set whole from its member ``rotation(rank)`` leaves the
+    busiest source within ``ROTATION_SLACK`` of the lower bound for these destinations."""
+    loads: dict[int, int] = {}
+    demand: dict[tuple[int, ...], int] = {}
+    for (copies, ch), byc in zip(chunked, by_cands):
+        for c, items in byc.items():
+            b = sum(ch.nbytes[i] for i in items)
+            demand[c] = demand.get(c, 0) + b * len(copies)
+            for d in copies:
+                r = c[rotation(d.rank, len(c))]
+                loads[r] = loads.get(r, 0) + b
+    if not loads:
+        return True
+    return max(loads.values()) <= load_bound(demand, (s.rank for s in sources)) * (1 + ROTATION_SLACK)
+
+
+def _rotated_plans(
+    chunked: list[tuple[list[RankLayout], _Chunks]],
+    by_cands: list[dict[tuple[int, ...], list[int]]],
+    sources: Sequence[RankLayout],
+    classes: Mapping[int, tuple[int, ...]],
+) -> dict[int, Plan]:
+    """Every destination reads each candidate set whole from its member ``rotation(rank, size)``.
+
+    The reads of one candidate set served by one source class are emitted once per destination
+    layout (*blocks*) and relabelled for every member of the class (identical layouts: same
+    addresses); a destination's reads from one rank are its blocks for that rank, coalesced. Each
+    copy that uses a block no validated copy used is validated.
+    """
+    # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
+    from .validate import validate_plan
+
+    out: dict[int, Plan] = {}
+    vcache: dict = {}
+    for (copies, ch), byc in zip(chunked, by_cands):
+        blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], SourceOps] = {}
+        checked: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        for d in copies:
+            per_rank: dict[int, list[SourceOps]] = {}
+            keys = []
+            for c, items in byc.items():
+                r = c[rotation(d.rank, len(c))]
+                key = (c, classes[r])
+                blk = blocks.get(key)
+                if blk is None:
+                    blk = blocks[key] = _emit(ch, [[[r, 0, ch.nbytes[i]]] for i in items], items)[0]
+                per_rank.setdefault(r, []).append(blk)
+                keys.append(key)
+            ops = []
+            for r in sorted(per_rank):
+                bl = per_rank[r]
+                cols = (
+                    [getattr(bl[0], c) for c in COLUMNS]
+                    if len(bl) == 1
+                    else coalesce(*(np.concatenate([getattr(b, c) for b in bl]) for c in COLUMNS))
+                )
+                ops.append(SourceOps(r, *cols))
+            plan = out[d.rank] = Plan(d.rank, tuple(ops), ch.needed)
+            if not checked.issuperset(keys):
+                validate_plan(plan, sources, d, cache=vcache, samples=64)
+                checked.update(keys)
+    return {r: out[r] for r in sorted(out)}
+
+
+def _joint_plans(
+    chunked: list[tuple[list[RankLayout], _Chunks]],
+    sources: Sequence[RankLayout],
+    classes: Mapping[int, tuple[int, ...]],
+    min_split_bytes: int,
+    align: int,
+) -> dict[int, Plan]:
+    """Balances the destinations jointly where rotation alone does not (see ``build_plans``):
+    longest-first and splitting (``balance.assign``) per destination layout against the load so
+    far, copies rotated over identical source replicas."""
+    from .validate import validate_plan
 
     loads: dict[int, int] = {}
     out: dict[int, Plan] = {}
@@ -538,6 +669,14 @@ def _build_plans(
     return {r: out[r] for r in sorted(out)}
 
 
-def build_plan(sources: Sequence[RankLayout], dest: RankLayout, **kwargs) -> Plan:
-    """``build_plans(sources, [dest])[dest.rank]``."""
-    return build_plans(sources, [dest], **kwargs)[dest.rank]
+def build_plan(
+    sources: Sequence[RankLayout],
+    dest: RankLayout,
+    *,
+    min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+    transforms: Mapping[str, str] | None = None,
+) -> Plan:
+    """The plan of one rank planning alone (a subscriber): its part of any ``build_plans`` whose
+    rotation is balanced (see there), since each rank's sources follow from its own rank."""
+    plans = _without_gc(sources, [dest], min_split_bytes=min_split_bytes, transforms=transforms, lone=True)
+    return plans[dest.rank]

@@ -447,7 +447,12 @@ def build_packed_plans(
     gc.disable()  # as build_plans does: millions of acyclic objects
     try:
         plans = _build_plans(
-            sources, receivers, min_split_bytes=min_split_bytes, transforms=transforms, indexed=(classes, index)
+            sources,
+            receivers,
+            min_split_bytes=min_split_bytes,
+            transforms=transforms,
+            lone=False,
+            indexed=(classes, index),
         )
     finally:
         if gc_was_enabled:

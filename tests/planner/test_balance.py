@@ -49,13 +49,17 @@ def test_assign_parts_cover_items_and_meet_the_bound(weights, classes, min_split
 
 
 def test_split_only_above_the_floor():
+    """One destination planned jointly against two replicas: rotation would leave one idle, so
+    the joint plan splits, but never below the floor. Alone it reads from one replica."""
     src = sharded({"w": ((1024, 1024), None)}, tp=1, dp=2)  # 4 MiB float32, two replicas
     dst = sharded({"w": ((1024, 1024), None)}, tp=1, rank0=10)[0]
-    halves = build_plan(src, dst, min_split_bytes=1 << 20)
+    halves = build_plans(src, [dst], min_split_bytes=1 << 20)[dst.rank]
     assert halves.bytes_per_source() == {0: 2 << 20, 1: 2 << 20}
     assert len(halves) == 2
-    whole = build_plan(src, dst, min_split_bytes=4 << 20)
+    whole = build_plans(src, [dst], min_split_bytes=4 << 20)[dst.rank]
     assert list(whole.bytes_per_source().values()) == [4 << 20] and len(whole) == 1
+    alone = build_plan(src, dst, min_split_bytes=1 << 20)
+    assert len(alone.bytes_per_source()) == 1 and len(alone) == 1
 
 
 def test_joint_planning_balances_replicas():
