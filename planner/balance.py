@@ -26,7 +26,7 @@ returned; the cap only bounds planning time.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 Part = list  # [rank, start, stop] (mutable while balancing)
 
@@ -47,6 +47,33 @@ def rotation(rank: int, m: int) -> int:
         rank, digit = divmod(rank, m)
         total += digit
     return total % m
+
+
+def choose_sources(rank: int, need: Mapping[tuple[int, ...], int], *, follow: float) -> dict[tuple[int, ...], int]:
+    """The member of each candidate set (sorted source ranks holding the same bytes) that
+    destination ``rank``, needing ``need[c]`` bytes of set ``c``, reads the whole set from.
+
+    Sets go largest first (ties by the set). A set of at most ``follow`` times the largest set's
+    bytes that holds a rank already chosen reads from the first such rank (small replicated
+    tensors, norms say, add no source); any other set reads from ``c[rotation(rank, len(c))]``.
+    Depends on nothing but ``rank`` and ``need``: a rank planning alone chooses what it would in a
+    joint plan.
+    """
+    order = sorted(need, key=lambda c: (-need[c], c))
+    small = need[order[0]] * follow if order else 0
+    chosen: dict[tuple[int, ...], int] = {}
+    used: list[int] = []
+    for c in order:
+        r = None
+        if need[c] <= small:
+            members = set(c)
+            r = next((x for x in used if x in members), None)
+        if r is None:
+            r = c[rotation(rank, len(c))]
+            if r not in used:
+                used.append(r)
+        chosen[c] = r
+    return chosen
 
 
 def assign(

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .balance import assign, rotation
+from .balance import assign, choose_sources
 from .bounds import load_bound
 from .boxes import any_overlap, grid_cells
 from .dtypes import itemsize as _itemsize
@@ -42,6 +42,8 @@ from .runs import box_runs, coalesce
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
 #: How far above the lower bound of the busiest source's bytes rotation may leave a joint plan.
 ROTATION_SLACK = 0.005
+#: Candidate sets this small against a destination's largest read from a source it reads anyway.
+FOLLOW = 1 / 64
 
 Addr = tuple[int, int, tuple[int, ...]]  # (region, byte offset of the box origin, element strides)
 
@@ -439,13 +441,14 @@ def build_plans(
 
     Every destination byte that maps to canonical data is read exactly once. Among sources that
     hold the same bytes (replicas) each destination reads all bytes of one candidate set from one
-    member, ``rotation(dst_rank, size)``: what ``build_plan`` gives the rank alone, so a rank
-    joining later plans its own part of this plan. Where that leaves the busiest source more than
-    ``ROTATION_SLACK`` above the lower bound for these destinations (fewer destination copies than
-    source replicas, say), the reads are balanced jointly instead, splitting reads (never below
-    ``min_split_bytes``) where that lowers the busiest source. Raises ``PlanError`` (naming
-    tensors and ranks) if the result would not validate. ``transforms`` names, per canonical
-    tensor, an allowed dtype change.
+    member (``balance.choose_sources``: by rotation over the replicas, following a source it reads
+    anyway for small sets), which depends on its rank and layout only: what ``build_plan`` gives
+    the rank alone, so a rank joining later plans its own part of this plan. Where that leaves
+    the busiest source more than ``ROTATION_SLACK`` above the lower bound for these destinations
+    (fewer destination copies than source replicas, say), the reads are balanced jointly
+    instead, splitting reads (never below ``min_split_bytes``) where that lowers the busiest
+    source. Raises ``PlanError`` (naming tensors and ranks) if the result would not validate.
+    ``transforms`` names, per canonical tensor, an allowed dtype change.
     """
     return _without_gc(sources, dests, min_split_bytes=min_split_bytes, transforms=transforms, lone=False)
 
@@ -555,17 +558,17 @@ def _rotation_balances(
     by_cands: list[dict[tuple[int, ...], list[int]]],
     sources: Sequence[RankLayout],
 ) -> bool:
-    """Whether reading each candidate set whole from its member ``rotation(rank)`` leaves the
+    """Whether reading each candidate set whole from its member ``choose_sources`` picks leaves the
     busiest source within ``ROTATION_SLACK`` of the lower bound for these destinations."""
     loads: dict[int, int] = {}
     demand: dict[tuple[int, ...], int] = {}
     for (copies, ch), byc in zip(chunked, by_cands):
-        for c, items in byc.items():
-            b = sum(ch.nbytes[i] for i in items)
+        need = {c: sum(ch.nbytes[i] for i in items) for c, items in byc.items()}
+        for c, b in need.items():
             demand[c] = demand.get(c, 0) + b * len(copies)
-            for d in copies:
-                r = c[rotation(d.rank, len(c))]
-                loads[r] = loads.get(r, 0) + b
+        for d in copies:
+            for c, r in choose_sources(d.rank, need, follow=FOLLOW).items():
+                loads[r] = loads.get(r, 0) + need[c]
     if not loads:
         return True
     return max(loads.values()) <= load_bound(demand, (s.rank for s in sources)) * (1 + ROTATION_SLACK)
@@ -577,12 +580,14 @@ def _rotated_plans(
     sources: Sequence[RankLayout],
     classes: Mapping[int, tuple[int, ...]],
 ) -> dict[int, Plan]:
-    """Every destination reads each candidate set whole from its member ``rotation(rank, size)``.
+    """Every destination reads each candidate set whole from the member ``choose_sources`` picks.
 
     The reads of one candidate set served by one source class are emitted once per destination
     layout (*blocks*) and relabelled for every member of the class (identical layouts: same
-    addresses); a destination's reads from one rank are its blocks for that rank, coalesced. Each
-    copy that uses a block no validated copy used is validated.
+    addresses); a destination's reads from one rank are its blocks for that rank, coalesced. A copy
+    reading a candidate set that no validated copy of its layout read is validated; the blocks of
+    a set for other classes differ only by the source addresses each class declared (as the
+    rotated copies of a joint plan differ from their validated base).
     """
     # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
     from .validate import validate_plan
@@ -591,18 +596,20 @@ def _rotated_plans(
     vcache: dict = {}
     for (copies, ch), byc in zip(chunked, by_cands):
         blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], SourceOps] = {}
-        checked: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        checked: set[tuple[int, ...]] = set()
+        need = {c: sum(ch.nbytes[i] for i in items) for c, items in byc.items()}
         for d in copies:
             per_rank: dict[int, list[SourceOps]] = {}
             keys = []
+            chosen = choose_sources(d.rank, need, follow=FOLLOW)
             for c, items in byc.items():
-                r = c[rotation(d.rank, len(c))]
+                r = chosen[c]
                 key = (c, classes[r])
                 blk = blocks.get(key)
                 if blk is None:
                     blk = blocks[key] = _emit(ch, [[[r, 0, ch.nbytes[i]]] for i in items], items)[0]
                 per_rank.setdefault(r, []).append(blk)
-                keys.append(key)
+                keys.append(c)
             ops = []
             for r in sorted(per_rank):
                 bl = per_rank[r]
