@@ -1,8 +1,12 @@
-"""Assigning reads to source ranks: longest-first greedy, then splitting only where it helps.
+"""Assigning reads to source ranks: rotation per destination, or joint longest-first balancing.
 
-Each *item* is a block of bytes (one source/destination box intersection) that any of its
-*candidate* ranks (replicas holding identical bytes) can serve. ``assign`` returns, per item, the
-parts ``(rank, start, stop)`` (byte ranges of the item) and updates the per-rank loads.
+``choose_sources`` (what every destination gets first, alone or in a joint plan): one member of
+each candidate set per destination, by ``rotation`` of its rank; see there.
+
+``assign`` (the joint fallback of ``builder.build_plans``): each *item* is a block of bytes (one
+source/destination box intersection) that any of its *candidate* ranks (replicas holding
+identical bytes) can serve. ``assign`` returns, per item, the parts ``(rank, start, stop)`` (byte
+ranges of the item) and updates the per-rank loads.
 
 1. Items with one candidate go to it. The others, longest first, go whole to the least-loaded
    candidate (ties rotate with ``rotate``, so destinations planned one at a time spread over

@@ -39,15 +39,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .boxes import any_overlap, grid_cells, subtract
-from .builder import (
-    DEFAULT_MIN_SPLIT_BYTES,
-    _build_plans,
-    _chunks_for,
-    _group_identical,
-    _source_classes,
-    _SourceIndex,
-    build_plans,
-)
+from .builder import DEFAULT_MIN_SPLIT_BYTES, _build_plans, build_plans
+from .chunks import _chunks_for, _group_identical, _source_classes, _SourceIndex
 from .dtypes import itemsize as _itemsize
 from .errors import PlanError
 from .layout import Box, LocalTensor, Piece, RankLayout, row_major_strides
