@@ -45,6 +45,7 @@ from planner.builder import candidate_demand
 from planner.layout import even_split as split
 from planner.packing import build_packed_plans, pack_stagings
 from planner.simulate import (
+    DEFAULT_CONNECT_S,
     DEFAULT_CPU_PER_POST_S,
     DEFAULT_CPU_PER_READ_S,
     DEFAULT_LATENCY_S,
@@ -52,6 +53,7 @@ from planner.simulate import (
     DEFAULT_QUEUE_DEPTH,
     simulate,
 )
+from planner.validate import validate_plan
 
 SHAPES = "/work/shared/model-shapes.json"
 DT = "bfloat16"
@@ -321,6 +323,20 @@ def readers(dests: list[RankLayout]) -> list[RankLayout]:
     return list(seen.values())
 
 
+def validate_all(plans: dict, sources: list[RankLayout], dests: list[RankLayout], stagings, packed) -> int:
+    """Runs ``validate_plan`` (exact-once, in bounds, sampled bytes) on every plan whose reads land
+    in place (all of them unless a reader needs a receive buffer); returns how many it checked."""
+    srcs = sources if stagings is None else [stagings[s.rank].layout for s in sources]
+    cache: dict = {}
+    n = 0
+    for d in dests:
+        if packed is not None and packed[d.rank].recv_bytes:
+            continue
+        validate_plan(plans[d.rank], srcs, d, cache=cache, samples=64)
+        n += 1
+    return n
+
+
 def bounds(sources: list[RankLayout], dests: list[RankLayout]) -> tuple[float, dict[int, int]]:
     """The lower bound of the busiest source's bytes for these layouts, and per rollout rank the
     fewest trainer ranks any exact plan reads from (``planner.bounds``). Candidate sets are the
@@ -370,6 +386,7 @@ def run_one(key: str, args: argparse.Namespace) -> dict:
         cpu_per_read_s=args.cpu_per_read,
         cpu_per_post_s=args.cpu_per_post,
         nic_per_read_s=args.nic_per_read,
+        connect_s=args.connect,
     )
     t3 = time.perf_counter()
     reads = [len(p) for p in plans.values()]
@@ -379,6 +396,9 @@ def run_one(key: str, args: argparse.Namespace) -> dict:
             loads[r] = loads.get(r, 0) + v
     mean = sum(loads.values()) / len(sources)
     t4 = time.perf_counter()
+    validated = validate_all(
+        plans, sources, dests, None if args.zero_copy else stagings, packed if not args.zero_copy else None
+    )
     src_bound, floors = bounds(sources, dests)
     n_src = {r: len(p.sources) for r, p in plans.items()}
     worst = max(n_src.values())
@@ -388,6 +408,7 @@ def run_one(key: str, args: argparse.Namespace) -> dict:
         "sources_floor": min(floors[r] for r, n in n_src.items() if n == worst),
         "sources_over_floor_max": max(n / floors[r] for r, n in n_src.items()),
         "bounds_s": time.perf_counter() - t4,
+        "validated": validated,
         "model": key,
         "layout_s": t1 - t0,
         "plan_s": t2 - t1,
@@ -432,6 +453,9 @@ def main() -> None:
         help="plan against the trainers' own layouts (zero_copy=True) instead of reader-ordered slots",
     )
     ap.add_argument("--nic-per-read", type=float, default=DEFAULT_NIC_PER_READ_S, help="fixed NIC seconds per read")
+    ap.add_argument(
+        "--connect", type=float, default=DEFAULT_CONNECT_S, help="seconds to set up one reader's connection to a source"
+    )
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args)))
@@ -454,6 +478,8 @@ def main() -> None:
             str(args.nic_per_read),
             "--cpu-per-post",
             str(args.cpu_per_post),
+            "--connect",
+            str(args.connect),
             *(["--zero-copy"] if args.zero_copy else []),
         ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -466,8 +492,8 @@ def main() -> None:
             f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
             f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
             f"(lower bound {r['src_bound']:.4f}), sources per rollout rank max {r['sources_per_rank_max']} "
-            f"(fewest possible {r['sources_floor']}; sources/fewest max {r['sources_over_floor_max']:.2f}, "
-            f"bounds in {r['bounds_s']:.1f}s) "
+            f"(fewest possible {r['sources_floor']}; sources/fewest max {r['sources_over_floor_max']:.2f}), "
+            f"exact-once checked on {r['validated']} plans (with bounds: {r['bounds_s']:.1f}s) "
             f"(simulated in {r['sim_s']:.1f}s); "
             + (
                 "zero-copy: reads from the trainers' own layouts"
