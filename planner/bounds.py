@@ -46,6 +46,21 @@ def load_bound(demand: Mapping[tuple[int, ...], int], sources: Iterable[int] = (
     return t
 
 
+def quick_bound(demand: Mapping[tuple[int, ...], int], sources: Iterable[int] = ()) -> float:
+    """A lower bound of ``load_bound`` without a flow: the density of the set of all ranks (the
+    mean) and of every candidate set (the bytes of the sets inside it over its size); equal to
+    ``load_bound`` when the densest set of ranks is one of those (a pipeline stage whose
+    replicated norms every rank of the stage holds, say)."""
+    sets = [(frozenset(c), int(b)) for c, b in demand.items() if b > 0]
+    if not sets:
+        return 0.0
+    ranks = {r for c, _ in sets for r in c} | set(sources)
+    best = sum(b for _, b in sets) / len(ranks)
+    for c, _ in sets:
+        best = max(best, sum(b for d, b in sets if d <= c) / len(c))
+    return best
+
+
 def _saturated(sets: list[tuple[tuple[int, ...], int]], ranks: list[int], cap: float) -> list[int] | None:
     """None if a flow with every rank capped at ``cap`` serves every set; else the ranks on the
     source side of a minimum cut (a set of ranks denser than ``cap``)."""

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .balance import assign, choose_sources
-from .bounds import load_bound
+from .bounds import load_bound, quick_bound
 from .chunks import _Chunks, _chunks_for, _emit, _group_identical, _source_classes, _SourceIndex
 from .errors import PlanError
 from .layout import RankLayout
@@ -213,7 +213,9 @@ def _rotation_balances(
                 loads[r] = loads.get(r, 0) + need[c]
     if not loads:
         return True
-    return max(loads.values()) <= load_bound(demand, (s.rank for s in sources)) * (1 + ROTATION_SLACK)
+    busiest = max(loads.values()) / (1 + ROTATION_SLACK)
+    ranks = [s.rank for s in sources]
+    return busiest <= quick_bound(demand, ranks) or busiest <= load_bound(demand, ranks)
 
 
 def _rotated_plans(
