@@ -18,8 +18,12 @@ replicas with identical layouts are planned once and the copies get the plan wit
 rotated among identical trainer DP replicas (sharing arrays), so the 8 replicas spread over the
 replicas; see ``planner/builder.py``.
 
-Prints one line per model and, last, ``plan_scale: model=kimi-k2 plan_s=... rss_gb=... ops=...
-makespan_ratio=...``. Each model runs in its own process so peak RSS is per model (it includes
+Prints, per model, a long line and a ``plan_scale: model=... plan_s=... rss_gb=... ops=...
+makespan_ratio=... src_imbalance=... src_bound=... sources_per_rank_max=... sources_floor=...``
+line: ``src_imbalance`` is the busiest trainer rank's bytes over the mean, ``src_bound`` the least
+that ratio can be for these layouts (``planner.bounds.load_bound``), ``sources_per_rank_max`` the
+most trainer ranks one rollout rank reads from and ``sources_floor`` the fewest that rank could
+(``planner.bounds.min_sources``). Each model runs in its own process so peak RSS is per model (it includes
 building the synthetic layouts). Run: ``PYTHONPATH=. .venv/bin/python benchmarks/plan_scale.py``.
 """
 
@@ -36,9 +40,12 @@ import time
 from dataclasses import dataclass
 
 from planner import Fused, LayoutBuilder, RankLayout, Shard, Stack, build_plans
+from planner.bounds import load_bound, min_sources
+from planner.builder import candidate_demand
 from planner.layout import even_split as split
 from planner.packing import build_packed_plans, pack_stagings
 from planner.simulate import (
+    DEFAULT_CONNECT_S,
     DEFAULT_CPU_PER_POST_S,
     DEFAULT_CPU_PER_READ_S,
     DEFAULT_LATENCY_S,
@@ -46,6 +53,7 @@ from planner.simulate import (
     DEFAULT_QUEUE_DEPTH,
     simulate,
 )
+from planner.validate import validate_plan
 
 SHAPES = "/work/shared/model-shapes.json"
 DT = "bfloat16"
@@ -315,6 +323,39 @@ def readers(dests: list[RankLayout]) -> list[RankLayout]:
     return list(seen.values())
 
 
+def validate_all(plans: dict, sources: list[RankLayout], dests: list[RankLayout], stagings, packed) -> int:
+    """Runs ``validate_plan`` (exact-once, in bounds, sampled bytes) on every plan whose reads land
+    in place (all of them unless a reader needs a receive buffer); returns how many it checked."""
+    srcs = sources if stagings is None else [stagings[s.rank].layout for s in sources]
+    cache: dict = {}
+    n = 0
+    for d in dests:
+        if packed is not None and packed[d.rank].recv_bytes:
+            continue
+        validate_plan(plans[d.rank], srcs, d, cache=cache, samples=64)
+        n += 1
+    return n
+
+
+def bounds(sources: list[RankLayout], dests: list[RankLayout]) -> tuple[float, dict[int, int]]:
+    """The lower bound of the busiest source's bytes for these layouts, and per rollout rank the
+    fewest trainer ranks any exact plan reads from (``planner.bounds``). Candidate sets are the
+    same against packed slots (a slot holds its rank's bytes), so the plain layouts serve both."""
+    need = candidate_demand(sources, dests)
+    total: dict[tuple[int, ...], int] = {}
+    for per in need.values():
+        for c, b in per.items():
+            total[c] = total.get(c, 0) + b
+    floor_of: dict[int, int] = {}
+    floors = {}
+    for r, per in need.items():
+        key = id(per)  # identical layouts share their demand dict
+        if key not in floor_of:
+            floor_of[key] = min_sources(per)
+        floors[r] = floor_of[key]
+    return load_bound(total, (s.rank for s in sources)), floors
+
+
 def run_one(key: str, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     gc.disable()  # building millions of small layout objects; nothing cyclic to collect
@@ -345,6 +386,7 @@ def run_one(key: str, args: argparse.Namespace) -> dict:
         cpu_per_read_s=args.cpu_per_read,
         cpu_per_post_s=args.cpu_per_post,
         nic_per_read_s=args.nic_per_read,
+        connect_s=args.connect,
     )
     t3 = time.perf_counter()
     reads = [len(p) for p in plans.values()]
@@ -353,7 +395,20 @@ def run_one(key: str, args: argparse.Namespace) -> dict:
         for r, v in p.bytes_per_source().items():
             loads[r] = loads.get(r, 0) + v
     mean = sum(loads.values()) / len(sources)
+    t4 = time.perf_counter()
+    validated = validate_all(
+        plans, sources, dests, None if args.zero_copy else stagings, packed if not args.zero_copy else None
+    )
+    src_bound, floors = bounds(sources, dests)
+    n_src = {r: len(p.sources) for r, p in plans.items()}
+    worst = max(n_src.values())
     return {
+        "src_bound": src_bound / mean,
+        "sources_per_rank_max": worst,
+        "sources_floor": min(floors[r] for r, n in n_src.items() if n == worst),
+        "sources_over_floor_max": max(n / floors[r] for r, n in n_src.items()),
+        "bounds_s": time.perf_counter() - t4,
+        "validated": validated,
         "model": key,
         "layout_s": t1 - t0,
         "plan_s": t2 - t1,
@@ -398,11 +453,13 @@ def main() -> None:
         help="plan against the trainers' own layouts (staging=ZeroCopy()) instead of reader-ordered slots",
     )
     ap.add_argument("--nic-per-read", type=float, default=DEFAULT_NIC_PER_READ_S, help="fixed NIC seconds per read")
+    ap.add_argument(
+        "--connect", type=float, default=DEFAULT_CONNECT_S, help="seconds to set up one reader's connection to a source"
+    )
     args = ap.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return
-    last = None
     for key in args.models:
         cmd = [
             sys.executable,
@@ -421,6 +478,8 @@ def main() -> None:
             str(args.nic_per_read),
             "--cpu-per-post",
             str(args.cpu_per_post),
+            "--connect",
+            str(args.connect),
             *(["--zero-copy"] if args.zero_copy else []),
         ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -432,6 +491,9 @@ def main() -> None:
             f"bytes {r['bytes'] / 1e12:.2f} TB, makespan {r['makespan_s']:.3f}s, "
             f"lower bound {r['lower_bound_s']:.3f}s, ratio {r['makespan_ratio']:.4f}, "
             f"source bytes max/mean {r['src_max_over_mean']:.4f} over {r['sources_used']} ranks "
+            f"(lower bound {r['src_bound']:.4f}), sources per rollout rank max {r['sources_per_rank_max']} "
+            f"(fewest possible {r['sources_floor']}; sources/fewest max {r['sources_over_floor_max']:.2f}), "
+            f"exact-once checked on {r['validated']} plans (with bounds: {r['bounds_s']:.1f}s) "
             f"(simulated in {r['sim_s']:.1f}s); "
             + (
                 "zero-copy: reads from the trainers' own layouts"
@@ -441,12 +503,13 @@ def main() -> None:
             ),
             flush=True,
         )
-        last = r
-    if last is not None:
         print(
-            f"plan_scale: model={last['model']} plan_s={last['plan_s']:.3f} rss_gb={last['rss_gb']:.3f} "
-            f"ops={last['ops']} reads_per_rank_max={last['reads_per_rank_max']} "
-            f"reads_per_rank_mean={last['reads_per_rank_mean']:.1f} makespan_ratio={last['makespan_ratio']:.4f}"
+            f"plan_scale: model={r['model']} plan_s={r['plan_s']:.3f} rss_gb={r['rss_gb']:.3f} "
+            f"ops={r['ops']} reads_per_rank_max={r['reads_per_rank_max']} "
+            f"reads_per_rank_mean={r['reads_per_rank_mean']:.1f} makespan_ratio={r['makespan_ratio']:.4f} "
+            f"src_imbalance={r['src_max_over_mean']:.4f} src_bound={r['src_bound']:.4f} "
+            f"sources_per_rank_max={r['sources_per_rank_max']} sources_floor={r['sources_floor']}",
+            flush=True,
         )
 
 

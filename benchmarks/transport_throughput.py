@@ -17,7 +17,9 @@ neighbours, and both sides of a ratio are measured minutes apart. The last line 
 
     transport_throughput: tcp_vs_iperf3=<r> local_vs_memcpy=<r> mooncake_vs_raw=<r> nixl_vs_raw=<r> tcp_vs_mooncake_tcp=<r>
 
-(``n/a`` where a side could not be measured). Each wbridge transport is measured right after what
+(``n/a`` where a side could not be measured). Before it, two ``host:`` lines (at the start and
+at the end) give what decides same-host copy speed besides the code: CPUs, NUMA nodes, huge-page
+settings for anonymous memory and shmem, and the load average. Each wbridge transport is measured right after what
 it is compared with, and the whole set ``--rounds`` times. Targets: tcp >= 0.9x iperf3; local >= 0.9x memcpy;
 mooncake and nixl >= 0.95x their raw engines; wbridge tcp >= 1.3x raw Mooncake over tcp.
 """
@@ -47,6 +49,33 @@ PERIOD = 251  # raw servers fill their buffer with i % PERIOD, so the reader can
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _sysfs(path: str) -> str:
+    """The selected value of a sysfs setting (``always [madvise] never`` -> ``madvise``), or ``?``."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return "?"
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else text
+
+
+def host_facts() -> str:
+    """What decides same-host copy speed besides the code: CPUs, NUMA nodes (a reader on another
+    node than the publisher's pages reads remote memory), transparent huge pages for anonymous
+    memory (the memcpy baseline) and for shmem (the ``local`` transport's memfd host buffers; 4
+    KiB pages otherwise), and the load average."""
+    try:
+        nodes = len([n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")])
+    except OSError:
+        nodes = 0
+    thp = "/sys/kernel/mm/transparent_hugepage/"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"host: cpus={len(os.sched_getaffinity(0))} numa_nodes={nodes or '?'} "
+        f"thp_anon={_sysfs(thp + 'enabled')} thp_shmem={_sysfs(thp + 'shmem_enabled')} load_average={load}"
+    )
 
 
 # -- raw engines: a serving process each, and the reading loop in this process ------------------
@@ -283,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         }.get(name, [name])
     order += [ref for ref in ("iperf3", "memcpy", "mooncake-raw", "nixl-raw") if ref not in order]
     runs: dict[str, list[dict]] = {item: [] for item in order}
+    start = host_facts()
+    _log(start)
     for rnd in range(args.rounds):
         for item in order:
             _log(f"round {rnd + 1}/{args.rounds}: {item} ...")
@@ -302,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     width = max(len(r["what"]) for r in rows)
+    print(f"{start} (at the start)\n{host_facts()} (at the end)")
     print(
         f"transport throughput: {size} bytes in {op}-byte ops, {args.rounds} rounds of {rep} timed reads "
         "(GB/s: median, best)"

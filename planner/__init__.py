@@ -4,22 +4,9 @@ Pure: numpy only; imports nothing from ``wbridge`` or ``transports``.
 """
 
 from .builder import DEFAULT_MIN_SPLIT_BYTES, build_plan, build_plans
+from .compiler import LayoutBuilder, flat_range_boxes, local_tensor, pieces_for
 from .errors import LayoutError, PlanError
-from .layout import (
-    Box,
-    Flat,
-    Fused,
-    LayoutBuilder,
-    LocalTensor,
-    Piece,
-    RankLayout,
-    Shard,
-    Stack,
-    TensorSpec,
-    flat_range_boxes,
-    local_tensor,
-    pieces_for,
-)
+from .layout import Box, Flat, Fused, LocalTensor, Piece, RankLayout, Shard, Stack, TensorSpec
 from .packing import (
     PackedPlan,
     PackedStaging,

@@ -1,8 +1,12 @@
-"""Assigning reads to source ranks: longest-first greedy, then splitting only where it helps.
+"""Assigning reads to source ranks: rotation per destination, or joint longest-first balancing.
 
-Each *item* is a block of bytes (one source/destination box intersection) that any of its
-*candidate* ranks (replicas holding identical bytes) can serve. ``assign`` returns, per item, the
-parts ``(rank, start, stop)`` (byte ranges of the item) and updates the per-rank loads.
+``choose_sources`` (what every destination gets first, alone or in a joint plan): one member of
+each candidate set per destination, by ``rotation`` of its rank; see there.
+
+``assign`` (the joint fallback of ``builder.build_plans``): each *item* is a block of bytes (one
+source/destination box intersection) that any of its *candidate* ranks (replicas holding
+identical bytes) can serve. ``assign`` returns, per item, the parts ``(rank, start, stop)`` (byte
+ranges of the item) and updates the per-rank loads.
 
 1. Items with one candidate go to it. The others, longest first, go whole to the least-loaded
    candidate (ties rotate with ``rotate``, so destinations planned one at a time spread over
@@ -26,9 +30,54 @@ returned; the cap only bounds planning time.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 
 Part = list  # [rank, start, stop] (mutable while balancing)
+
+
+def rotation(rank: int, m: int) -> int:
+    """Which of ``m`` replicas destination ``rank`` reads from: the sum of ``rank``'s base-``m``
+    digits, modulo ``m``; a rank knows it without knowing the other ranks.
+
+    Ranks that differ in one base-``m`` digit only get ``m`` distinct answers (``m`` consecutive
+    ranks from a multiple of ``m``, say), and so do the copies of a rank in replicas numbered one
+    after another (rank ``t + 16 * j`` for ``j = 0..7`` and ``m`` = 2, 4 or 8, as in
+    ``benchmarks/plan_scale.py``): their reads of a replicated box spread evenly over its replicas.
+    """
+    if m <= 1:
+        return 0
+    total = 0
+    while rank:
+        rank, digit = divmod(rank, m)
+        total += digit
+    return total % m
+
+
+def choose_sources(rank: int, need: Mapping[tuple[int, ...], int], *, follow: float) -> dict[tuple[int, ...], int]:
+    """The member of each candidate set (sorted source ranks holding the same bytes) that
+    destination ``rank``, needing ``need[c]`` bytes of set ``c``, reads the whole set from.
+
+    Sets go largest first (ties by the set). A set of at most ``follow`` times the largest set's
+    bytes that holds a rank already chosen reads from the first such rank (small replicated
+    tensors, norms say, add no source); any other set reads from ``c[rotation(rank, len(c))]``.
+    Depends on nothing but ``rank`` and ``need``: a rank planning alone chooses what it would in a
+    joint plan.
+    """
+    order = sorted(need, key=lambda c: (-need[c], c))
+    small = need[order[0]] * follow if order else 0
+    chosen: dict[tuple[int, ...], int] = {}
+    used: list[int] = []
+    for c in order:
+        r = None
+        if need[c] <= small:
+            members = set(c)
+            r = next((x for x in used if x in members), None)
+        if r is None:
+            r = c[rotation(rank, len(c))]
+            if r not in used:
+                used.append(r)
+        chosen[c] = r
+    return chosen
 
 
 def assign(

@@ -1,399 +1,48 @@
-"""Plan builder: intersects source and destination layouts into balanced, validated read plans.
+"""Plan builder: assigns the chunks of ``planner.chunks`` to source ranks and returns validated plans.
 
 How it works
 ------------
-1. *Source index.* Source pieces are grouped per canonical tensor by identical box: a group is one
-   box and every rank holding it (DP replicas), each with its address (region, byte base, element
-   strides). If distinct boxes of one tensor partially overlap, that tensor's boxes are cut along
-   all their boundaries into disjoint cells first, each cell held by the union of its covers.
-2. *Chunks.* Each destination piece is intersected with the groups of its tensor; an intersection
-   is a chunk (a box with its destination address and its candidate source ranks). Chunks turn
-   into byte runs with ``runs.box_runs`` (whole rows collapse into one run).
-3. *Symmetry.* Destinations with identical layouts (rollout replicas) are planned once; sources
-   with identical layouts (DP replicas) form classes. Every copy of a destination layout gets the
-   base plan with its source ranks permuted inside their classes (a rotation per class, chosen
-   greedily to lower the busiest source's load), which is valid because permuted ranks hold the
-   same bytes at the same addresses; the copies share the base plan's read-only columns.
-4. *Balance.* ``balance.assign``: longest-first to the least-loaded candidate, then split parts
-   only where that lowers the busiest source, never below ``min_split_bytes``.
-5. *Validation.* Each base plan goes through ``validate.validate_plan`` before it is returned;
-   a copy differs from its base only by the class permutation described above.
+1. *Chunks.* ``chunks._SourceIndex`` and ``chunks._chunks_for`` intersect the layouts: each chunk
+   is a box a destination needs, with the source ranks holding it (its *candidate set*: DP
+   replicas). Destinations with identical layouts (rollout replicas) are intersected once.
+2. *Sources.* Each destination reads every candidate set whole from one member,
+   ``balance.choose_sources``: rotation by its rank over the replicas, following a source it
+   reads anyway for small sets. That depends on nothing but the rank and its layout, so a rank
+   planning alone (``build_plan``) gets exactly its part of a joint plan, and rollout ranks
+   numbered replica by replica spread evenly over the trainer replicas.
+3. *Reads.* The reads of one candidate set served by one class of identical source layouts are
+   emitted once per destination layout and relabelled for every member of the class (same
+   addresses); a destination's reads from one rank are its blocks for that rank, coalesced.
+4. *Joint balance.* ``build_plans`` checks the busiest source against ``bounds.load_bound``; where
+   rotation leaves it more than ``ROTATION_SLACK`` above (fewer destinations than replicas, or
+   ranks numbered otherwise), it balances jointly instead: ``balance.assign`` (longest-first to
+   the least-loaded candidate, then splitting parts, never below ``min_split_bytes``) per
+   destination layout, copies permuted inside source classes.
+5. *Validation.* Plans go through ``validate.validate_plan`` before they are returned: per
+   destination layout, every copy reading a candidate set no validated copy read.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from .balance import assign
-from .boxes import any_overlap, grid_cells
-from .dtypes import itemsize as _itemsize
+from .balance import assign, choose_sources
+from .bounds import load_bound, quick_bound
+from .chunks import _Chunks, _chunks_for, _emit, _group_identical, _source_classes, _SourceIndex
 from .errors import PlanError
-from .layout import LocalTensor, RankLayout, TensorSpec
-from .plan import Plan, SourceOps
-from .runs import box_runs, coalesce
+from .layout import RankLayout
+from .plan import COLUMNS, Plan, SourceOps
+from .runs import coalesce
 
 DEFAULT_MIN_SPLIT_BYTES = 1 << 20
-
-Addr = tuple[int, int, tuple[int, ...]]  # (region, byte offset of the box origin, element strides)
-
-
-class _Group:
-    """One disjoint box of a canonical tensor and the source ranks holding exactly its bytes."""
-
-    __slots__ = ("_entries", "addrs", "offsets", "rank_addr", "ranks", "sizes")
-
-    def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
-        self.offsets = offsets
-        self.sizes = sizes
-        self.addrs: list[Addr] = []
-        self.rank_addr: dict[int, int] | None = None  # None: every rank uses addrs[0]
-        self.ranks: tuple[int, ...] = ()
-        self._entries: list[tuple[tuple[int, ...], Addr]] = []
-
-    def add(self, ranks: tuple[int, ...], addr: Addr) -> None:
-        """``ranks`` (sorted) hold the box at ``addr``; call ``finish`` after the last ``add``."""
-        self._entries.append((ranks, addr))
-
-    def finish(self) -> None:
-        entries, self._entries = self._entries, []
-        if len(entries) == 1:
-            self.ranks, addr = entries[0]
-            self.addrs = [addr]
-            return
-        rank_addr: dict[int, int] = {}
-        addrs: list[Addr] = []
-        for ranks, addr in entries:
-            try:
-                k = addrs.index(addr)
-            except ValueError:
-                k = len(addrs)
-                addrs.append(addr)
-            for r in ranks:
-                rank_addr.setdefault(r, k)  # a rank holding the same box twice: either copy will do
-        self.addrs = addrs
-        self.rank_addr = rank_addr if len(addrs) > 1 else None
-        self.ranks = tuple(sorted(rank_addr))
-
-    def addr_of(self, rank: int) -> Addr:
-        return self.addrs[0] if self.rank_addr is None else self.addrs[self.rank_addr[rank]]
-
-
-@dataclass
-class _TensorIndex:
-    spec: TensorSpec
-    owner: int  # a source rank that declared the spec (for error messages)
-    itemsize: int
-    groups: list[_Group]
-    lo: np.ndarray | None  # (groups, ndim) box starts, for tensors with many groups
-    hi: np.ndarray | None  # (groups, ndim) box ends
-
-
-def _local_spec(side: str, rank: int, smap: Mapping[str, TensorSpec], t: LocalTensor, name: str) -> TensorSpec:
-    sp = smap.get(name)
-    if sp is None:
-        raise PlanError(f"{side} rank {rank}: local tensor {t.name!r} holds {name!r} but the layout has no spec for it")
-    if sp.dtype != t.dtype:
-        raise PlanError(
-            f"{side} rank {rank}: local tensor {t.name!r} is {t.dtype} but holds {name!r} of dtype {sp.dtype}"
-        )
-    return sp
-
-
-class _SourceIndex:
-    def __init__(self, sources: Sequence[RankLayout], classes: Sequence[tuple[int, ...]]) -> None:
-        self.layouts = {s.rank: s for s in sources}
-        specs: dict[str, tuple[TensorSpec, int]] = {}
-        boxes: dict[str, dict[tuple, _Group]] = {}
-        for ranks in classes:  # identical layouts: index one, add every rank of the class
-            lay = self.layouts[ranks[0]]
-            for sp in lay.specs:
-                prev = specs.get(sp.name)
-                if prev is None:
-                    specs[sp.name] = (sp, lay.rank)
-                elif prev[0] != sp:
-                    raise PlanError(
-                        f"canonical {sp.name!r} is {prev[0].shape}/{prev[0].dtype} on source "
-                        f"rank {prev[1]} but {sp.shape}/{sp.dtype} on source rank {lay.rank}"
-                    )
-            smap = lay.spec_map()
-            for t in lay.tensors:
-                isz = _itemsize(t.dtype)
-                for p in t.pieces:
-                    sp = smap.get(p.tensor)
-                    if sp is None or sp.dtype != t.dtype:
-                        _local_spec("source", lay.rank, smap, t, p.tensor)
-                    box = p.box
-                    if not all(box.sizes):
-                        continue
-                    key = (box.offsets, box.sizes)
-                    per = boxes.get(p.tensor)
-                    if per is None:
-                        per = boxes[p.tensor] = {}
-                    g = per.get(key)
-                    if g is None:
-                        g = per[key] = _Group(box.offsets, box.sizes)
-                    g.add(ranks, (t.region, t.offset + p.offset * isz, p.strides))
-        self.tensors: dict[str, _TensorIndex] = {}
-        for name, (sp, owner) in specs.items():
-            groups = list(boxes.get(name, {}).values())
-            for g in groups:
-                g.finish()
-            isz = _itemsize(sp.dtype)
-            lo = hi = None
-            if len(groups) > 1:
-                groups.sort(key=lambda g: (g.offsets, g.sizes))
-                lo, hi = _bounds(groups, len(sp.shape))
-                if any_overlap(lo, hi):
-                    groups = _refine(groups, lo, hi, isz)
-                    lo, hi = _bounds(groups, len(sp.shape))
-            self.tensors[name] = _TensorIndex(sp, owner, isz, groups, lo, hi)
-
-
-def _bounds(groups: list[_Group], nd: int) -> tuple[np.ndarray, np.ndarray]:
-    lo = np.array([g.offsets for g in groups], dtype=np.int64).reshape(len(groups), nd)
-    return lo, lo + np.array([g.sizes for g in groups], dtype=np.int64).reshape(len(groups), nd)
-
-
-def _refine(groups: list[_Group], lo: np.ndarray, hi: np.ndarray, isz: int) -> list[_Group]:
-    """Cuts partially overlapping boxes along all their boundaries into disjoint cells."""
-    out: list[_Group] = []
-    for c_lo, c_hi, covers in grid_cells(lo, hi):
-        ng = _Group(tuple(int(x) for x in c_lo), tuple(int(x) for x in c_hi - c_lo))
-        for gi in covers:
-            g = groups[gi]
-            delta = c_lo - lo[gi]
-            for rank in g.ranks:
-                region, base, strides = g.addr_of(rank)
-                ng.add((rank,), (region, base + int(np.dot(delta, strides)) * isz, strides))
-        ng.finish()
-        out.append(ng)
-    return out
-
-
-@dataclass
-class _Chunks:
-    """The intersections of one destination layout with the source groups, column-wise."""
-
-    nbytes: list[int] = field(default_factory=list)
-    group: list[_Group] = field(default_factory=list)
-    delta: list[tuple[int, ...]] = field(default_factory=list)  # chunk origin - group origin
-    sizes: list[tuple[int, ...]] = field(default_factory=list)
-    dst_region: list[int] = field(default_factory=list)
-    dst_base: list[int] = field(default_factory=list)
-    dst_strides: list[tuple[int, ...]] = field(default_factory=list)
-    itemsize: list[int] = field(default_factory=list)
-    piece: list[tuple[int, int]] = field(default_factory=list)  # (local tensor, piece) of the destination
-    needed: int = 0
-
-
-def _check_dest_spec(
-    index: _SourceIndex, dest: RankLayout, sp: TensorSpec, transforms: Mapping[str, str], missing: dict[str, list[int]]
-) -> _TensorIndex | None:
-    ti = index.tensors.get(sp.name)
-    if ti is None or not ti.groups:
-        missing.setdefault(sp.name, []).append(dest.rank)
-        return None
-    if ti.spec.shape != sp.shape:
-        raise PlanError(
-            f"{sp.name!r}: shape {sp.shape} on destination rank {dest.rank} but "
-            f"{ti.spec.shape} on source rank {ti.owner}"
-        )
-    if ti.spec.dtype != sp.dtype:
-        if sp.name in transforms:
-            raise PlanError(
-                f"{sp.name!r}: transform {transforms[sp.name]!r} ({ti.spec.dtype} on source rank "
-                f"{ti.owner} -> {sp.dtype} on destination rank {dest.rank}) is named, but the "
-                f"planner cannot execute dtype transforms yet"
-            )
-        raise PlanError(
-            f"{sp.name!r}: dtype {ti.spec.dtype} on source rank {ti.owner} but {sp.dtype} on "
-            f"destination rank {dest.rank}; a dtype change must be a named transform"
-        )
-    return ti
-
-
-def _chunks_for(
-    index: _SourceIndex,
-    dest: RankLayout,
-    transforms: Mapping[str, str],
-    missing: dict[str, list[int]],
-    partial: list[str],
-) -> _Chunks:
-    ch = _Chunks()
-    smap = dest.spec_map()
-    checked: dict[str, _TensorIndex | None] = {}
-    for li, t in enumerate(dest.tensors):
-        isz = _itemsize(t.dtype)
-        for pi, p in enumerate(t.pieces):
-            if not all(p.box.sizes):
-                continue
-            ti = checked.get(p.tensor, False)
-            sp = smap.get(p.tensor)
-            if ti is False or sp is None or sp.dtype != t.dtype:
-                sp = _local_spec("destination", dest.rank, smap, t, p.tensor)
-                ti = checked[p.tensor] = _check_dest_spec(index, dest, sp, transforms, missing)
-            if ti is None:
-                continue
-            numel = p.box.numel
-            ch.needed += numel * isz
-            bo, bs = p.box.offsets, p.box.sizes
-            if len(ti.groups) == 1 and ti.groups[0].offsets == bo and ti.groups[0].sizes == bs:
-                ch.nbytes.append(numel * isz)  # the common case: the source holds exactly this box
-                ch.group.append(ti.groups[0])
-                ch.delta.append((0,) * len(bo))
-                ch.sizes.append(bs)
-                ch.dst_region.append(t.region)
-                ch.dst_base.append(t.offset + p.offset * isz)
-                ch.dst_strides.append(p.strides)
-                ch.itemsize.append(isz)
-                ch.piece.append((li, pi))
-                continue
-            if ti.lo is None or len(ti.groups) <= 16:
-                hits = ti.groups
-            else:
-                dlo = np.asarray(bo, dtype=np.int64)
-                dhi = dlo + np.asarray(bs, dtype=np.int64)
-                hits = [ti.groups[i] for i in np.flatnonzero(np.all((ti.lo < dhi) & (ti.hi > dlo), axis=1))]
-            covered = 0
-            for g in hits:
-                ilo = tuple(map(max, bo, g.offsets))
-                sizes = tuple(min(a + s, b + z) - l for a, s, b, z, l in zip(bo, bs, g.offsets, g.sizes, ilo))
-                if min(sizes, default=1) <= 0:
-                    continue
-                n = math.prod(sizes)
-                covered += n
-                ch.nbytes.append(n * isz)
-                ch.group.append(g)
-                ch.delta.append(tuple(a - b for a, b in zip(ilo, g.offsets)))
-                ch.sizes.append(sizes)
-                ch.dst_region.append(t.region)
-                ch.dst_base.append(
-                    t.offset + (p.offset + sum((a - b) * s for a, b, s in zip(ilo, bo, p.strides))) * isz
-                )
-                ch.dst_strides.append(p.strides)
-                ch.itemsize.append(isz)
-                ch.piece.append((li, pi))
-            if covered != p.box.numel:
-                partial.append(
-                    f"{p.tensor!r} box offsets={bo} sizes={bs} on destination rank {dest.rank} "
-                    f"(local {t.name!r}): {p.box.numel - covered} of {p.box.numel} elements "
-                    f"held by no source"
-                )
-    return ch
-
-
-class _Emitter:
-    """Collects runs per source rank, in the order given, and turns them into ``SourceOps``.
-
-    Runs should arrive in source-address order per rank (``_emit`` sorts its parts): coalescing
-    then finds them sorted and skips the sort.
-    """
-
-    def __init__(self) -> None:
-        self.pending: dict[int, list[list[int]]] = {}  # single runs not yet put in a block
-        self.blocks: dict[int, list[tuple[np.ndarray, ...]]] = {}
-
-    def add_one(self, rank: int, src_region: int, so: int, dst_region: int, do: int, nb: int) -> None:
-        cols = self.pending.get(rank)
-        if cols is None:
-            cols = self.pending[rank] = [[], [], [], [], []]
-        cols[0].append(src_region)
-        cols[1].append(so)
-        cols[2].append(dst_region)
-        cols[3].append(do)
-        cols[4].append(nb)
-
-    def _flush(self, rank: int) -> None:
-        cols = self.pending.pop(rank, None)
-        if cols:
-            self.blocks.setdefault(rank, []).append(tuple(np.asarray(c, dtype=np.int64) for c in cols))
-
-    def add(
-        self, rank: int, src_region: int, so: np.ndarray, dst_region: int, do: np.ndarray, nb: np.ndarray | int
-    ) -> None:
-        self._flush(rank)
-        n = len(so)
-        self.blocks.setdefault(rank, []).append(
-            (
-                np.full(n, src_region, dtype=np.int64),
-                so,
-                np.full(n, dst_region, dtype=np.int64),
-                do,
-                np.full(n, nb, dtype=np.int64) if isinstance(nb, int) else nb,
-            )
-        )
-
-    def finish(self) -> tuple[SourceOps, ...]:
-        out = []
-        for rank in sorted(set(self.pending) | set(self.blocks)):
-            self._flush(rank)
-            blocks = self.blocks[rank]
-            cols = blocks[0] if len(blocks) == 1 else [np.concatenate([b[i] for b in blocks]) for i in range(5)]
-            out.append(SourceOps(rank, *coalesce(*cols)))
-        return tuple(out)
-
-
-def _emit(ch: _Chunks, parts: list[list[list[int]]]) -> tuple[SourceOps, ...]:
-    todo = []
-    for i, plist in enumerate(parts):
-        g = ch.group[i]
-        delta = ch.delta[i]
-        for rank, a, b in plist:
-            if b <= a:
-                continue
-            region, base, strides = g.addr_of(rank)
-            src_base = base + sum(d * s for d, s in zip(delta, strides)) * ch.itemsize[i] if any(delta) else base
-            todo.append((rank, region, src_base, a, b, i, strides))
-    todo.sort(key=lambda x: x[:4])  # source-address order per rank: coalescing needs no sort
-    em = _Emitter()
-    for rank, region, src_base, a, b, i, strides in todo:
-        rs, rd, run = box_runs(ch.sizes[i], strides, ch.dst_strides[i], ch.itemsize[i])
-        if len(rs) == 1:  # one contiguous run (most chunks): stay in Python ints
-            em.add_one(rank, region, src_base + a, ch.dst_region[i], ch.dst_base[i] + a, b - a)
-        elif a == 0 and b == ch.nbytes[i]:
-            em.add(rank, region, rs + src_base, ch.dst_region[i], rd + ch.dst_base[i], run)
-        else:
-            js = np.arange(a // run, -(-b // run), dtype=np.int64)
-            st = np.maximum(js * run, a)
-            en = np.minimum(js * run + run, b)
-            shift = st - js * run
-            em.add(rank, region, rs[js] + src_base + shift, ch.dst_region[i], rd[js] + ch.dst_base[i] + shift, en - st)
-    return em.finish()
-
-
-def _layout_key(lay: RankLayout) -> tuple:
-    return (lay.tensors, lay.region_sizes, tuple(sorted(lay.specs, key=lambda s: s.name)))
-
-
-def _group_identical(layouts: Sequence[RankLayout]) -> list[list[RankLayout]]:
-    """Layouts grouped by identical content (rank aside), in order of first appearance.
-
-    Layouts sharing their tuples (built once, as replicas usually are) are grouped by identity
-    first, so equal but distinct tuples are hashed once per distinct object, not once per rank.
-    """
-    by_id: dict[tuple[int, int, int], list[RankLayout]] = {}
-    for lay in layouts:
-        by_id.setdefault((id(lay.tensors), id(lay.region_sizes), id(lay.specs)), []).append(lay)
-    by_key: dict[tuple, list[RankLayout]] = {}
-    for same in by_id.values():
-        by_key.setdefault(_layout_key(same[0]), []).extend(same)
-    return list(by_key.values())
-
-
-def _source_classes(sources: Sequence[RankLayout]) -> dict[int, tuple[int, ...]]:
-    """Maps each source rank to the sorted ranks whose layouts are identical to its own."""
-    out: dict[int, tuple[int, ...]] = {}
-    for same in _group_identical(sources):
-        cls = tuple(sorted(s.rank for s in same))
-        for r in cls:
-            out[r] = cls
-    return out
+#: How far above the lower bound of the busiest source's bytes rotation may leave a joint plan.
+ROTATION_SLACK = 0.005
+#: Candidate sets this small against a destination's largest read from a source it reads anyway.
+FOLLOW = 1 / 64
 
 
 def _rotation(
@@ -432,18 +81,28 @@ def build_plans(
 ) -> dict[int, Plan]:
     """Plans every rank in ``dests`` together against ``sources``; returns ``{dst_rank: Plan}``.
 
-    Every destination byte that maps to canonical data is read exactly once; among sources that
-    hold the same bytes (replicas) the reads are assigned to minimise the largest number of bytes
-    any source serves across all ``dests``. Raises ``PlanError`` (naming tensors and ranks) if the
-    result would not validate. ``transforms`` names, per canonical tensor, an allowed dtype change.
+    Every destination byte that maps to canonical data is read exactly once. Among sources that
+    hold the same bytes (replicas) each destination reads all bytes of one candidate set from one
+    member (``balance.choose_sources``: by rotation over the replicas, following a source it reads
+    anyway for small sets), which depends on its rank and layout only: what ``build_plan`` gives
+    the rank alone, so a rank joining later plans its own part of this plan. Where that leaves
+    the busiest source more than ``ROTATION_SLACK`` above the lower bound for these destinations
+    (fewer destination copies than source replicas, say), the reads are balanced jointly
+    instead, splitting reads (never below ``min_split_bytes``) where that lowers the busiest
+    source. Raises ``PlanError`` (naming tensors and ranks) if the result would not validate.
+    ``transforms`` names, per canonical tensor, an allowed dtype change.
     """
-    # Planning allocates millions of small objects while the layouts hold millions more: the
-    # cyclic GC would rescan them all again and again (2-3x the planning time). Nothing here
-    # makes cycles, so pause it for the call.
+    return _without_gc(sources, dests, min_split_bytes=min_split_bytes, transforms=transforms, lone=False)
+
+
+def _without_gc(sources: Sequence[RankLayout], dests: Sequence[RankLayout], **kwargs) -> dict[int, Plan]:
+    """``_build_plans`` with the cyclic GC paused: planning allocates millions of small objects
+    while the layouts hold millions more, and the GC would rescan them all again and again (2-3x
+    the planning time). Nothing here makes cycles."""
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_plans(sources, dests, min_split_bytes=min_split_bytes, transforms=transforms)
+        return _build_plans(sources, dests, **kwargs)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -455,13 +114,12 @@ def _build_plans(
     *,
     min_split_bytes: int,
     transforms: Mapping[str, str] | None,
+    lone: bool,
     indexed: tuple[dict[int, tuple[int, ...]], _SourceIndex] | None = None,
 ) -> dict[int, Plan]:
-    """``build_plans``; ``indexed`` is ``(_source_classes(sources), its _SourceIndex)`` when the
-    caller has built them already (``packing.build_packed_plans``)."""
-    # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
-    from .validate import validate_plan
-
+    """``build_plans`` (``build_plan`` with ``lone``: rotation only); ``indexed`` is
+    ``(_source_classes(sources), its _SourceIndex)`` when the caller has built them already
+    (``packing.build_packed_plans``)."""
     transforms = dict(transforms or {})
     if min_split_bytes < 1:
         raise PlanError(f"min_split_bytes must be positive, got {min_split_bytes}")
@@ -499,6 +157,130 @@ def _build_plans(
         ]
         lines += partial[:20] + ([f"... and {len(partial) - 20} more"] if len(partial) > 20 else [])
         raise PlanError("destination bytes without a source: " + "; ".join(lines))
+
+    by_cands = [_by_candidates(ch) for _, ch in chunked]
+    if lone or _rotation_balances(chunked, by_cands, sources):
+        return _rotated_plans(chunked, by_cands, sources, classes)
+    return _joint_plans(chunked, sources, classes, min_split_bytes, align)
+
+
+def _by_candidates(ch: _Chunks) -> dict[tuple[int, ...], list[int]]:
+    """The chunks of ``ch`` per candidate set (the source ranks holding their bytes)."""
+    out: dict[tuple[int, ...], list[int]] = {}
+    for i, g in enumerate(ch.group):
+        out.setdefault(g.ranks, []).append(i)
+    return out
+
+
+def candidate_demand(
+    sources: Sequence[RankLayout], dests: Sequence[RankLayout], *, transforms: Mapping[str, str] | None = None
+) -> dict[int, dict[tuple[int, ...], int]]:
+    """Per destination rank, the bytes it needs from each candidate set (the sorted source ranks
+    holding them), as the planner sees them; the input of ``bounds.load_bound`` (summed over
+    destinations) and ``bounds.min_sources`` (one destination's sets). Raises ``PlanError`` for
+    bytes no source holds."""
+    sources = sorted(sources, key=lambda s: s.rank)
+    classes = _source_classes(sources)
+    index = _SourceIndex(sources, sorted(set(classes.values())))
+    missing: dict[str, list[int]] = {}
+    partial: list[str] = []
+    out: dict[int, dict[tuple[int, ...], int]] = {}
+    for same in _group_identical(list(dests)):
+        ch = _chunks_for(index, same[0], dict(transforms or {}), missing, partial)
+        if missing or partial:
+            raise PlanError(f"destination rank {same[0].rank}: bytes without a source")
+        need = {c: sum(ch.nbytes[i] for i in items) for c, items in _by_candidates(ch).items()}
+        for d in same:
+            out[d.rank] = need
+    return out
+
+
+def _rotation_balances(
+    chunked: list[tuple[list[RankLayout], _Chunks]],
+    by_cands: list[dict[tuple[int, ...], list[int]]],
+    sources: Sequence[RankLayout],
+) -> bool:
+    """Whether reading each candidate set whole from its member ``choose_sources`` picks leaves the
+    busiest source within ``ROTATION_SLACK`` of the lower bound for these destinations."""
+    loads: dict[int, int] = {}
+    demand: dict[tuple[int, ...], int] = {}
+    for (copies, ch), byc in zip(chunked, by_cands):
+        need = {c: sum(ch.nbytes[i] for i in items) for c, items in byc.items()}
+        for c, b in need.items():
+            demand[c] = demand.get(c, 0) + b * len(copies)
+        for d in copies:
+            for c, r in choose_sources(d.rank, need, follow=FOLLOW).items():
+                loads[r] = loads.get(r, 0) + need[c]
+    if not loads:
+        return True
+    busiest = max(loads.values()) / (1 + ROTATION_SLACK)
+    ranks = [s.rank for s in sources]
+    return busiest <= quick_bound(demand, ranks) or busiest <= load_bound(demand, ranks)
+
+
+def _rotated_plans(
+    chunked: list[tuple[list[RankLayout], _Chunks]],
+    by_cands: list[dict[tuple[int, ...], list[int]]],
+    sources: Sequence[RankLayout],
+    classes: Mapping[int, tuple[int, ...]],
+) -> dict[int, Plan]:
+    """Every destination reads each candidate set whole from the member ``choose_sources`` picks.
+
+    The reads of one candidate set served by one source class are emitted once per destination
+    layout (*blocks*) and relabelled for every member of the class (identical layouts: same
+    addresses); a destination's reads from one rank are its blocks for that rank, coalesced. A copy
+    reading a candidate set that no validated copy of its layout read is validated; the blocks of
+    a set for other classes differ only by the source addresses each class declared (as the
+    rotated copies of a joint plan differ from their validated base).
+    """
+    # Imported here: validate.py needs nothing from this module, but keep the graph acyclic.
+    from .validate import validate_plan
+
+    out: dict[int, Plan] = {}
+    vcache: dict = {}
+    for (copies, ch), byc in zip(chunked, by_cands):
+        blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], SourceOps] = {}
+        checked: set[tuple[int, ...]] = set()
+        need = {c: sum(ch.nbytes[i] for i in items) for c, items in byc.items()}
+        for d in copies:
+            per_rank: dict[int, list[SourceOps]] = {}
+            keys = []
+            chosen = choose_sources(d.rank, need, follow=FOLLOW)
+            for c, items in byc.items():
+                r = chosen[c]
+                key = (c, classes[r])
+                blk = blocks.get(key)
+                if blk is None:
+                    blk = blocks[key] = _emit(ch, [[[r, 0, ch.nbytes[i]]] for i in items], items)[0]
+                per_rank.setdefault(r, []).append(blk)
+                keys.append(c)
+            ops = []
+            for r in sorted(per_rank):
+                bl = per_rank[r]
+                cols = (
+                    [getattr(bl[0], c) for c in COLUMNS]
+                    if len(bl) == 1
+                    else coalesce(*(np.concatenate([getattr(b, c) for b in bl]) for c in COLUMNS))
+                )
+                ops.append(SourceOps(r, *cols))
+            plan = out[d.rank] = Plan(d.rank, tuple(ops), ch.needed)
+            if not checked.issuperset(keys):
+                validate_plan(plan, sources, d, cache=vcache, samples=64)
+                checked.update(keys)
+    return {r: out[r] for r in sorted(out)}
+
+
+def _joint_plans(
+    chunked: list[tuple[list[RankLayout], _Chunks]],
+    sources: Sequence[RankLayout],
+    classes: Mapping[int, tuple[int, ...]],
+    min_split_bytes: int,
+    align: int,
+) -> dict[int, Plan]:
+    """Balances the destinations jointly where rotation alone does not (see ``build_plans``):
+    longest-first and splitting (``balance.assign``) per destination layout against the load so
+    far, copies rotated over identical source replicas."""
+    from .validate import validate_plan
 
     loads: dict[int, int] = {}
     out: dict[int, Plan] = {}
@@ -538,6 +320,14 @@ def _build_plans(
     return {r: out[r] for r in sorted(out)}
 
 
-def build_plan(sources: Sequence[RankLayout], dest: RankLayout, **kwargs) -> Plan:
-    """``build_plans(sources, [dest])[dest.rank]``."""
-    return build_plans(sources, [dest], **kwargs)[dest.rank]
+def build_plan(
+    sources: Sequence[RankLayout],
+    dest: RankLayout,
+    *,
+    min_split_bytes: int = DEFAULT_MIN_SPLIT_BYTES,
+    transforms: Mapping[str, str] | None = None,
+) -> Plan:
+    """The plan of one rank planning alone (a subscriber): its part of any ``build_plans`` whose
+    rotation is balanced (see there), since each rank's sources follow from its own rank."""
+    plans = _without_gc(sources, [dest], min_split_bytes=min_split_bytes, transforms=transforms, lone=True)
+    return plans[dest.rank]

@@ -39,15 +39,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .boxes import any_overlap, grid_cells, subtract
-from .builder import (
-    DEFAULT_MIN_SPLIT_BYTES,
-    _build_plans,
-    _chunks_for,
-    _group_identical,
-    _source_classes,
-    _SourceIndex,
-    build_plans,
-)
+from .builder import DEFAULT_MIN_SPLIT_BYTES, _build_plans, build_plans
+from .chunks import _chunks_for, _group_identical, _source_classes, _SourceIndex
 from .dtypes import itemsize as _itemsize
 from .errors import PlanError
 from .layout import Box, LocalTensor, Piece, RankLayout, row_major_strides
@@ -447,7 +440,12 @@ def build_packed_plans(
     gc.disable()  # as build_plans does: millions of acyclic objects
     try:
         plans = _build_plans(
-            sources, receivers, min_split_bytes=min_split_bytes, transforms=transforms, indexed=(classes, index)
+            sources,
+            receivers,
+            min_split_bytes=min_split_bytes,
+            transforms=transforms,
+            lone=False,
+            indexed=(classes, index),
         )
     finally:
         if gc_was_enabled:

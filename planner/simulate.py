@@ -18,13 +18,21 @@ and ``B`` bytes (mean read ``m = B / n``), moving at rate ``r`` bytes/s, occupie
   seconds (round trip, work request, bytes at the slower NIC's full speed), so by Little's law
   ``r <= queue_depth * m / (latency_s + nic_per_read_s + m / bandwidth)``.
 
+A flow starts once its connection is set up: a destination sets up one connection per source
+(transport connect, descriptor exchange, queue pair), ``connect_s`` each, one after another in
+source-rank order, so its ``k``-th source's flow starts at ``k * connect_s``.
+
 So more, smaller reads of the same bytes take longer, a flow with one read in flight never
-reaches the NIC's bandwidth, and a shallow queue costs the reader a post per read. The default
+reaches the NIC's bandwidth, a shallow queue costs the reader a post per read, and every extra
+source a destination reads from delays its flows by one more set-up. The default
 costs are figures measured on this project's own transports (``benchmarks/read_cost.py``; README, "Simulator costs").
 
-The *lower bound* ignores every per-read cost and sharing: the busiest NIC's bytes over its
-bandwidth, egress or ingress. No schedule of any plan moving these bytes can beat it;
-``ratio = makespan / lower_bound``.
+The *lower bound* ignores every per-read and per-connection cost and sharing: the busiest NIC's
+bytes over its bandwidth, egress or ingress (every rank has a NIC of its own, so with equal
+bandwidths a busier source shows only where sources, not readers, carry the most bytes: 128
+rollout ranks each receiving a model's 1/16 outweigh 256 trainer ranks each sending a 1/32 share
+of 8 copies, whatever the balance among them). No schedule of any plan moving these bytes can
+beat it; ``ratio = makespan / lower_bound``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ DEFAULT_CPU_PER_POST_S = 25e-6
 #: Fixed NIC cost per read: the ``tcp`` server's measured per-read CPU, the part a NIC plays.
 DEFAULT_NIC_PER_READ_S = 0.8e-6
 DEFAULT_LATENCY_S = 5e-6
+#: Set-up of one (destination, source) connection: an estimate for an RDMA queue pair and the
+#: descriptor exchange through the store, not a measurement of this project's transports.
+DEFAULT_CONNECT_S = 1e-3
 DEFAULT_QUEUE_DEPTH = 16
 
 
@@ -81,20 +92,24 @@ def simulate(
     cpu_per_read_s: float = DEFAULT_CPU_PER_READ_S,
     cpu_per_post_s: float = DEFAULT_CPU_PER_POST_S,
     nic_per_read_s: float = DEFAULT_NIC_PER_READ_S,
+    connect_s: float = DEFAULT_CONNECT_S,
     max_events: int = 100_000,
 ) -> SimResult:
     """Simulates every plan at once (see the module docstring). Bandwidths in bytes per second."""
     plan_list = list(plans.values()) if isinstance(plans, Mapping) else list(plans)
     src_bw_spec = bandwidth if src_bandwidth is None else src_bandwidth
     dst_bw_spec = bandwidth if dst_bandwidth is None else dst_bandwidth
-    fs, fd, fb, fn = [], [], [], []
+    fs, fd, fb, fn, fr = [], [], [], [], []
     for p in plan_list:
-        for s in p.sources:
+        k = 0
+        for s in sorted(p.sources, key=lambda s: s.src_rank):
             if len(s):
+                k += 1
                 fs.append(s.src_rank)
                 fd.append(p.dst_rank)
                 fb.append(s.total_bytes)
                 fn.append(len(s))
+                fr.append(k * connect_s)
     if not fb:
         return SimResult(0.0, 0.0, 1.0, 0, 0, 0, (-1, 0), (-1, 0))
     src_ranks = sorted(set(fs))
@@ -121,7 +136,8 @@ def simulate(
     mean = nbytes / nops
     in_flight = latency_s + nic_per_read_s + mean / np.minimum(bw[a], bw[b])
     flow_cap = queue_depth * mean / in_flight
-    makespan = _fluid(np.stack([a, b, c]), np.stack([ca, cb, cc]), nbytes, ns + 2 * nd, flow_cap, max_events)
+    release = np.array(fr, dtype=np.float64)
+    makespan = _fluid(np.stack([a, b, c]), np.stack([ca, cb, cc]), nbytes, ns + 2 * nd, flow_cap, release, max_events)
     es = int(np.argmax(nic_bytes[:ns]))
     ed = int(np.argmax(nic_bytes[ns:]))
     return SimResult(
@@ -158,25 +174,43 @@ def _rates(res: np.ndarray, coef: np.ndarray, nres: int, flow_cap: np.ndarray) -
 
 
 def _fluid(
-    res: np.ndarray, coef: np.ndarray, work: np.ndarray, nres: int, flow_cap: np.ndarray, max_events: int
+    res: np.ndarray,
+    coef: np.ndarray,
+    work: np.ndarray,
+    nres: int,
+    flow_cap: np.ndarray,
+    release: np.ndarray,
+    max_events: int,
 ) -> float:
+    """Time until every flow has moved its ``work`` bytes, flow ``i`` starting at ``release[i]``;
+    rates are re-shared at every start and finish."""
     t = 0.0
     left = work.copy()
-    alive = left > 0
+    pending = left > 0  # not finished
     for _ in range(max_events):
-        if not alive.any():
+        if not pending.any():
             return t
-        idx = np.flatnonzero(alive)
+        started = pending & (release <= t * (1 + 1e-12))
+        waiting = release[pending & ~started]
+        next_start = float(waiting.min()) if len(waiting) else float("inf")
+        if not started.any():
+            t = next_start
+            continue
+        idx = np.flatnonzero(started)
         r = _rates(res[:, idx], coef[:, idx], nres, flow_cap[idx])
         dt_each = left[idx] / r
         dt = float(dt_each.min())
+        if t + dt > next_start:  # a flow starts first: re-share then
+            left[idx] -= r * (next_start - t)
+            t = next_start
+            continue
         # Finish every flow within a hair of the earliest together (symmetric plans end in bulk).
         done = dt_each <= dt * (1 + 1e-9)
         left[idx] -= r * dt
         left[idx[done]] = 0.0
-        alive[idx[done]] = False
+        pending[idx[done]] = False
         t += dt
-    # Too many distinct events: finish the rest at their current rates (a lower estimate).
-    idx = np.flatnonzero(alive)
+    # Too many distinct events: start the rest now and finish at their current rates (a lower estimate).
+    idx = np.flatnonzero(pending)
     r = _rates(res[:, idx], coef[:, idx], nres, flow_cap[idx])
-    return t + float((left[idx] / r).max())
+    return max(t, float(release[idx].max())) + float((left[idx] / r).max())

@@ -86,9 +86,11 @@ class _Info:
         return self._mapped
 
     def share(self, other: _Info) -> None:
-        """Reuses ``other``'s mapped intervals (same tensors object, so same bytes mapped)."""
-        if self._mapped is None and other.layout.tensors is self.layout.tensors:
-            self._mapped = other._mapped
+        """Reuses ``other``'s mapped intervals and tensor index (same tensors object, so same
+        bytes mapped at the same places)."""
+        if other.layout.tensors is self.layout.tensors:
+            self._mapped = self._mapped if self._mapped is not None else other._mapped
+            self._index = self._index if self._index is not None else other._index
 
     def tensor_at(self, region: int, offset: int) -> LocalTensor | None:
         tensors, keys = self._tensor_index()
@@ -109,6 +111,7 @@ def _info(layout: RankLayout, cache: dict | None) -> _Info:
         if twin is not got:
             if twin._mapped is None:
                 twin.mapped  # noqa: B018  (compute once, share with every layout built on these tensors)
+            twin._tensor_index()
             got.share(twin)
     return got
 

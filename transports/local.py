@@ -93,9 +93,10 @@ def _check_signature(key: bytes, d: dict, what: str) -> None:
 
 
 def _want_huge_pages(mm: mmap.mmap) -> None:
-    """Asks for transparent huge pages on a host buffer. It only helps where
-    /sys/kernel/mm/transparent_hugepage/shmem_enabled allows ("advise" or "always"): with 4 KiB
-    shmem pages, copies out of the mapping run at ~0.75-0.85x a huge-page anonymous memcpy (TLB misses)."""
+    """Asks for transparent huge pages on a host buffer. It only takes effect where
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled allows ("advise" or "always"). With 4 KiB
+    shmem pages ("never"), a 512 MiB read out of the mapping ran at 0.95-0.99x a one-thread
+    anonymous memcpy on a 2-CPU, one-NUMA-node host (``benchmarks/transport_throughput.py``)."""
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):

@@ -86,7 +86,7 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | N
     place both sides turn registered tensors into a ``RankLayout``. ``cast``: the dtype that the
     floating tensors are laid out (published) in; other tensors keep theirs. ``transforms``:
     ``{name: transform}`` (``wbridge.publish.transforms``), laid out as the transform publishes them."""
-    from planner.layout import LayoutBuilder
+    from planner.compiler import LayoutBuilder
 
     from .errors import UsageError
     from .publish.transforms import fp8_block128_layout

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.layout import Piece, pieces_for
+from planner.compiler import pieces_for
+from planner.layout import Piece
 from transports._util import free_port  # noqa: F401 (re-exported for callers)
 
 GARBAGE = 0x5A
@@ -152,8 +153,8 @@ def plan_transfer(sources: list[Mapping[str, tuple[Any, Any]]], dests: list[Mapp
     import torch
 
     from planner.builder import build_plans
+    from planner.compiler import LayoutBuilder
     from planner.dtypes import normalize
-    from planner.layout import LayoutBuilder
     from tests.planner.helpers import execute
 
     def dtype_of(t):

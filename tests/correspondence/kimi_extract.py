@@ -26,7 +26,7 @@ sys.path.insert(0, HERE)
 
 from engines import DeepseekStyleModel, deepseek_shapes  # noqa: E402
 
-from planner.layout import pieces_for  # noqa: E402
+from planner.compiler import pieces_for  # noqa: E402
 from wbridge.integrations.trace import expand_experts, expand_layers, trace_load_weights, with_shapes  # noqa: E402
 
 

@@ -93,7 +93,7 @@ def test_qwen2_rollout_from_module_matches_trace():
     m = qwen2(0)
     traced = trace(m)
     plain = from_module(m)
-    from planner.layout import pieces_for
+    from planner.compiler import pieces_for
 
     assert set(plain) == set(traced.entries)
     for n, (t, d) in plain.items():

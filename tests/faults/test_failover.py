@@ -27,8 +27,10 @@ def test_source_dies_mid_pull(tmp_path, replicas: int) -> None:
     try:
         call_all(pubs, "publish", 1)
         sub.send("pull", min_version=1, timeout=60.0)
-        wait_paused(paused, world)
-        victim = world - 1  # not the store's host
+        # The subscriber reads one replica of each shard (rotation by its id, 1): ranks tp..world-1
+        # when there are two replicas, every rank when there is one; all paused half-way.
+        wait_paused(paused, tp)
+        victim = world - 1  # not the store's host, read from either way
         pubs[victim].kill()
         release(go)
         if replicas > 1:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from planner.layout import Flat, Fused, LayoutBuilder, RankLayout, Shard, Stack
+from planner.compiler import LayoutBuilder
+from planner.layout import Flat, Fused, RankLayout, Shard, Stack
 from planner.layout import even_split as split
 
 

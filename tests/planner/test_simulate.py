@@ -11,7 +11,13 @@ from planner.simulate import DEFAULT_NIC_PER_READ_S as NIC
 from .cases import sharded
 
 pytestmark = pytest.mark.timeout(60)
-FREE = {"latency_s": 0, "cpu_per_read_s": 0, "cpu_per_post_s": 0, "nic_per_read_s": 0}  # bytes only: hand-computable
+FREE = {
+    "latency_s": 0,
+    "cpu_per_read_s": 0,
+    "cpu_per_post_s": 0,
+    "nic_per_read_s": 0,
+    "connect_s": 0,
+}  # bytes only: hand-computable
 
 
 def _plan(dst: int, reads: dict[int, list[int]]) -> Plan:
@@ -67,6 +73,7 @@ def test_small_ops_are_latency_bound():
         cpu_per_read_s=0,
         cpu_per_post_s=0,
         nic_per_read_s=0,
+        connect_s=0,
     )
     assert res.makespan_s == pytest.approx(1000 * (10e-6 + 1e-9), rel=1e-6)
     assert res.ratio > 1000
@@ -81,7 +88,7 @@ def test_more_smaller_reads_of_the_same_bytes_take_longer():
 
 def test_per_read_costs_are_charged_where_they_belong():
     one = _plan(10, {0: [1000] * 10**5})  # 100 MB as 100k reads; the NIC is nearly free (1 TB/s)
-    kw = {"bandwidth": 1e12, "latency_s": 0, "queue_depth": 10**9, "cpu_per_post_s": 0}
+    kw = {"bandwidth": 1e12, "latency_s": 0, "queue_depth": 10**9, "cpu_per_post_s": 0, "connect_s": 0}
     # Reader CPU: one rank posts all its reads, whatever the number of flows.
     cpu = simulate([one], cpu_per_read_s=1e-6, nic_per_read_s=0, **kw)
     assert cpu.makespan_s == pytest.approx(0.1, rel=1e-6)  # posting overlaps the bytes
@@ -98,8 +105,8 @@ def test_per_read_costs_are_charged_where_they_belong():
 
 def test_queue_depth_bounds_a_flow():
     big = [_plan(10, {0: [10**6] * 1000})]  # 1 GB in 1 MB reads at 50 GB/s: 20 ms of bytes
-    deep = simulate(big, bandwidth=50e9, latency_s=5e-6, queue_depth=16)
-    shallow = simulate(big, bandwidth=50e9, latency_s=5e-6, queue_depth=1)
+    deep = simulate(big, bandwidth=50e9, latency_s=5e-6, queue_depth=16, connect_s=0)
+    shallow = simulate(big, bandwidth=50e9, latency_s=5e-6, queue_depth=1, connect_s=0)
     # One read in flight: each read takes 5 us + the NIC's fixed cost + 20 us of bytes.
     assert shallow.makespan_s == pytest.approx(1000 * (5e-6 + NIC + 20e-6), rel=1e-3)
     assert deep.makespan_s < 1.05 * deep.lower_bound_s < shallow.makespan_s
@@ -126,3 +133,18 @@ def test_shallow_queue_costs_a_post_per_read():
     few = [_plan(10, {s: [2048 * 20_000] for s in range(64)})]
     a, b = simulate(few, queue_depth=16), simulate(few, queue_depth=1)
     assert b.makespan_s == pytest.approx(a.makespan_s, rel=0.01)
+
+
+def test_each_source_costs_a_connection_set_up():
+    # One reader, 1 GB at 1 GB/s: from one source it starts after one set-up; spread over 4
+    # sources the flows start one set-up after another, the last at 4 ms.
+    free = {k: v for k, v in FREE.items() if k != "connect_s"}
+    one = simulate([_plan(10, {0: [10**9]})], bandwidth=1e9, connect_s=1e-3, **free)
+    assert one.makespan_s == pytest.approx(1.0 + 1e-3)
+    four = simulate([_plan(10, {s: [10**9 // 4] for s in range(4)})], bandwidth=1e9, connect_s=1e-3, **free)
+    # Bytes flow from 1 ms on (the reader's NIC is the bottleneck); the 3 ms of later set-ups overlap them.
+    assert four.makespan_s == pytest.approx(1.0 + 1e-3, rel=1e-6)
+    many = simulate([_plan(10, {s: [10**9 // 2000] for s in range(2000)})], bandwidth=1e9, connect_s=1e-3, **free)
+    # 2000 set-ups take 2 s, more than the bytes: the last 0.5 MB flow starts at 2 s.
+    assert many.makespan_s == pytest.approx(2.0 + 0.5e-3, rel=1e-3)
+    assert many.lower_bound_s == pytest.approx(one.lower_bound_s)

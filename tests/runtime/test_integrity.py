@@ -37,8 +37,9 @@ def test_verify_accepts_a_clean_pull(fused: bool) -> None:
 def test_bit_flipped_in_flight_is_integrity_error(staged: bool) -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     pubs = publishers(url, 2, staging=Staging(checksums=True))
-    # the 3rd plan batch is corrupted: the first pull (one batch per publisher rank) is clean;
-    # single-read batches (verification re-reads) are not counted
+    # the 2nd data batch is corrupted: the first pull (one batch: every byte this TP rank needs,
+    # replicated norms included, is read from publisher rank 1, the one holding its shard) is
+    # clean; batches under 1 KiB (version stamps) are not counted
     sub = Worker(
         "sub",
         SubActor,
@@ -48,7 +49,7 @@ def test_bit_flipped_in_flight_is_integrity_error(staged: bool) -> None:
         verify=True,
         staged=staged,
         transport="tcp",
-        fault=("flip-bit", {"on_reads": (3,), "min_ops": 2}),
+        fault=("flip-bit", {"on_reads": (2,), "min_bytes": 1024}),
     )
     try:
         call_all(pubs, "publish", 1)

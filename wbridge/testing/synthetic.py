@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.layout import Declaration, Fused, Shard, TensorSpec, pieces_for
+from planner.compiler import pieces_for
+from planner.layout import Declaration, Fused, Shard, TensorSpec
 
 
 @dataclass(frozen=True)

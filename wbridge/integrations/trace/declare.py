@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.layout import Declaration, Flat, Fused, Shard, Stack, pieces_for, row_major_strides
+from planner.compiler import pieces_for
+from planner.layout import Declaration, Flat, Fused, Shard, Stack, row_major_strides
 
 from ...errors import LayoutError
 from .result import View, _shards

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 
-from planner.layout import Declaration, Flat, Fused, Shard, Stack, pieces_for
+from planner.compiler import pieces_for
+from planner.layout import Declaration, Flat, Fused, Shard, Stack
 
 from ...errors import LayoutError
 from .result import TraceResult, View, _shards
