@@ -20,7 +20,8 @@ and ``B`` bytes (mean read ``m = B / n``), moving at rate ``r`` bytes/s, occupie
 
 So more, smaller reads of the same bytes take longer, a flow with one read in flight never
 reaches the NIC's bandwidth, and a shallow queue costs the reader a post per read. The default
-costs are figures measured on this project's own transports (``benchmarks/read_cost.py``; README, "Simulator costs").
+costs are figures measured on this project's own transports (``benchmarks/read_cost.py``;
+docs/planner.md, "Simulator costs").
 
 The *lower bound* ignores every per-read cost and sharing: the busiest NIC's bytes over its
 bandwidth, egress or ingress. No schedule of any plan moving these bytes can beat it;
