@@ -137,7 +137,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
             row: dict[str, Any] = {"step": step, "changed": changed}
             for c in order:
                 v = pubs[c].publish(timeout=60.0)
-                st = pubs[c].stats[-1]
+                st = pubs[c].stats.last
                 row[f"{c}_stall"], row[f"{c}_encode"] = st.stall_s, st.delta_s
                 got = actors[list(pubs).index(c)].call("pull", v, call_timeout=120.0)
                 if got["hash"] != want or got["v"] != v:

@@ -167,7 +167,7 @@ class Trainer(_Side, TrainerRank):
         self.fut.result(timeout=timeout)  # drain, not counted: the next step's compute would overlap it
         self.fut = None
         drain = time.perf_counter() - t0
-        snaps = [s.stall_s for s in self.pub.stats[-steps:]]  # the copies, now off the trainer's path
+        snaps = [s.stall_s for s in list(self.pub.stats.history)[-steps:]]  # the copies, now off the trainer's path
         self.pub.wait_acked(steps + 1, timeout=timeout)  # keep serving until every rollout has the last one
         return {"stalls": stalls, "snapshot_s": snaps, "drain_s": drain, "wall_s": wall}
 

@@ -83,7 +83,7 @@ class Trainer(TrainerRank):
         t0 = time.perf_counter()
         v = self.pub.publish(timeout=timeout)
         t1 = time.perf_counter()
-        s = self.pub.stats[-1]
+        s = self.pub.stats.last
         return {"v": v, "t0": t0, "t1": t1, "stall_s": s.stall_s, "wait_s": s.wait_s}
 
     def baseline(self, bucket_bytes: int) -> dict:

@@ -25,7 +25,8 @@ source-rank order, so its ``k``-th source's flow starts at ``k * connect_s``.
 So more, smaller reads of the same bytes take longer, a flow with one read in flight never
 reaches the NIC's bandwidth, a shallow queue costs the reader a post per read, and every extra
 source a destination reads from delays its flows by one more set-up. The default
-costs are figures measured on this project's own transports (``benchmarks/read_cost.py``; README, "Simulator costs").
+costs are figures measured on this project's own transports (``benchmarks/read_cost.py``;
+docs/planner.md, "Simulator costs").
 
 The *lower bound* ignores every per-read and per-connection cost and sharing: the busiest NIC's
 bytes over its bandwidth, egress or ingress (every rank has a NIC of its own, so with equal

@@ -26,7 +26,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --upgrade pip >/dev/null
   # Pin torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity,transformers]"
+  # every extra of pyproject.toml but ray (it goes into .venv-vllm, next to vLLM, below)
+  .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity,transformers,docs]"
   echo "$want" > "$stamp"
 fi
 

@@ -54,7 +54,7 @@ from .errors import TransportError
 # libefa (the ibverbs-providers package, which Mooncake's libibverbs1 pulls in), UCX's ib_efa module
 # loads it, which drags the system libibverbs/libnl in next to the bundled copies, and the process
 # segfaults in libnl's destructor at exit. UCX reads this option once, when its library loads, so it
-# is set before the import; a value the user set wins (AWS EFA users: see the README).
+# is set before the import; a value the user set wins (AWS EFA users: see docs/transports.md).
 os.environ.setdefault("UCX_MODULES", "^*efa*")
 
 try:

@@ -50,7 +50,7 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    # run as the README does (``PYTHONPATH=. python benchmarks/X.py``): the checkout's root on
+    # run as benchmarks/README.md does (``PYTHONPATH=. python benchmarks/X.py``): the checkout's root on
     # PYTHONPATH for its packages (soak imports benchmarks._faults and tests.*), the script's own
     # folder first on sys.path for its _common helpers
     root = os.path.dirname(_repo_benchmarks())

@@ -40,12 +40,9 @@ def _graft(root: type[BaseException]) -> None:
 _graft(_pe.PlannerError)
 _graft(_te.TransportError)
 
-PlannerError = _pe.PlannerError
-LayoutError = _pe.LayoutError
-PlanError = _pe.PlanError
-TransportError = _te.TransportError
-AuthError = _te.AuthError
-MissingExtraError = _te.MissingExtraError
+# Re-exported as imports (not assignments), so documentation tools see the classes themselves.
+from planner.errors import LayoutError, PlanError, PlannerError  # noqa: E402
+from transports.errors import AuthError, MissingExtraError, TransportError  # noqa: E402
 
 
 class StaleVersionError(WBridgeError):

@@ -52,7 +52,7 @@ from planner.layout import Declaration, RankLayout
 from . import _validate
 from ._lifecycle import Closeable, log, quietly
 from ._selection import RDMA_FIRST, rdma_present
-from ._stats import PublishStats
+from ._stats import PublisherStats, PublishStats
 from ._tensors import FLOATING, build_layout, dtype_name
 from .errors import StoreError, UsageError, WaitTimeout, WBridgeError
 from .options import Async, Staging, ZeroCopy, mode_of
@@ -157,7 +157,7 @@ class Publisher(Closeable):
         self._lock = threading.Lock()
         self._reg: Registration | None = None
         self._old_epochs: list[tuple[int, int]] = []  # (epoch, packing generations) of replaced registrations
-        self.stats: list[PublishStats] = []
+        self.stats = PublisherStats()
         self._connect_timeout = connect_timeout
         # publish_async(): one worker thread, at most one publish in flight, and a stop signal
         # that close() gives so a publish waiting on subscribers gives up at once.
@@ -432,7 +432,7 @@ class Publisher(Closeable):
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
         wait_s = (t1 - t0) + (t3 - t2) - delta_s
-        self.stats.append(PublishStats(v, t2 - t1, wait_s, t3 - t0, nbytes, background, delta_s))
+        self.stats.add(PublishStats(v, t2 - t1, wait_s, t3 - t0, nbytes, background, delta_s))
         return v
 
     def _collect(self, v: int, epoch: int) -> None:
@@ -593,4 +593,4 @@ def _left(deadline: float, what: str) -> float:
     return left
 
 
-__all__ = ["PublishStats", "Publisher"]
+__all__ = ["PublishStats", "Publisher", "PublisherStats"]

@@ -286,7 +286,7 @@ class Subscriber(Closeable):
                         f"and no newer version arrived within {timeout:.1f}s"
                     ) from None
                 continue
-            self.stats.pulls.append(
+            self.stats.add(
                 PullStats(
                     rec.v,
                     time.perf_counter() - t0,

@@ -40,7 +40,7 @@ class PubActor:
     def publish(self, v: int, timeout: float = 30.0) -> dict:
         set_version(self.tensors, v)
         got = self.pub.publish(timeout=timeout)
-        return {"v": got, "t_ret": time.time(), "stall_s": self.pub.stats[-1].stall_s}
+        return {"v": got, "t_ret": time.time(), "stall_s": self.pub.stats.last.stall_s}
 
     def wait_acked(self, v: int, timeout: float = 30.0) -> float:
         self.pub.wait_acked(v, timeout=timeout)

@@ -69,7 +69,7 @@ class DeltaPub:
         return self.pub.publish(timeout=timeout)
 
     def stats(self) -> dict:
-        st = self.pub.stats[-1]
+        st = self.pub.stats.last
         return {"stall_s": st.stall_s, "delta_s": st.delta_s}
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ class AsyncPubActor(PubActor):
 
     def result(self, timeout: float = 30.0) -> dict:
         v = self.fut.result(timeout=timeout)
-        return {"v": v, "t_done": time.time(), "stats": vars(self.pub.stats[-1])}
+        return {"v": v, "t_done": time.time(), "stats": vars(self.pub.stats.last)}
 
     def try_publish(self, v: int, timeout: float, background: bool) -> dict:
         """One publish expected to fail: the error class it raised (through the future, or not)."""

@@ -116,6 +116,50 @@ def _quiet_os() -> Iterator[None]:
         pass
 
 
+# What torch's client says when the other end went away, and how to put it in words.
+_LOST = (
+    ("got 0 bytes", "closed"),
+    ("connection was likely closed", "closed"),
+    ("reset by peer", "reset"),
+    ("broken pipe", "closed"),
+    ("connection refused", "refused"),
+)
+
+
+def _lost(error: BaseException) -> str | None:
+    """``"closed"``, ``"reset"`` or ``"refused"`` when ``error`` says the connection to the store was
+    lost, else None."""
+    if isinstance(error, ConnectionRefusedError):
+        return "refused"
+    if isinstance(error, ConnectionResetError):
+        return "reset"
+    text = str(error).lower()
+    return next((how for marker, how in _LOST if marker in text), None)
+
+
+_CHECK = (
+    "the process that hosts the store (the publisher rank with host_store=True, or `wbridge store serve`) "
+    "has not started, has exited or crashed, or cannot be reached; check that process's own error and log, "
+    "and the network to"
+)
+
+
+def _gone(url: str, host: str, port: int, how: str) -> str:
+    """The message for a store whose connection was lost (``how``): a probe tells whether the host
+    still accepts connections, and the message says what to check either way."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            pass
+    except OSError as e:
+        probe = "refused" if isinstance(e, ConnectionRefusedError) else (e.strerror or type(e).__name__)
+        return f"store host {url} is gone (connection {how}; a new connection: {probe}): {_CHECK} {host}:{port}"
+    return (
+        f"store {url} dropped this client's connection (connection {how}), although it accepts new ones: "
+        f"if the store's process restarted, the next call joins the new store; else check the network to "
+        f"{host}:{port}"
+    )
+
+
 def _set_timeouts(s: socket.socket, seconds: float) -> None:
     seconds = max(seconds, 0.01)
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
@@ -205,7 +249,12 @@ class TcpStore(Store):
             except (OSError, RuntimeError) as e:
                 last = e
                 time.sleep(0.1)
-        raise StoreError(f"store tcp://{host}:{port} unreachable after {timeout:.1f}s: {last}")
+        if last is not None and _lost(last) == "refused":
+            raise StoreError(
+                f"store tcp://{host}:{port} unreachable after {timeout:.1f}s (connection refused: nothing listens "
+                f"there): {_CHECK} {host}:{port}"
+            ) from last
+        raise StoreError(f"store tcp://{host}:{port} unreachable after {timeout:.1f}s: {last}") from last
 
     def _call(self, fn: Callable):
         """``fn(torch_store)``; its socket's timeouts bound it (by the caller's ``deadline()`` when one
@@ -231,8 +280,12 @@ class TcpStore(Store):
                 return fn(self._store)
             except (RuntimeError, OSError, ValueError) as e:
                 self._drop_client()
+                said = str(e).splitlines()[0] if str(e) else repr(e)
+                how = _lost(e)
+                if how is not None:
+                    raise StoreError(f"{_gone(self.url, self.host, self.port, how)} (torch: {said})") from e
                 unknown = " (the call may or may not have been applied)" if "Timeout" in str(e) else ""
-                raise StoreError(f"store {self.url}: {str(e).splitlines()[0] if str(e) else e!r}{unknown}") from e
+                raise StoreError(f"store {self.url}: {said}{unknown}") from e
             finally:
                 if deadline is not None and self._store is not None:
                     for s in self._socks:

@@ -62,7 +62,7 @@ def _trainer(cfg: DemoConfig, rank: int, url: str, results: mp.Queue, done: mp.E
                 got = pub.publish(timeout=cfg.timeout)
                 if got != v:
                     raise RuntimeError(f"trainer rank {rank}: published version {got}, expected {v}")
-                s = pub.stats[-1]
+                s = pub.stats.last
                 results.put(("publish", rank, {"version": v, "stall_s": s.stall_s, "wait_s": s.wait_s}))
             pub.wait_acked(cfg.versions, timeout=cfg.timeout)
             results.put(("trainer-done", rank, None))
