@@ -36,7 +36,12 @@ def test_vllm_async_rl_example(tmp_path):
     assert rc == 0, tail
     res = json.load(open(tmp_path / "result.json"))
     last, published = res["last"], res["published"]
-    print("\n" + "\n".join(line for line in tail.splitlines() if line.startswith(("engine", "trainers", "reference"))))
+    for i, r in enumerate(res["rollouts"]):
+        st, seen = r["stats"], sorted({v for v, _ in r["completions"]})
+        print(f"\nengine {i}: {len(r['completions'])} completions on versions {seen}, "
+              f"{len(st)} updates, delta {[s['delta'] for s in st]}, bytes {[s['nbytes'] for s in st]}, "
+              f"max commit {max(s['commit_s'] for s in st) * 1e3:.2f} ms; greedy {r['greedy']}")  # fmt: skip
+    print(f"published {published}; reference {res['reference']}")
     assert published == list(range(1, last + 1))
     for r in res["rollouts"]:
         versions = [v for v, _ in r["completions"]]
