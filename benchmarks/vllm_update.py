@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.config import WeightTransferConfig
 
     from transports._util import free_port
-    from wbridge.integrations.vllm_transfer import register
+    from wbridge.integrations.vllm import register
     from wbridge.testing.workers import Worker
 
     register()

@@ -7,7 +7,7 @@ engine starts from the saved checkpoint. Then: greedy tokens after the pull equa
 engine's and differ from those before; the checkpoint-format tensors the engine reloaded equal the
 trainer's weights fused the vLLM way, bit for bit; every tensor the engine exposes equals the
 second engine's. The MoE test drives the same pull through vLLM's own weight-transfer API
-(``WeightTransferConfig(backend="wbridge")``, ``wbridge.integrations.vllm_transfer``).
+(``WeightTransferConfig(backend="wbridge")``, ``wbridge.integrations.vllm.transfer``).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_vllm_background_update_pauses_only_to_commit(tmp_path):
-    """Pause only to commit (``wbridge.integrations.vllm_commit``): through vLLM's weight-transfer API
+    """Pause only to commit (``wbridge.integrations.vllm.commit``): through vLLM's weight-transfer API
     a background update is started before the trainer publishes, so the pull is in flight while
     requests run; they complete on the old weights. After the trainer's step and publish the commit
     (fused copy of the identity parameters, swap of the GEMM kernels rebuilt on the pull's thread)

@@ -239,8 +239,7 @@ def http_trainer(ckpt: str, out: str, port: int, url: str) -> None:
 
     from wbridge import Publisher
     from wbridge.integrations.dtensor import from_module
-    from wbridge.integrations.vllm_trainer import WBridgeTrainerInitInfo
-    from wbridge.integrations.vllm_transfer import register
+    from wbridge.integrations.vllm import WBridgeTrainerInitInfo, register
 
     def get(path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()

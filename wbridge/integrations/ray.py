@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MissingExtraError, UsageError
-
-EXTENSION = "wbridge.integrations.vllm.WBridgeWorkerExtension"
+from .vllm import EXTENSION as EXTENSION  # re-exported: rollout actors start their LLM with it
+from .vllm import VLLMUpdater
 
 # The store-host actors this process started: Ray ends a (non-detached) actor once no handle to
 # it is left, even a named one, so the handle is kept here until close_channel.
@@ -190,15 +190,15 @@ def close_channel(channel: Channel, timeout: float = 30.0) -> None:
         ray.kill(actor, no_restart=True)
 
 
-class VLLMRollout:
-    """Keeps a vLLM ``LLM`` on the newest weights of a channel while it generates.
+class VLLMRollout(VLLMUpdater):
+    """Keeps a vLLM ``LLM`` on the newest weights of a channel while it generates, in a Ray actor.
 
-    Pulls run on a worker thread of the engine's workers while generation goes on with the old
-    weights; the reload between two ``generate`` calls is the only pause. Each completion comes
-    back with the version its weights had. Made in a rollout actor's constructor, so an actor that
-    Ray restarts subscribes again and pulls the newest version before it generates. In an actor the
-    subscribers are named after it (``actor_subscriber_name``) unless ``name`` is given, and those
-    of its previous incarnation, if still counted, are evicted first (``Channel.evict``).
+    ``VLLMUpdater`` (pulls on the workers' threads while generation goes on, the commit between two
+    ``generate`` calls the only pause, each completion with its version), made in a rollout actor's
+    constructor, so an actor that Ray restarts subscribes again and pulls the newest version before
+    it generates. In an actor the subscribers are named after it (``actor_subscriber_name``) unless
+    ``name`` is given, and those of its previous incarnation, if still counted, are evicted first
+    (``Channel.evict``).
 
     - ``llm``: a ``vllm.LLM`` started with ``worker_extension_cls=EXTENSION``.
     - ``channel``: the ``Channel`` to subscribe to.
@@ -207,64 +207,10 @@ class VLLMRollout:
     """
 
     def __init__(self, llm: Any, channel: Channel, *, timeout: float = 60.0, **subscriber_options: Any) -> None:
-        self.llm, self.channel, self.timeout = llm, channel, timeout
+        self.channel = channel
         subscriber_options.setdefault("host", node_address())
         own = actor_subscriber_name() if "name" not in subscriber_options and _ray().is_initialized() else None
         if own is not None:
             subscriber_options["name"] = own
             channel.evict(own, timeout)  # a restarted actor: its dead predecessor stops counting now
-        self.version: int | None = None  # what the kernels hold
-        self._pulling = False
-        self._closed = False
-        self._watch = channel.subscriber(host=subscriber_options["host"])
-        try:
-            kwargs = {"token": channel.token, **subscriber_options}
-            llm.collective_rpc("wbridge_subscribe", args=(channel.name, channel.store), kwargs=kwargs)
-            self._watch.wait_version(after=0, timeout=timeout)
-            self.update(wait=True)
-        except BaseException:
-            self.close()
-            raise
-
-    def update(self, wait: bool = False) -> int | None:
-        """Commits a finished background pull, starts one when a newer version is committed, and
-        returns the version the kernels hold. ``wait=True`` waits for the pull and commits it."""
-        if self._pulling and (wait or all(self.llm.collective_rpc("wbridge_pull_done"))):
-            self._commit()
-        latest = self._watch.latest()
-        if not self._pulling and latest is not None and latest > (self.version or 0):
-            self.llm.collective_rpc("wbridge_pull_start", kwargs={"timeout": self.timeout, "min_version": latest})
-            self._pulling = True
-            if wait:
-                self._commit()
-        return self.version
-
-    @property
-    def pulling(self) -> bool:
-        """Whether a background pull is in flight (committed by the next ``update``)."""
-        return self._pulling
-
-    def _commit(self) -> None:
-        self._pulling = False
-        versions = set(self.llm.collective_rpc("wbridge_commit", kwargs={"timeout": self.timeout}))
-        if len(versions) != 1:
-            raise UsageError(f"vLLM workers committed different versions {sorted(versions)}")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.version = versions.pop()
-
-    def generate(self, prompts: Any, params: Any) -> list[tuple[int, Any]]:
-        """``llm.generate`` after ``update()``: ``[(version, RequestOutput)]``."""
-        v = self.update()
-        return [(v, out) for out in self.llm.generate(prompts, params, use_tqdm=False)]
-
-    def close(self) -> None:
-        """Leaves the channel (idempotent); the engine stays usable on the weights it holds."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._pulling:
-                self._commit()
-            self.llm.collective_rpc("wbridge_close")
-        finally:
-            self._watch.close()
+        super().__init__(llm, channel.name, channel.store, token=channel.token, timeout=timeout, **subscriber_options)

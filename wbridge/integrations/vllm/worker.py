@@ -9,7 +9,7 @@ Usage::
 
 The same machinery is offered as vLLM's weight-transfer backend ``"wbridge"``
 (``WeightTransferConfig(backend="wbridge")``, driven by ``LLM.init_weight_transfer_engine`` /
-``start_weight_update`` / ``update_weights`` / ``finish_weight_update``): see ``vllm_transfer``.
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update``): see ``transfer``.
 
 How a pull reaches the kernels
 ------------------------------
@@ -18,7 +18,7 @@ and drops the original parameter; on GPU it derives FP8 scales and kernel layout
 into ``param.data`` after start-up changes nothing the kernels read for those layers. wbridge
 therefore pulls into a *checkpoint-format* copy of each rank's parameters (fused ``qkv_proj``,
 ``gate_up_proj``, stacked experts, TP-sliced, as ``load_weights`` leaves them before processing),
-and then, per parameter (``vllm_commit``): copies it into the live parameter where vLLM's
+and then, per parameter (``commit``): copies it into the live parameter where vLLM's
 processing is the identity (one fused copy from a flat staging buffer on the parameter's device);
 rebuilds the kernel of an unquantised linear layer from staging on the pull's thread and swaps it
 in at commit; and replays vLLM's own reload lifecycle (``initialize_layerwise_reload`` -> load ->
@@ -38,9 +38,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import LayoutError, UsageError, WaitTimeout, WBridgeError
-from .trace import TraceResult, cache_key, cached_trace, trace_load_weights
-from .vllm_commit import Reload, allocate_staging, commit, plan_commit, prepare
+from ...errors import LayoutError, UsageError, WaitTimeout, WBridgeError
+from ..trace import TraceResult, cache_key, cached_trace, trace_load_weights
+from .commit import Reload, allocate_staging, commit, plan_commit, prepare
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
 
@@ -51,7 +51,7 @@ def hf_checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .transformers import checkpoint_shapes
+    from ..transformers import checkpoint_shapes
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
@@ -158,7 +158,7 @@ class WBridgeWorkerExtension:
         """Traces the layout, allocates destination tensors and joins ``channel``; returns the
         number of destination tensors."""
 
-        from ..subscriber import Subscriber
+        from ...subscriber import Subscriber
 
         if getattr(self, "_wbridge_sub", None) is not None:
             self._wbridge_sub.close()
@@ -208,7 +208,7 @@ class WBridgeWorkerExtension:
         """Starts pulling the newest version (at least ``min_version``) into staging on a worker
         thread and returns at once: the engine keeps generating on its current weights. Then
         ``wbridge_commit()`` (the only pause) waits for the pull and commits it into the kernels.
-        The thread also builds the repacked layers' new kernels (``vllm_commit.prepare``)."""
+        The thread also builds the repacked layers' new kernels (``commit.prepare``)."""
         import threading
 
         holder = self._wbridge_holder()
@@ -240,7 +240,7 @@ class WBridgeWorkerExtension:
         holder._wbridge_commit(*bg.result)
         return bg.result[0]
 
-    # The two halves of a pull, apart so that the weight-transfer backend (``vllm_transfer``) can
+    # The two halves of a pull, apart so that the weight-transfer backend (``transfer``) can
     # fetch in ``update_weights`` and commit in ``finish_weight_update``.
     def _wbridge_fetch(self, timeout: float, min_version: int | None = None) -> tuple[int, float, float]:
         """Pulls into the checkpoint-format staging tensors and builds the repacked layers' new
@@ -253,11 +253,12 @@ class WBridgeWorkerExtension:
         t0 = time.perf_counter()
         v = sub.pull(min_version=min_version, timeout=timeout)
         t1 = time.perf_counter()
+        self._wbridge_pulled = sub.stats.last  # its bytes and delta-or-not, for wbridge_stats
         self._wbridge_prepared = prepare(self._wbridge_model(), self._wbridge_plan, self._wbridge_staging)
         return v, t1 - t0, time.perf_counter() - t1
 
     def _wbridge_commit(self, version: int, pull_s: float, prepare_s: float) -> None:
-        """Puts the staged version into the kernels (``vllm_commit.commit``): the only pause."""
+        """Puts the staged version into the kernels (``commit.commit``): the only pause."""
         t1 = time.perf_counter()
         prepared, self._wbridge_prepared = self._wbridge_prepared, None
         if prepared is None:
@@ -265,13 +266,22 @@ class WBridgeWorkerExtension:
         self._wbridge_version = None  # a failed commit leaves the kernels on no known version
         commit(self._wbridge_model(), self._wbridge_model_config(), self._wbridge_plan, self._wbridge_staging, prepared)
         self._wbridge_version = version
+        pulled = getattr(self, "_wbridge_pulled", None)
         self._wbridge_stats.append(
-            {"version": version, "pull_s": pull_s, "prepare_s": prepare_s, "commit_s": time.perf_counter() - t1}
+            {
+                "version": version,
+                "nbytes": 0 if pulled is None else pulled.nbytes,
+                "delta": False if pulled is None else pulled.delta,
+                "repaired": 0 if pulled is None else pulled.repaired,
+                "pull_s": pull_s,
+                "prepare_s": prepare_s,
+                "commit_s": time.perf_counter() - t1,
+            }
         )
 
     def wbridge_commit_plan(self) -> dict[str, list[str]]:
         """How each staged parameter reaches the kernels: ``{"direct": [parameter names],
-        "repack": [module names], "reload": [module names]}`` (see ``vllm_commit``)."""
+        "repack": [module names], "reload": [module names]}`` (see ``commit``)."""
         plan = getattr(self._wbridge_holder(), "_wbridge_plan", None)
         if plan is None:
             raise UsageError("wbridge: wbridge_commit_plan before subscribe")
@@ -292,6 +302,9 @@ class WBridgeWorkerExtension:
         return getattr(self._wbridge_holder(), "_wbridge_version", None)
 
     def wbridge_stats(self) -> list[dict]:
+        """One dict per committed update of this rank: ``version``, ``nbytes`` read, ``delta``
+        (whether the pull applied deltas), ``repaired`` chunks, ``pull_s``, ``prepare_s`` (kernels
+        rebuilt in the background) and ``commit_s`` (the pause)."""
         return list(getattr(self._wbridge_holder(), "_wbridge_stats", []))
 
     def wbridge_staging(self) -> dict[str, tuple[str, list[int], bytes]]:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 BACKEND = "wbridge"
 
@@ -44,7 +44,7 @@ class WBridgeTrainerInitInfo(TrainerInitInfo):
     - ``token``: the token the rollouts use (default: the publisher's, as text).
     - ``transport``: the rollouts' transport choice (``"auto"``).
     - ``timeout``: seconds each publish and each rollout pull may take.
-    - ``subscriber_options``: more ``Subscriber`` keywords for the rollouts (``vllm_transfer``).
+    - ``subscriber_options``: more ``Subscriber`` keywords for the rollouts (``transfer``).
     - ``cache_dir``: the rollouts' trace cache directory (None: their default).
     """
 
@@ -89,7 +89,7 @@ class WBridgeTrainerEngine(TrainerWeightTransferEngine[WBridgeTrainerInitInfo]):
     def trainer_init(
         cls, init_info: WBridgeTrainerInitInfo, *, client: Any, source: Any = None
     ) -> WBridgeTrainerEngine:
-        from ..publisher import Publisher
+        from ...publisher import Publisher
 
         if not isinstance(init_info.publisher, Publisher):
             raise UsageError("wbridge trainer init_info: publisher must be a registered wbridge.Publisher")

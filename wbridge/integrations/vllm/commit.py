@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LayoutError
+from ...errors import LayoutError
 
 
 @dataclass(frozen=True)

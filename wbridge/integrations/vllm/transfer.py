@@ -5,7 +5,7 @@ engines (``nccl``, ``ipc``...). This module adds ``"wbridge"`` to it; the engine
 extension's machinery (traced layout, subscriber, reload lifecycle) behind vLLM's own calls::
 
     # every vLLM process must run register(): install wbridge with its ``vllm.general_plugins``
-    # entry point (``wbridge = "wbridge.integrations.vllm_transfer:register"``)
+    # entry point (``wbridge = "wbridge.integrations.vllm.transfer:register"``)
     llm = LLM(model=path, weight_transfer_config=WeightTransferConfig(backend="wbridge"))
     llm.init_weight_transfer_engine({"init_info": {"channel": "policy", "store": "tcp://trainer:29700",
                                                    "token": "..."}})
@@ -17,7 +17,7 @@ extension's machinery (traced layout, subscriber, reload lifecycle) behind vLLM'
 
 The trainer side is ``wbridge.Publisher``. To let vLLM's own trainer-side clients (HTTP routes,
 Ray handles) drive start -> update -> finish, use the trainer engine registered with vLLM's
-``WeightTransferTrainerFactory`` (``vllm_trainer``): its ``send_weights()`` publishes and then drives
+``WeightTransferTrainerFactory`` (``trainer``): its ``send_weights()`` publishes and then drives
 the rollouts through the client, labelling the update with the version it published.
 
 ``update_info`` may name the exact ``version`` to apply (the trainer engine does): a pull that finds
@@ -27,7 +27,7 @@ another version fails instead of labelling the weights wrongly. ``collective_rpc
 Call protocol (worker side, driven by vLLM): ``init_transfer_engine`` once (traces the layout,
 allocates checkpoint-format staging, joins the channel); per update ``start_weight_update`` ->
 ``update_weights`` (one or more; each pulls the newest version into staging, the last wins) ->
-``finish_weight_update`` (commits staging into the kernels, ``vllm_commit``: a fused copy where
+``finish_weight_update`` (commits staging into the kernels, ``commit``: a fused copy where
 vLLM's processing is the identity, a swap of kernels rebuilt during the pull for unquantised linear
 layers, vLLM's layerwise reload for the rest); ``shutdown`` leaves the channel (idempotent). A
 failed pull leaves the kernels on the previous weights.
@@ -46,8 +46,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ..errors import StaleVersionError, UsageError, WBridgeError
-from .vllm import DEFAULT_CACHE, WBridgeWorkerExtension
+from ...errors import StaleVersionError, UsageError, WBridgeError
+from .worker import DEFAULT_CACHE, WBridgeWorkerExtension
 
 BACKEND = "wbridge"
 #: Subscriber keywords that ``init_info["subscriber_options"]`` may set.
@@ -228,11 +228,11 @@ def register() -> None:
 
     vLLM creates the engine in its worker processes (spawned on CPU), so registering in the
     user's process is not enough: make vLLM call this in every process through the
-    ``vllm.general_plugins`` entry point (``wbridge = "wbridge.integrations.vllm_transfer:register"``).
+    ``vllm.general_plugins`` entry point (``wbridge = "wbridge.integrations.vllm.transfer:register"``).
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from .vllm_trainer import register_once, register_trainer
+    from .trainer import register_once, register_trainer
 
     register_once(WeightTransferEngineFactory, WBridgeWeightTransferEngine)
     register_trainer()

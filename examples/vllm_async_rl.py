@@ -1,0 +1,198 @@
+"""Asynchronous RL with plain vLLM (no Ray): trainer processes publish, vLLM engines keep up.
+
+    PYTHONPATH=. .venv-vllm/bin/python examples/vllm_async_rl.py --check    # after the quick start
+
+The plain-vLLM counterpart of ``examples/ray_async_rl.py``: two trainer processes hold a tiny Qwen2
+(random init, fp32 masters) as FSDP2 row shards over gloo, take AdamW steps on random tokens and
+publish each step as bf16 (``mode=Async(max_staleness=1)``, ``staging=Staging(delta=Delta())``); trainer rank 0 hosts
+the store. Two engine processes run vLLM CPU engines (bf16) that only generate: ``VLLMUpdater``
+watches the channel, pulls on the engine's workers while it generates, commits between two
+``generate`` calls, and tags every completion with the version that produced it.
+``--check`` compares each engine's greedy tokens after the last update with a fresh engine loaded
+from a checkpoint of the trainers' final weights. ``--out DIR`` writes ``result.json``.
+The lines that are wbridge's are marked ``# wbridge``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import tempfile
+import time
+
+os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process per engine (memory)
+
+from wbridge import Async, Delta, Publisher, Staging  # noqa: E402  # wbridge
+from wbridge.integrations.dtensor import from_module  # noqa: E402  # wbridge
+from wbridge.integrations.vllm import EXTENSION, VLLMUpdater  # noqa: E402  # wbridge (imports no vLLM)
+
+PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
+TIMEOUT = 300.0
+
+
+def make_checkpoint(path: str) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from wbridge.testing.hf import qwen2_config
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen2_config())
+    with torch.no_grad():
+        for p in model.parameters():  # larger than the default init: greedy tokens depend on them visibly
+            p.normal_(0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def engine(path: str):
+    from vllm import LLM
+
+    return LLM(
+        model=path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.3,
+        max_model_len=128, max_num_seqs=4, seed=0, enable_prefix_caching=False,
+        distributed_executor_backend="uni", worker_extension_cls=EXTENSION,  # wbridge
+    )  # fmt: skip
+
+
+def greedy(llm) -> list[int]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
+    return list(llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int], token: str, started, results, done) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen2ForCausalLM
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2)
+    model = Qwen2ForCausalLM.from_pretrained(args.ckpt, torch_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # parameters are now DTensor row shards (fp32 masters)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    store = f"tcp://127.0.0.1:{ports[0]}"
+    pub = Publisher("policy", store, rank=rank, world_size=2, host_store=rank == 0, token=token,  # wbridge
+                    mode=Async(max_staleness=1), staging=Staging(delta=Delta()))  # wbridge  # fmt: skip
+    pub.register(from_module(model), dtype=torch.bfloat16)  # wbridge: fp32 shards -> bf16
+    published = [pub.publish(timeout=TIMEOUT)]  # wbridge: v1, the initial weights
+    started.wait(TIMEOUT)  # both engines are up on v1
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(args.steps):
+        t0 = time.monotonic()
+        ids = torch.randint(2, 256, (2, 16), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        published.append(pub.publish(timeout=TIMEOUT))  # wbridge: waits only for engines > 1 version behind
+        time.sleep(max(0.0, args.interval - (time.monotonic() - t0)))
+    sd = {k: v.full_tensor().contiguous() for k, v in model.state_dict().items()}  # a collective
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(args.final, exist_ok=True)
+        model.config.save_pretrained(args.final)
+        save_file(sd, os.path.join(args.final, "model.safetensors"), metadata={"format": "pt"})
+    results.put(("trainer", rank, published))
+    done.wait(TIMEOUT)  # rank 0 hosts the store: stay until the engines have left the channel
+    pub.close()  # wbridge
+    dist.destroy_process_group()
+
+
+def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, started, stop, last, results) -> None:
+    from vllm import SamplingParams
+
+    llm = engine(args.ckpt)
+    updater = VLLMUpdater(llm, "policy", f"tcp://127.0.0.1:{store_port}", token=token, timeout=TIMEOUT)  # wbridge
+    started.wait(TIMEOUT)
+    sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": PROMPT[: 4 + k]} for k in range(2)]
+    completions = []
+    while not stop.is_set():
+        for v, out in updater.generate(prompts, sp):  # wbridge: each completion with its version
+            completions.append((v, len(out.outputs[0].token_ids)))
+    deadline = time.monotonic() + TIMEOUT
+    while updater.update(wait=True) != last.value and time.monotonic() < deadline:  # wbridge: the last version
+        time.sleep(0.1)
+    stats = updater.stats()  # wbridge: per update: version, nbytes, delta, pull/prepare/commit seconds
+    result = {"completions": completions, "version": updater.version, "greedy": greedy(llm), "stats": stats}
+    updater.close()  # wbridge
+    results.put(("rollout", i, result))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--interval", type=float, default=1.5, help="seconds per trainer step (at least)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW; small steps leave most bf16 words as they were")
+    ap.add_argument("--check", action="store_true", help="compare greedy tokens with a fresh engine")
+    ap.add_argument("--out", default=None, help="write result.json here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="wbridge-vllm-") as tmp:
+        args.ckpt, args.final = os.path.join(tmp, "initial"), os.path.join(tmp, "final")
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    make_checkpoint(args.ckpt)
+    ctx = mp.get_context("spawn")
+    ports, token = (free_port(), free_port()), secrets.token_hex(16)
+    started, stop, done, last, results = ctx.Barrier(4), ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
+    procs = [ctx.Process(target=trainer, args=(r, args, ports, token, started, results, done)) for r in range(2)]
+    procs += [
+        ctx.Process(target=rollout, args=(i, args, ports[0], token, started, stop, last, results)) for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got: dict = {}
+        while len(got) < 2:
+            kind, i, value = results.get(timeout=TIMEOUT)
+            got[(kind, i)] = value
+        published = got[("trainer", 0)]
+        last.value = published[-1]
+        stop.set()
+        while len(got) < 4:
+            kind, i, value = results.get(timeout=TIMEOUT)
+            got[(kind, i)] = value
+        done.set()
+        for p in procs:
+            p.join(TIMEOUT)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    rollouts = [got[("rollout", i)] for i in range(2)]
+    for i, r in enumerate(rollouts):
+        versions = sorted({v for v, _ in r["completions"]})
+        deltas = sum(s["delta"] for s in r["stats"])
+        print(f"engine {i}: {len(r['completions'])} completions on versions {versions}, now v{r['version']}, "
+              f"{len(r['stats'])} updates ({deltas} delta), greedy {r['greedy']}")  # fmt: skip
+    print(f"trainers: published {published}")
+    out = {"published": published, "rollouts": rollouts, "last": published[-1]}
+    if args.check:
+        out["reference"] = greedy(engine(args.final))
+        ok = all(r["greedy"] == out["reference"] for r in rollouts)
+        print(f"reference engine from the final checkpoint: {out['reference']}: {'match' if ok else 'MISMATCH'}")
+    if args.out:
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Plain vLLM end to end (no Ray): ``examples/vllm_async_rl.py`` with two trainer processes
+(FSDP2 fp32 masters publishing bf16, ``async``, ``delta=True``) and two vLLM CPU engines kept up to
+date by ``VLLMUpdater`` while they generate."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from .test_vllm_engine import ROOT, VLLM_PY
+
+EXAMPLE = os.path.join(ROOT, "examples", "vllm_async_rl.py")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)")
+@pytest.mark.timeout(600)
+def test_vllm_async_rl_example(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [VLLM_PY, EXAMPLE, "--steps", "6", "--interval", "1.5", "--check", "--out", str(tmp_path)]
+    with open(tmp_path / "log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=560)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # leftover engine or trainer processes of the group
+            except (ProcessLookupError, PermissionError):
+                pass
+    tail = open(tmp_path / "log", errors="replace").read()[-6000:]
+    assert rc == 0, tail
+    res = json.load(open(tmp_path / "result.json"))
+    last, published = res["last"], res["published"]
+    for i, r in enumerate(res["rollouts"]):
+        st, seen = r["stats"], sorted({v for v, _ in r["completions"]})
+        print(f"\nengine {i}: {len(r['completions'])} completions on versions {seen}, "
+              f"{len(st)} updates, delta {[s['delta'] for s in st]}, bytes {[s['nbytes'] for s in st]}, "
+              f"max commit {max(s['commit_s'] for s in st) * 1e3:.2f} ms; greedy {r['greedy']}")  # fmt: skip
+    print(f"published {published}; reference {res['reference']}")
+    assert published == list(range(1, last + 1))
+    for r in res["rollouts"]:
+        versions = [v for v, _ in r["completions"]]
+        assert versions and all(type(v) is int and 1 <= v <= last for v in versions), "a version on every completion"
+        assert versions == sorted(versions), "an engine's versions never go back"
+        assert r["version"] == last
+        assert r["greedy"] == res["reference"], "after the last update: a fresh engine's greedy tokens"
+        stats = r["stats"]
+        assert [s["version"] for s in stats] == sorted({s["version"] for s in stats}) and stats[-1]["version"] == last
+        assert all(s["nbytes"] > 0 and s["commit_s"] >= 0 and s["pull_s"] > 0 for s in stats)
+        assert any(s["delta"] for s in stats[1:]), "with delta=True later updates read deltas"

@@ -1,0 +1,56 @@
+"""vLLM rollout engines as wbridge subscribers.
+
+- ``worker``: ``WBridgeWorkerExtension``, mixed into vLLM's workers (``worker_extension_cls``).
+- ``updater``: ``VLLMUpdater``, keeps a plain ``vllm.LLM`` on the newest version in the background.
+- ``commit``: how a pulled version reaches the kernels, with the engine paused only for the commit.
+- ``transfer``: the ``"wbridge"`` weight-transfer backend (``WeightTransferConfig(backend="wbridge")``).
+- ``trainer``: the trainer side of vLLM's weight-transfer API for that backend.
+
+Importing this package does not import vLLM: the names of ``transfer`` and ``trainer`` (which
+subclass vLLM's classes) load on first use, and raise ``MissingExtraError`` where vLLM is absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .updater import VLLMUpdater
+from .worker import DEFAULT_CACHE, WBridgeWorkerExtension, hf_checkpoint_shapes, portable_to_tensor
+
+EXTENSION = "wbridge.integrations.vllm.WBridgeWorkerExtension"
+
+_LAZY = {
+    "WBridgeInitInfo": "transfer",
+    "WBridgeUpdateInfo": "transfer",
+    "WBridgeWeightTransferEngine": "transfer",
+    "register": "transfer",
+    "WBridgeTrainerInitInfo": "trainer",
+    "WBridgeTrainerEngine": "trainer",
+}
+
+__all__ = [
+    "DEFAULT_CACHE",
+    "EXTENSION",
+    "VLLMUpdater",
+    "WBridgeWorkerExtension",
+    "hf_checkpoint_shapes",
+    "portable_to_tensor",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    from ...errors import MissingExtraError
+
+    try:
+        mod = importlib.import_module(f"{__name__}.{module}")
+    except ImportError as e:
+        raise MissingExtraError(
+            f"wbridge.integrations.vllm.{name} needs vllm ({e}); pip install 'wbridge[vllm]'"
+        ) from e
+    return getattr(mod, name)
