@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# GPU path check (one CUDA GPU, torch, nixl-cu12): CUDA tensors as publisher and subscriber memory
-# through nixl (VRAM), bit-exact reads, bandwidth against torch's device copy. Skips with a clear
-# message where no GPU exists. Bounded to under 5 minutes. Usage: scripts/gpu_check.sh [--size BYTES]
+# The GPU path in one run (one CUDA GPU, under 5 minutes, set up by scripts/setup.sh): the
+# Publisher/Subscriber runtime on CUDA tensors through nixl, nccl, tcp and local, the bf16 cast, the
+# FP8 block transform, deltas, packed slots, staged and zero-copy subscribers, vLLM where its CUDA
+# build exists, every byte checked against a CPU reference, then the device figures. The parts and
+# what only a GPU exercises: wbridge/testing/gpu_check.py. Prints `gpu_check: SKIP: <why>` and exits
+# 0 where no GPU exists. Usage: scripts/gpu_check.sh [--device cuda:N|cpu] [--parts NAME ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
@@ -9,4 +12,4 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec timeout --kill-after=10 280 "$PY" scripts/gpu_check.py "$@"
+exec timeout --kill-after=10 280 "$PY" -m wbridge.testing.gpu_check "$@"

@@ -115,11 +115,14 @@ class Fp8Block128:
     def copy_(self, src: Any, non_blocking: bool = False) -> None:
         import torch
 
+        # a tensor on the device, not a Python scalar: CUDA divides by a CPU scalar as a multiply by
+        # its float32 reciprocal, which rounds half of all scales differently from true division
+        e4m3_max = torch.tensor(E4M3_MAX, dtype=torch.float32, device=src.device)
         for r0, r1, nr, br in self.row_spans:
             for c0, c1, nc, bc in self.col_spans:
                 x = src[r0:r1, c0:c1].view(nr, br, nc, bc).float()
                 # amax|x| without a |x| temporary: max(amax(x), -amin(x)) is the same value
-                s = torch.maximum(x.amax(dim=(1, 3)), x.amin(dim=(1, 3)).neg_()).div_(E4M3_MAX)
+                s = torch.maximum(x.amax(dim=(1, 3)), x.amin(dim=(1, 3)).neg_()).div_(e4m3_max)
                 s = s.masked_fill_(s == 0, 1.0)
                 self.scale_inv[r0 // BLOCK : r0 // BLOCK + nr, c0 // BLOCK : c0 // BLOCK + nc].copy_(s)
                 self.weight[r0:r1, c0:c1].view(nr, br, nc, bc).copy_(x / s[:, None, :, None])
