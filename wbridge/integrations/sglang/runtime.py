@@ -198,7 +198,7 @@ class Runtime:
         """Commits a staged version (no forward pass runs now); never waits for a pull."""
         import torch
 
-        if self._flush_pending and scheduler.flush_cache(empty_cache=False):
+        if self._flush_pending and scheduler.is_fully_idle() and scheduler.flush_cache(empty_cache=False):
             self._flush_pending = False
         if self.staged is None or not self._lock.acquire(blocking=False):
             return
