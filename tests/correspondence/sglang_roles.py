@@ -5,6 +5,7 @@ repo and tests/sglang_stubs on PYTHONPATH and sets SGLANG_USE_CPU_ENGINE=1).
     python sglang_roles.py trainer CKPT OUT PORT            # fp32 masters, AdamW; publishes bf16 on cue
     python sglang_roles.py engine CKPT OUT PORT NAME N      # subscribed engine: N updates, then waits
     python sglang_roles.py rejoin CKPT OUT PORT NAME        # a restarted engine: pulls the newest
+    python sglang_roles.py server CKPT OUT PORT HTTP_PORT     # the HTTP server, subscribed
     python sglang_roles.py reference OUT V [V ...]          # fresh engines from OUT/v<V> (bf16)
 
 Files in OUT are the cues: ``want_<v>`` asks the trainer for version v, ``v<v>/`` is its bf16
@@ -62,7 +63,7 @@ def trainer(ckpt: str, out: str, port: int) -> None:
             print(f"trainer: published {v}", flush=True)
 
 
-def _engine(ckpt: str, port: int, name: str):
+def _engine(ckpt: str, port: int, name: str, commit: str):
     import sglang as sgl
 
     from wbridge.integrations.sglang import SGLangOptions, engine_args
@@ -74,6 +75,7 @@ def _engine(ckpt: str, port: int, name: str):
         token=TOKEN,
         dtype="bfloat16",
         transport="tcp",
+        commit=commit,
         subscriber_options={"name": name, "lease_ttl": 3.0},
     )
     return sgl.Engine(model_path=ckpt, dtype="bfloat16", **CPU_ENGINE_ARGS, **engine_args(opts))
@@ -122,14 +124,14 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
 
 
 def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
-    """Serves; for each update asks the trainer for the next version while long requests run,
-    then records greedy tokens, checksums and the requests' version spans."""
+    """Serves (``commit="swap"``); for each update asks the trainer for the next version while
+    long requests run, then records greedy tokens, checksums and the requests' version spans."""
     import torch
 
     from wbridge.integrations.sglang import server_stats
 
     _wait_file(os.path.join(out, "store_up"), 120)
-    eng = _engine(ckpt, port, name)
+    eng = _engine(ckpt, port, name, "swap")
     res: dict = {"steps": [], "start_stats": server_stats(eng)}
     held = res["start_stats"][0]["version"] or 0
     if held == 0:  # a fresh channel: nothing pulled at start
@@ -168,12 +170,13 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
 
 
 def rejoin(ckpt: str, out: str, port: int, name: str) -> None:
-    """A restarted engine: started from the old checkpoint, it pulls the newest version."""
+    """A restarted engine (``commit="copy"``): started from the old checkpoint, it pulls the
+    newest version."""
     import torch
 
     from wbridge.integrations.sglang import server_stats, wait_version
 
-    eng = _engine(ckpt, port, name)
+    eng = _engine(ckpt, port, name, "copy")
     newest = int(open(os.path.join(out, "newest")).read())
     stats = wait_version(eng, newest, timeout=120)
     res = {"version": stats[0]["version"], "tokens": _greedy(eng), "checksums": checksums(eng)}
@@ -197,6 +200,21 @@ def reference(out: str, *versions: str) -> None:
     torch.save(res, os.path.join(out, "reference.pt"))
 
 
+def server(ckpt: str, out: str, port: int, http_port: int) -> None:
+    """The HTTP server, subscribed the same way (``ServerArgs`` takes the same keywords)."""
+    from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.server_args import ServerArgs
+
+    from wbridge.integrations.sglang import SGLangOptions, engine_args
+    from wbridge.testing.sglang import CPU_ENGINE_ARGS
+
+    _wait_file(os.path.join(out, "store_up"), 120)
+    opts = SGLangOptions(channel=CHANNEL, store=f"tcp://127.0.0.1:{port}", token=TOKEN, dtype="bfloat16")
+    args = ServerArgs(model_path=ckpt, host="127.0.0.1", port=http_port, dtype="bfloat16", **CPU_ENGINE_ARGS,
+                      **engine_args(opts))  # fmt: skip
+    launch_server(args)
+
+
 def make(ckpt: str) -> None:
     from wbridge.testing.sglang import make_qwen2
 
@@ -213,6 +231,8 @@ if __name__ == "__main__":
         engine(a[0], a[1], int(a[2]), a[3], int(a[4]))
     elif role == "rejoin":
         rejoin(a[0], a[1], int(a[2]), a[3])
+    elif role == "server":
+        server(a[0], a[1], int(a[2]), int(a[3]))
     elif role == "reference":
         reference(a[0], *a[1:])
     else:

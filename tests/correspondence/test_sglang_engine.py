@@ -136,3 +136,65 @@ def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path):
     assert back["version"] == 3
     assert back["checksums"] == ref[3]["checksums"]
     assert back["tokens"] == ref[3]["tokens"]
+
+
+def _post(url, body):
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.timeout(600)
+def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
+    """The HTTP server started with the same keywords: it pulls what the trainer publishes, its
+    /generate outputs carry the version, and /server_info reports the stats."""
+    import urllib.request
+
+    from wbridge.integrations.sglang.client import server_stats
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    names = ("make", "trainer", "server")
+    logs = {n: str(tmp_path / f"{n}.log") for n in names}
+    files = {n: open(logs[n], "w") for n in names}
+    procs = {}
+    port, http_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        finish(spawn("make", ckpt, log=files["make"]), "make", logs, 180)
+        procs["trainer"] = spawn("trainer", ckpt, out, port, log=files["trainer"])
+        procs["server"] = spawn("server", ckpt, out, port, http_port, log=files["server"])
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                dead = [n for n, p in procs.items() if p.poll() is not None]
+                assert not dead and time.monotonic() < deadline, open(logs["server"], errors="replace").read()[-4000:]
+                time.sleep(1)
+        body = {"input_ids": [11, 42, 7, 99, 3, 58, 21, 5], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        before = _post(url + "/generate", body)
+        (out / "want_1").touch()
+        deadline = time.monotonic() + 120
+        while (server_stats(url)[0]["version"] or 0) < 1:
+            assert time.monotonic() < deadline, server_stats(url)
+            time.sleep(0.2)
+        after = _post(url + "/generate", body)
+        stats = server_stats(url)
+    finally:
+        (out / "stop").touch()
+        for p in procs.values():
+            kill(p)
+        for f in files.values():
+            f.close()
+    print(f"\nbefore {before['output_ids']} after {after['output_ids']}; stats {stats}")
+    assert before["meta_info"]["weight_version"] == "default"
+    assert after["meta_info"]["weight_version"] == "1"
+    assert after["output_ids"] != before["output_ids"]
+    (st,) = stats
+    assert st["version"] == 1 and st["bytes"] == st["staging_bytes"] > 0 and st["delta"] is False
+    assert 0 <= st["pause_s"] < st["pull_s"] + 1.0

@@ -31,6 +31,9 @@ class SGLangOptions:
     dtype: the dtype the trainers publish (``"bfloat16"``...); None: the engine's own dtype. The
         commit casts where it differs from the engine's.
     pull_timeout: seconds one background pull may take once a version is committed.
+    commit: ``"copy"`` (a fused copy from staging into the parameters) or ``"swap"`` (point the
+        parameters at staging, a pause independent of the model's size; only where nothing captured
+        the parameters' addresses: no CUDA graphs, no repacked kernels, as on SGLang's CPU path).
     flush_cache: flush SGLang's prefix cache after each commit, at the first moment the
         scheduler is idle (its cached KV was computed with the old weights).
     cache_dir: where traced layouts are cached (None: trace at every start).
@@ -43,6 +46,7 @@ class SGLangOptions:
     transport: str = "auto"
     dtype: str | None = None
     pull_timeout: float = 120.0
+    commit: str = "copy"
     flush_cache: bool = True
     cache_dir: str | None = None
     subscriber_options: dict[str, Any] = field(default_factory=dict)
@@ -56,6 +60,8 @@ class SGLangOptions:
             raise UsageError(f"wbridge SGLang options: token must be a string or None, got {type(self.token).__name__}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise UsageError(f"wbridge SGLang options: dtype must be one of {DTYPES} or None, got {self.dtype!r}")
+        if self.commit not in ("copy", "swap"):
+            raise UsageError(f"wbridge SGLang options: commit must be 'copy' or 'swap', got {self.commit!r}")
         if not isinstance(self.pull_timeout, (int, float)) or not self.pull_timeout > 0:
             raise UsageError(f"wbridge SGLang options: pull_timeout must be > 0, got {self.pull_timeout!r}")
         opts = self.subscriber_options

@@ -6,17 +6,21 @@ scheduler process (each tensor-parallel rank has its own):
 1. The layout of the model's parameters in checkpoint names (fused ``qkv_proj``, ``gate_up_proj``,
    stacked experts, TP-sliced) is traced from SGLang's own ``load_weights``
    (``wbridge.integrations.trace``) and cached.
-2. Staging: one flat buffer holding a tensor of each traced parameter's shape, registered with a
-   ``Subscriber``. Pulls land there, never in the live parameters, so the engine keeps generating
-   on complete old weights while a pull is in flight.
+2. Staging: one flat buffer on the parameters' device holding a tensor of each traced
+   parameter's shape, registered with a ``Subscriber``. Pulls land there, never in the live
+   parameters, so the engine keeps generating on complete old weights while a pull is in flight.
 3. A puller thread follows the channel: it waits for each newly committed version and pulls it
    into staging.
 4. Between two scheduler steps (a hook after ``Scheduler.ingest_requests``, SGLang's plugin hook
-   registry) a staged version is committed: one fused copy (``torch._foreach_copy_``) from staging
-   into the live parameters, then ``Scheduler.record_weight_version_change`` so every output's
-   ``meta_info["weight_version"]`` / ``["weight_versions"]`` names the versions that produced its
-   tokens. The commit is the only pause; it never waits for a pull (a pull in flight is committed
-   at a later step).
+   registry) a staged version is committed, then ``Scheduler.record_weight_version_change`` so
+   every output's ``meta_info["weight_version"]`` / ``["weight_versions"]`` names the versions that
+   produced its tokens. The commit is the only pause; it never waits for a pull (a pull in flight
+   is committed at a later step). ``commit="copy"``: one fused copy (``torch._foreach_copy_``)
+   from staging into the live parameters. ``commit="swap"`` (where nothing captured the
+   parameters' addresses: no CUDA graphs, no repacked kernels): the parameters are pointed at
+   the staging tensors (a pause independent of the model's size); the puller thread then copies
+   staging into the parameters' own memory and, at a later step, points them back, which frees
+   staging for the next pull.
 5. Stats go into the scheduler's internal state (``get_server_info()["internal_states"]``, HTTP
    ``/server_info``) under ``"wbridge"``.
 
@@ -86,10 +90,13 @@ def check_unpacked(model: Any) -> None:
 
 
 def allocate_staging(params: dict[str, Any], names: list[str], dtype: Any) -> dict[str, Any]:
-    """One flat host buffer with a view of each parameter's shape, in ``dtype``."""
+    """One flat buffer on the parameters' device with a view of each parameter's shape, in ``dtype``."""
     import torch
 
-    flat = torch.zeros(sum(math.prod(params[n].shape) for n in names), dtype=dtype)
+    devices = {params[n].device for n in names}
+    if len(devices) != 1:
+        raise LayoutError(f"wbridge SGLang: the model's parameters sit on several devices {sorted(map(str, devices))}")
+    flat = torch.zeros(sum(math.prod(params[n].shape) for n in names), dtype=dtype, device=devices.pop())
     out, off = {}, 0
     for n in names:
         k = math.prod(params[n].shape)
@@ -124,6 +131,7 @@ class Runtime:
             raise LayoutError(f"wbridge SGLang: traced parameters not in the model (stale trace cache?): {missing[:3]}")
         dtype = getattr(torch, options.dtype) if options.dtype else params[names[0]].dtype
         self.staging = allocate_staging(params, names, dtype)
+        self._params = [params[n] for n in names]
         self._live = [params[n].data for n in names]
         self._staged = [self.staging[n] for n in names]
         self.nbytes = sum(t.numel() * t.element_size() for t in self._staged)
@@ -142,7 +150,11 @@ class Runtime:
         self.error: str | None = None  # the last failed pull
         self.history: list[dict[str, Any]] = []
         self._flush_pending = False
+        # "free": staging may be pulled into; "staged": it holds ``staged``; "swapped": the
+        # parameters point at staging; "copied": the parameters' own memory holds the same again
+        self._phase = "free"
         self._lock = threading.Lock()  # held by a pull writing staging and by a commit reading it
+        self._phase_changed = threading.Condition(self._lock)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._follow, name=f"wbridge-sglang-{rank}", daemon=True)
         self._thread.start()
@@ -150,6 +162,8 @@ class Runtime:
     # -- the puller thread -------------------------------------------------------------------
     def _follow(self) -> None:
         while not self._closed.is_set():
+            with self._lock:
+                self._copy_back()
             try:
                 newest = self.sub.wait_version(after=max(self.staged or 0, self.version or 0), timeout=1.0)
             except WaitTimeout:
@@ -163,7 +177,14 @@ class Runtime:
 
     def _pull(self, want: int) -> None:
         with self._lock:
-            self.pulling, self.staged = want, None  # staging is about to change
+            # an uncommitted version may be overwritten by a newer one; staging the parameters
+            # point at (swap) may not
+            while self._phase not in ("free", "staged") and not self._closed.is_set():
+                self._copy_back()
+                self._phase_changed.wait(0.5)
+            if self._closed.is_set():
+                return
+            self.pulling, self.staged, self._phase = want, None, "free"  # staging is about to change
             t0 = time.time()
             try:
                 v = self.sub.pull(min_version=want, timeout=self.options.pull_timeout)
@@ -186,7 +207,17 @@ class Runtime:
                 }
             )
             del self.history[:-64]
-            self.staged, self.pulling = v, None
+            self.staged, self.pulling, self._phase = v, None, "staged"
+
+    def _copy_back(self) -> None:
+        """``swap``: after a commit pointed the parameters at staging, copies staging into their
+        own memory (the scheduler points them back at a later step). Holds the lock."""
+        import torch
+
+        if self._phase == "swapped":
+            with torch.no_grad():
+                torch._foreach_copy_(self._live, self._staged)
+            self._phase = "copied"
 
     def _failed(self, e: BaseException) -> None:
         self.error = f"{type(e).__name__}: {e}"
@@ -196,28 +227,43 @@ class Runtime:
     # -- the scheduler thread ----------------------------------------------------------------
     def between_steps(self, scheduler: Any) -> None:
         """Commits a staged version (no forward pass runs now); never waits for a pull."""
-        import torch
-
         if self._flush_pending and scheduler.is_fully_idle() and scheduler.flush_cache(empty_cache=False):
             self._flush_pending = False
-        if self.staged is None or not self._lock.acquire(blocking=False):
+        if self._phase in ("free", "swapped") or not self._lock.acquire(blocking=False):
             return
         try:
-            v = self.staged
-            if v is None:
-                return
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                torch._foreach_copy_(self._live, self._staged)
-            self.version, self.staged = v, None
-            scheduler.record_weight_version_change(new_version=str(v))
-            pause = time.perf_counter() - t0
-            rec = next((h for h in reversed(self.history) if h["version"] == v), None)
-            if rec is not None:
-                rec["pause_s"], rec["committed_at"] = pause, time.time()
-            self._flush_pending = self.options.flush_cache
+            if self._phase == "copied":  # swap: back to the parameters' own memory; staging is free
+                self._point(self._live)
+                self._phase = "free"
+                self._phase_changed.notify_all()
+            elif self._phase == "staged":
+                self._commit(scheduler)
         finally:
             self._lock.release()
+
+    def _commit(self, scheduler: Any) -> None:
+        import torch
+
+        v, t0 = self.staged, time.perf_counter()
+        if self.options.commit == "swap":
+            self._point(self._staged)
+            self._phase = "swapped"
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(self._live, self._staged)
+            self._phase = "free"
+        self.version, self.staged = v, None
+        scheduler.record_weight_version_change(new_version=str(v))
+        pause = time.perf_counter() - t0
+        rec = next((h for h in reversed(self.history) if h["version"] == v), None)
+        if rec is not None:
+            rec["pause_s"], rec["committed_at"] = pause, time.time()
+        self._flush_pending = self.options.flush_cache
+        self._phase_changed.notify_all()
+
+    def _point(self, tensors: list[Any]) -> None:
+        for p, t in zip(self._params, tensors):
+            p.data = t
 
     def stats(self) -> dict[str, Any]:
         """JSON-safe: the held version, bytes, delta and pause of the last update, and history."""
