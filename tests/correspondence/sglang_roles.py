@@ -2,7 +2,7 @@
 repo and tests/sglang_stubs on PYTHONPATH and sets SGLANG_USE_CPU_ENGINE=1).
 
     python sglang_roles.py make CKPT                        # a tiny random fp32 Qwen2 checkpoint
-    python sglang_roles.py trainer CKPT OUT PORT            # fp32 masters, AdamW; publishes bf16 on cue
+    python sglang_roles.py trainer CKPT OUT PORT [delta]    # fp32 masters, AdamW; publishes bf16 on cue
     python sglang_roles.py engine CKPT OUT PORT NAME N      # subscribed engine: N updates, then waits
     python sglang_roles.py rejoin CKPT OUT PORT NAME        # a restarted engine: pulls the newest
     python sglang_roles.py server CKPT OUT PORT HTTP_PORT     # the HTTP server, subscribed
@@ -32,7 +32,7 @@ def _wait_file(path: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def trainer(ckpt: str, out: str, port: int) -> None:
+def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
@@ -42,9 +42,10 @@ def trainer(ckpt: str, out: str, port: int) -> None:
 
     torch.manual_seed(1)
     model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # a delta publisher encodes a version only where few bf16 words change: small steps then
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5 if delta else 1e-2)
     store = f"tcp://127.0.0.1:{port}"
-    with Publisher(CHANNEL, store, host_store=True, token=TOKEN, mode="async", max_staleness=4) as pub:
+    with Publisher(CHANNEL, store, host_store=True, token=TOKEN, mode="async", max_staleness=4, delta=delta) as pub:
         pub.register(entries(model), dtype=torch.bfloat16)
         open(os.path.join(out, "store_up"), "w").close()
         v = 0
@@ -226,7 +227,7 @@ if __name__ == "__main__":
     if role == "make":
         make(a[0])
     elif role == "trainer":
-        trainer(a[0], a[1], int(a[2]))
+        trainer(a[0], a[1], int(a[2]), a[3:] == ["delta"])
     elif role == "engine":
         engine(a[0], a[1], int(a[2]), a[3], int(a[4]))
     elif role == "rejoin":

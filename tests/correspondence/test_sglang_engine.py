@@ -150,7 +150,8 @@ def _post(url, body):
 @pytest.mark.timeout(600)
 def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
     """The HTTP server started with the same keywords: it pulls what the trainer publishes, its
-    /generate outputs carry the version, and /server_info reports the stats."""
+    /generate outputs carry the version, and /server_info reports the stats; with a delta
+    publisher (``Publisher(delta=True)``, small optimizer steps) the second pull applies deltas."""
     import urllib.request
 
     from wbridge.integrations.sglang.client import server_stats
@@ -165,7 +166,7 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
     url = f"http://127.0.0.1:{http_port}"
     try:
         finish(spawn("make", ckpt, log=files["make"]), "make", logs, 180)
-        procs["trainer"] = spawn("trainer", ckpt, out, port, log=files["trainer"])
+        procs["trainer"] = spawn("trainer", ckpt, out, port, "delta", log=files["trainer"])
         procs["server"] = spawn("server", ckpt, out, port, http_port, log=files["server"])
         deadline = time.monotonic() + 300
         while True:
@@ -184,6 +185,11 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
             assert time.monotonic() < deadline, server_stats(url)
             time.sleep(0.2)
         after = _post(url + "/generate", body)
+        (out / "want_2").touch()
+        while (server_stats(url)[0]["version"] or 0) < 2:
+            assert time.monotonic() < deadline, server_stats(url)
+            time.sleep(0.2)
+        second = _post(url + "/generate", body)
         stats = server_stats(url)
     finally:
         (out / "stop").touch()
@@ -194,7 +200,9 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
     print(f"\nbefore {before['output_ids']} after {after['output_ids']}; stats {stats}")
     assert before["meta_info"]["weight_version"] == "default"
     assert after["meta_info"]["weight_version"] == "1"
-    assert after["output_ids"] != before["output_ids"]
+    assert second["meta_info"]["weight_version"] == "2"
     (st,) = stats
-    assert st["version"] == 1 and st["bytes"] == st["staging_bytes"] > 0 and st["delta"] is False
+    first, last = st["history"]
+    assert first["version"] == 1 and first["bytes"] == st["staging_bytes"] > 0 and first["delta"] is False
+    assert st["version"] == last["version"] == 2 and st["delta"] is True and last["delta"] is True
     assert 0 <= st["pause_s"] < st["pull_s"] + 1.0
