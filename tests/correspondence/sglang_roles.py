@@ -1,7 +1,7 @@
 """Processes of the real-engine SGLang test (run with the SGLang venv's python; the test puts the
 repo and tests/sglang_stubs on PYTHONPATH and sets SGLANG_USE_CPU_ENGINE=1).
 
-    python sglang_roles.py make CKPT                        # a tiny random fp32 Qwen2 checkpoint
+    python sglang_roles.py make CKPT [moe]                  # a tiny random fp32 Qwen2 (Qwen3-MoE) checkpoint
     python sglang_roles.py trainer CKPT OUT PORT [delta]    # fp32 masters, AdamW; publishes bf16 on cue
     python sglang_roles.py engine CKPT OUT PORT NAME N      # subscribed engine: N updates, then waits
     python sglang_roles.py rejoin CKPT OUT PORT NAME        # a restarted engine: pulls the newest
@@ -34,14 +34,14 @@ def _wait_file(path: str, timeout: float) -> None:
 
 def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from wbridge import Publisher
     from wbridge.integrations.transformers import entries
     from wbridge.testing.sglang import save_bf16
 
     torch.manual_seed(1)
-    model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
     # a delta publisher encodes a version only where few bf16 words change: small steps then
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5 if delta else 1e-2)
     store = f"tcp://127.0.0.1:{port}"
@@ -216,16 +216,16 @@ def server(ckpt: str, out: str, port: int, http_port: int) -> None:
     launch_server(args)
 
 
-def make(ckpt: str) -> None:
-    from wbridge.testing.sglang import make_qwen2
+def make(ckpt: str, moe: bool = False) -> None:
+    from wbridge.testing.sglang import make_qwen2, make_qwen3_moe
 
-    make_qwen2(ckpt)
+    (make_qwen3_moe if moe else make_qwen2)(ckpt)
 
 
 if __name__ == "__main__":
     role, *a = sys.argv[1:]
     if role == "make":
-        make(a[0])
+        make(a[0], a[1:] == ["moe"])
     elif role == "trainer":
         trainer(a[0], a[1], int(a[2]), a[3:] == ["delta"])
     elif role == "engine":

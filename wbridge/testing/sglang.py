@@ -26,13 +26,28 @@ CPU_ENGINE_ARGS: dict[str, Any] = dict(
 
 def make_qwen2(path: str, seed: int = 0, **overrides: Any) -> None:
     """Saves a random fp32 Qwen2 (``wbridge.testing.hf.qwen2_config``) at ``path``."""
-    import torch
     from transformers import Qwen2ForCausalLM
 
     from .hf import qwen2_config
 
+    _save_random(Qwen2ForCausalLM(qwen2_config(**overrides)), path, seed)
+
+
+def make_qwen3_moe(path: str, seed: int = 0, **overrides: Any) -> None:
+    """Saves a random fp32 Qwen3-MoE (``wbridge.testing.hf.qwen3_moe_config``: 4 experts, 2 per
+    token) at ``path``."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from .hf import qwen3_moe_config
+
+    _save_random(Qwen3MoeForCausalLM(qwen3_moe_config(**overrides)), path, seed)
+
+
+def _save_random(model: Any, path: str, seed: int) -> None:
+    import torch
+
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(qwen2_config(**overrides)).float()
+    model = model.float()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
