@@ -48,13 +48,13 @@ class Trainer:
         import torch
         from transformers import Qwen2ForCausalLM
 
-        from wbridge import Publisher
+        from wbridge import Async, Publisher
         from wbridge.integrations.dtensor import from_module
 
         self.model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.pub = Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", host_store=True, token=TOKEN, mode="async",
-                             max_staleness=10, transport="tcp")  # fmt: skip
+        self.pub = Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", host_store=True, token=TOKEN, mode=Async(10),
+                             transport="tcp")  # fmt: skip
         self.pub.register(from_module(self.model), dtype=torch.bfloat16)
 
     def step_and_publish(self) -> int:

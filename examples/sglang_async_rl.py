@@ -5,8 +5,8 @@
 (``tests/sglang_stubs`` stands in for SGLang's CUDA-only kernel package on a CPU-only machine; a GPU
 deployment drops it and the CPU engine flags.) Two trainer processes hold a tiny Qwen2 (random
 init, fp32 masters) as FSDP2 row shards over gloo, take AdamW steps on random tokens and publish
-each step as bf16 (``async``, ``max_staleness=1``: a trainer waits only for a rollout more than one
-version behind). Two SGLang engines (bf16) generate continuously; each subscribed at start in its
+each step as bf16 (``mode=Async(1)``: a trainer waits only for a rollout more than one version
+behind). Two SGLang engines (bf16) generate continuously; each subscribed at start in its
 scheduler process, pulls every new version in the background and commits it between two
 scheduler steps, so every completion carries the weight version that produced it
 (``meta_info["weight_version"]``).
@@ -43,7 +43,7 @@ def trainer(rank: int, world: int, ckpt: str, store: str, dist_port: int, args: 
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen2ForCausalLM
 
-    from wbridge import Publisher  # wbridge
+    from wbridge import Async, Publisher  # wbridge
     from wbridge.integrations.dtensor import from_module  # wbridge
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
@@ -54,7 +54,7 @@ def trainer(rank: int, world: int, ckpt: str, store: str, dist_port: int, args: 
     fully_shard(model, mesh=mesh)  # parameters are now DTensor row shards (fp32 masters)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pub = Publisher(  # wbridge: rank 0 hosts the channel's store
-        CHANNEL, store, rank=rank, world_size=world, host_store=rank == 0, token=TOKEN, mode="async", max_staleness=1
+        CHANNEL, store, rank=rank, world_size=world, host_store=rank == 0, token=TOKEN, mode=Async(1)
     )
     pub.register(from_module(model), dtype=torch.bfloat16)  # wbridge: fp32 shards -> bf16
     published = [(pub.publish(timeout=120.0), time.time())]  # wbridge: v1, the initial weights

@@ -36,7 +36,7 @@ def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from wbridge import Publisher
+    from wbridge import Async, Delta, Publisher, Staging
     from wbridge.integrations.transformers import entries
     from wbridge.testing.sglang import save_bf16
 
@@ -45,7 +45,8 @@ def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
     # a delta publisher encodes a version only where few bf16 words change: small steps then
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5 if delta else 1e-2)
     store = f"tcp://127.0.0.1:{port}"
-    with Publisher(CHANNEL, store, host_store=True, token=TOKEN, mode="async", max_staleness=4, delta=delta) as pub:
+    staging = Staging(delta=Delta()) if delta else Staging()
+    with Publisher(CHANNEL, store, host_store=True, token=TOKEN, mode=Async(4), staging=staging) as pub:
         pub.register(entries(model), dtype=torch.bfloat16)
         open(os.path.join(out, "store_up"), "w").close()
         v = 0

@@ -151,7 +151,7 @@ def _post(url, body):
 def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
     """The HTTP server started with the same keywords: it pulls what the trainer publishes, its
     /generate outputs carry the version, and /server_info reports the stats; with a delta
-    publisher (``Publisher(delta=True)``, small optimizer steps) the second pull applies deltas."""
+    publisher (``Staging(delta=Delta())``, small optimizer steps) the second pull applies deltas."""
     import urllib.request
 
     from wbridge.integrations.sglang.client import server_stats

@@ -15,11 +15,11 @@ from wbridge.integrations.sglang.options import EXTRA_KEY
 
 def test_options_round_trip_through_the_loader_extra_config():
     opts = SGLangOptions(channel="policy", store="tcp://127.0.0.1:29700", token="t", dtype="bfloat16",
-                         commit="swap", subscriber_options={"zone": "a", "lease_ttl": 3.0})  # fmt: skip
+                         commit="swap", zone="a", relay=True, subscriber_options={"lease_ttl": 3.0})  # fmt: skip
     text = opts.to_extra_config({"enable_multithread_load": False})
     back, rest = SGLangOptions.from_extra_config(text)
     assert back == opts and rest == {"enable_multithread_load": False}
-    assert json.loads(text)[EXTRA_KEY]["subscriber_options"] == {"zone": "a", "lease_ttl": 3.0}
+    assert json.loads(text)[EXTRA_KEY]["subscriber_options"] == {"lease_ttl": 3.0}
 
 
 @pytest.mark.parametrize(
@@ -30,6 +30,8 @@ def test_options_round_trip_through_the_loader_extra_config():
         ({"commit": "move"}, "commit"),
         ({"pull_timeout": 0}, "pull_timeout"),
         ({"subscriber_options": {"bogus": 1}}, "subscriber_options"),
+        ({"subscriber_options": {"zone": "a"}}, "subscriber_options"),
+        ({"relay": True}, "relay"),
         ({"token": 5}, "token"),
     ],
 )

@@ -12,9 +12,9 @@ from typing import Any
 
 from ...errors import UsageError
 
-#: Subscriber keywords that ``subscriber_options`` may set (the zone option among them).
+#: Subscriber keywords that ``subscriber_options`` may set (JSON values; the zone has its own fields).
 SUBSCRIBER_OPTIONS = frozenset(
-    {"name", "staged", "verify", "lease_ttl", "connect_timeout", "host", "transport_options", "zone", "relay"}
+    {"name", "staged", "verify", "lease_ttl", "connect_timeout", "host", "transport_options"}
 )
 EXTRA_KEY = "wbridge"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -37,7 +37,10 @@ class SGLangOptions:
     flush_cache: flush SGLang's prefix cache after each commit, at the first moment the
         scheduler is idle (its cached KV was computed with the old weights).
     cache_dir: where traced layouts are cached (None: trace at every start).
-    subscriber_options: more ``Subscriber`` keywords (``SUBSCRIBER_OPTIONS``), e.g. ``{"zone": "a"}``.
+    zone: the zone (cluster) the engine runs in (``Subscriber(zone=Zone(zone, relay))``); None:
+        every byte from the publishers.
+    relay: also serve the version held to the zone (needs ``zone``).
+    subscriber_options: more ``Subscriber`` keywords (``SUBSCRIBER_OPTIONS``), e.g. ``{"lease_ttl": 3.0}``.
     """
 
     channel: str
@@ -49,6 +52,8 @@ class SGLangOptions:
     commit: str = "copy"
     flush_cache: bool = True
     cache_dir: str | None = None
+    zone: str | None = None
+    relay: bool = False
     subscriber_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -64,6 +69,8 @@ class SGLangOptions:
             raise UsageError(f"wbridge SGLang options: commit must be 'copy' or 'swap', got {self.commit!r}")
         if not isinstance(self.pull_timeout, (int, float)) or not self.pull_timeout > 0:
             raise UsageError(f"wbridge SGLang options: pull_timeout must be > 0, got {self.pull_timeout!r}")
+        if self.relay and self.zone is None:
+            raise UsageError("wbridge SGLang options: relay=True needs a zone")
         opts = self.subscriber_options
         if not isinstance(opts, dict) or set(opts) - SUBSCRIBER_OPTIONS:
             raise UsageError(

@@ -118,6 +118,7 @@ class Runtime:
     def __init__(self, model: Any, model_config: Any, options: SGLangOptions, rank: int, tp_size: int) -> None:
         import torch
 
+        from ...options import Zone
         from ...subscriber import Subscriber
 
         check_unpacked(model)
@@ -136,6 +137,8 @@ class Runtime:
         self._staged = [self.staging[n] for n in names]
         self.nbytes = sum(t.numel() * t.element_size() for t in self._staged)
         kw = {"name": f"sglang-rank{rank}", **options.subscriber_options}
+        if options.zone is not None:
+            kw["zone"] = Zone(options.zone, relay=options.relay)
         self.sub = Subscriber(options.channel, options.store, token=options.token, transport=options.transport, **kw)
         try:
             self.sub.register(trace.bind(self.staging))
