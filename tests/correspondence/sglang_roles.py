@@ -105,9 +105,8 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
     import asyncio
 
     box: dict = {"t0": time.time()}
-    task = asyncio.ensure_future(
-        eng.async_generate(input_ids=LONG, sampling_params={"max_new_tokens": 160, "temperature": 0})
-    )
+    sp = {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}  # all run to the end
+    task = asyncio.ensure_future(eng.async_generate(input_ids=LONG, sampling_params=sp))
     await asyncio.sleep(0.3)  # the requests are decoding
     open(os.path.join(out, f"want_{want}"), "w").close()
     deadline = time.monotonic() + 120
