@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything wbridge needs on a fresh Debian machine: system packages, a venv, the package
-# with its extras. Idempotent and quick when nothing changed.
+# with its extras. Idempotent and quick when nothing changed. WBRIDGE_SKIP_VLLM=1 and
+# WBRIDGE_SKIP_SGLANG=1 skip the engine venvs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,5 +47,32 @@ if [ "${WBRIDGE_SKIP_VLLM:-0}" != 1 ]; then
     .venv-vllm/bin/pip install -q ray==2.60.0
     .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     echo "$want" > "$vstamp"
+  fi
+fi
+
+# SGLang (CPU) for the real-engine SGLang tests, in its own venv: a plain `pip install sglang`
+# pulls CUDA torch and ~40 CUDA packages. CPU torch first, then sglang and torchvision without
+# their dependencies, then sglang's pure-Python dependencies pinned against that torch
+# (../shared/sglang-cpu.md). The CUDA-only modules it imports are stood in for by
+# tests/sglang_stubs (put on PYTHONPATH by the tests), not installed here.
+if [ "${WBRIDGE_SKIP_SGLANG:-0}" != 1 ]; then
+  [ -x .venv-sglang/bin/python ] || python3 -m venv .venv-sglang
+  sstamp=.venv-sglang/.wbridge-setup
+  if [ "$(cat "$sstamp" 2>/dev/null)" != "$want" ]; then
+    echo "setup: installing sglang (CPU) into .venv-sglang" >&2
+    pin=$(mktemp)
+    echo "torch==2.13.0" > "$pin"
+    .venv-sglang/bin/pip install -q --upgrade pip >/dev/null
+    .venv-sglang/bin/pip install -q torch==2.13.0
+    .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
+    .venv-sglang/bin/pip install -q -c "$pin" transformers==5.19.0 tokenizers==0.23.2 triton==3.7.1 \
+      xgrammar==0.2.7 compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 \
+      openai==2.8.0 openai-harmony==0.0.4 blobfile==3.0.0 soundfile==0.13.1 "llguidance>=1.7.6,<2" \
+      "uvicorn>=0.51" "pyzmq>=25.1.2" "prometheus-client>=0.20.0" "python-dateutil<3" \
+      dill fastapi orjson msgspec pydantic psutil setproctitle einops interegular partial_json_parser \
+      pybase64 xxhash python-multipart tiktoken pillow scipy gguf anthropic zstandard aiohttp requests \
+      uvloop watchfiles regex tqdm packaging numpy distro easydict IPython jsonschema
+    rm -f "$pin"
+    echo "$want" > "$sstamp"
   fi
 fi
