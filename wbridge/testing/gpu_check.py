@@ -12,15 +12,15 @@ process of its own and the subscriber in this one, every call bounded by a timeo
   snapshot on the device; checked against ``tensor.to(torch.bfloat16)`` on the CPU.
 - ``fp8_block128``: ``transforms={name: "fp8_block128"}`` quantised on the device; checked against
   a block-by-block quantiser on the CPU (``gpu_check_data.fp8_reference``).
-- ``delta``: ``delta=True``; a sparse change pulled as a delta (``stats.last.delta``).
+- ``delta``: ``staging=Staging(delta=Delta())``; a sparse change pulled as a delta (``stats.last.delta``).
 - ``packed``: a reader that joins after version 1 plans ordinary reads of the plain slot, then reads
   version 2 from the slot packed for its layout with fewer reads.
 - ``staged``: a ``staged=True`` subscriber (private buffer, committed after every read).
-- ``zero_copy``: a ``zero_copy=True`` publisher read straight into a direct subscriber's tensors.
+- ``zero_copy``: a ``staging=ZeroCopy()`` publisher read straight into a direct subscriber's tensors.
 - ``vllm`` (run last, with what is left of the budget): the real vLLM engine test where vLLM's CUDA
   build is installed; a SKIP otherwise (``setup.sh`` installs the CPU build; with no registry on
   the GPU machine that is the usual line).
-- ``figures``: a large bf16 tensor through nixl with ``delta=True``: the publisher's stall (its
+- ``figures``: a large bf16 tensor through nixl with deltas (``Staging(delta=...)``): the publisher's stall (its
   snapshot copy) against ``torch``'s device-to-device copy of the same bytes in that process, the
   full-pull read bandwidth against that copy in the reading process, and the delta encode (with the
   slot's checksums: ``PublishStats.delta_s``) in GB per second.
@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..options import Async, Delta, Staging, ZeroCopy
 from .gpu_check_data import differing, garbage_like, publisher_tensors, subscriber_tensors
 
 CHANNEL = "gpu-check"
@@ -86,7 +87,7 @@ class PartResult:
 
 
 def make_publisher(url: str, transport: str | list[str], **options: Any):
-    """Rank 0 of 1 (hosting the store) with the part's options (``delta=``, ``zero_copy=``...)."""
+    """Rank 0 of 1 (hosting the store) with the part's options (``staging=``, ``mode=``...)."""
     from wbridge import Publisher
 
     return Publisher(CHANNEL, url, rank=0, world_size=1, host_store=True, token=TOKEN, transport=transport, **options)
@@ -107,7 +108,7 @@ class PublisherProcess:
 
     - ``url``: the store it hosts. ``transport``: what it serves.
     - ``source``, ``nbytes``: its tensors (``publisher_tensors``), moved to ``device``.
-    - ``options``: Publisher keywords (``delta``, ``zero_copy``, ``mode``...).
+    - ``options``: Publisher keywords (``staging``, ``mode``...).
     - ``register``: ``register()`` keywords (``dtype``, ``transforms``).
     """
 
@@ -341,7 +342,14 @@ def part_fp8_block128(device: str) -> str:
 
 
 def part_delta(device: str) -> str:
-    s = Session(feature_transport(device), "sparse", device, sub_kind="sparse", options={"delta": True}, nbytes=1 << 20)
+    s = Session(
+        feature_transport(device),
+        "sparse",
+        device,
+        sub_kind="sparse",
+        options={"staging": Staging(delta=Delta())},
+        nbytes=1 << 20,
+    )
     try:
         _, first = s.step(1)
         _, second = s.step(2)
@@ -381,7 +389,7 @@ def part_staged(device: str) -> str:
 
 
 def part_zero_copy(device: str) -> str:
-    s = Session(feature_transport(device), "model", device, sub_kind="model", options={"zero_copy": True})
+    s = Session(feature_transport(device), "model", device, sub_kind="model", options={"staging": ZeroCopy()})
     try:
         for v in (1, 2):
             s.step(v)
@@ -428,11 +436,11 @@ class Figures:
 
 
 def measure_figures(device: str) -> tuple[Figures, str]:
-    """The device figures, from a large tensor published with ``delta=True`` in ``async`` mode
+    """The device figures, from a large tensor published with deltas in ``Async`` mode
     (publishes need not wait for pulls): versions 1, 3 and 5 are pulled in full (``delta_history=1``,
     two versions apart), 2 to 5 each encode a delta; every pulled byte is checked."""
     nbytes = FIGURE_BYTES["cpu" if device == "cpu" else "cuda"]
-    options = {"delta": True, "delta_history": 1, "mode": "async", "max_staleness": 2}
+    options = {"staging": Staging(delta=Delta(history=1)), "mode": Async(max_staleness=2)}
     s = Session(feature_transport(device), "sparse", device, sub_kind="sparse", options=options, nbytes=nbytes)
     try:
         stalls, encodes, reads = [], [], []
