@@ -131,7 +131,7 @@ class PublisherProcess:
         for n, (t, _) in publisher_tensors(self.source, v, self.nbytes).items():
             self.tensors[n][0].copy_(t)  # a training step's write, on the caller's stream
         got = self.pub.publish(timeout=timeout)
-        s = self.pub.stats[-1]
+        s = self.pub.stats.last
         return {"v": got, "stall_s": s.stall_s, "delta_s": s.delta_s, "nbytes": s.nbytes}
 
     def device_copy_s(self, nbytes: int, repeat: int = 5) -> float:
