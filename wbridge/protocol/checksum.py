@@ -71,7 +71,8 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
 
     A chunk the batch covers completely is hashed from the destination in source order; for a
     chunk it covers only in part, ``fetch(region, offset, n)`` reads the whole chunk again, its
-    hash is checked, and the destination bytes are compared with it. Raises ``IntegrityError``;
+    hash is checked, and the destination bytes are compared with it (``fetch=None``: such a chunk is
+    left to a later check of the whole destination, nothing is read again). Raises ``IntegrityError``;
     with ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is
     instead written from the chunk read again (whose own hash must match); returns how many
     chunks were repaired.
@@ -110,6 +111,8 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
                 raise IntegrityError(
                     f"{where}: checksum mismatch in region {sreg} bytes [{lo}, {lo + length}) (corrupted in flight?)"
                 )
+        elif fetch is None:
+            continue
         ref = fetch(sreg, lo, length)
         if hash_bytes(ref) != expected:
             raise IntegrityError(f"{where}: checksum mismatch re-reading region {sreg} chunk {c}")

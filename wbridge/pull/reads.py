@@ -89,10 +89,17 @@ def check_stamps(
 
 
 def verify_sources(
-    ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float, known: dict | None = None
+    ctx: PullContext,
+    sources: Sequence[Source],
+    rec: Any,
+    deadline: float,
+    known: dict | None = None,
+    partial: bool = True,
 ) -> None:
     """Checks every chunk the plan read from each source against the publisher's sums. ``known``:
-    sums read already, by rank (of this very version); those read here are added to it."""
+    sums read already, by rank (of this very version); those read here are added to it.
+    ``partial=False``: chunks the reads cover only in part are left to a later check of the whole
+    destination instead of being read again from the publisher."""
     known = {} if known is None else known
     todo = [src for src in sources if src.rank not in known]
     sum_keys = [ctx.keys.sums(rec.v, src.rank) for src in todo]
@@ -102,7 +109,8 @@ def verify_sources(
         known[src.rank] = ctx.chan.open(key, raw)
     for src in sources:
         t = ctx.endpoints[src.transport]
-        verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch_chunk(t, src, rec.slot, deadline))
+        fetch = fetch_chunk(t, src, rec.slot, deadline) if partial else None
+        verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch)
 
 
 __all__ = ["check_stamps", "read_sources", "verify_sources"]

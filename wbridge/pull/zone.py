@@ -234,6 +234,21 @@ class ZoneReader:
             session, n = self._from_publishers(session, rec, missing, deadline)
             from_pub += n
             self._hold(missing)
+        return self._checked(session, rec, from_pub, from_peers, deadline)
+
+    def _checked(self, session: Any, rec: Any, from_pub: int, from_peers: int, deadline: float) -> tuple[Any, int, int]:
+        """The whole buffer checked once it is in (the chunks at the ranges' edges included); bytes
+        that fail are read again from the publishers, every relay of this pull distrusted."""
+        if not from_peers:
+            return session, from_pub, from_peers
+        try:
+            self._verify(session, rec, None, deadline)
+        except IntegrityError as e:
+            log.warning("subscriber %s: zone %s relays served bad bytes (%s); publishers", self.ctx.name, self.zone, e)
+            for key in list(self.peers):
+                self._distrust(key)
+            session, n = self._from_publishers(session, rec, None, deadline)
+            from_pub, from_peers = from_pub + n, 0
         return session, from_pub, from_peers
 
     def _complete(
@@ -303,7 +318,9 @@ class ZoneReader:
         parts = [s if ranges is None else replace(s, batch=clip(s.batch, ranges)) for s in session.sources]
         if self.sums[0] != rec.identity:  # each version's sums are read once, however many ranges
             self.sums = (rec.identity, {})
-        verify_sources(self.ctx, parts, rec, deadline, self.sums[1])
+        # a range checks the chunks it holds whole; the chunks at its edges are checked once the
+        # whole buffer is in (``_checked``): re-reading them from publishers would cross the link
+        verify_sources(self.ctx, parts, rec, deadline, self.sums[1], partial=ranges is None)
 
     def _hold(self, ranges: Ranges, version: tuple[int, int, str] | None = None, wake: bool = True) -> None:
         if self.relay is not None and ranges:
