@@ -37,37 +37,20 @@ import sys
 import tempfile
 import time
 
+from benchmarks.vllm_update import Trainer as VllmTrainer
+from benchmarks.vllm_update import _config
+
 CHANNEL, TOKEN = "sglang-update", "sglang-update-token"
 PROMPTS = [[11 + i, 42, 7, 99, 3, 58, 21, 5] for i in range(4)]
 
 
-class Trainer:
-    """The trainer process: fp32 model, AdamW steps on random tokens, a bf16 publish after each."""
+class Trainer(VllmTrainer):
+    """The trainer process of ``vllm_update``: fp32 model, AdamW steps, a bf16 publish after each."""
 
     def __init__(self, ckpt: str, port: int) -> None:
         import torch
-        from transformers import Qwen2ForCausalLM
 
-        from wbridge import Async, Publisher
-        from wbridge.integrations.dtensor import from_module
-
-        self.model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.pub = Publisher(CHANNEL, f"tcp://127.0.0.1:{port}", host_store=True, token=TOKEN, mode=Async(10),
-                             transport="tcp")  # fmt: skip
-        self.pub.register(from_module(self.model), dtype=torch.bfloat16)
-
-    def step_and_publish(self) -> int:
-        import torch
-
-        ids = torch.randint(2, 4096, (2, 32))
-        self.opt.zero_grad()
-        self.model(input_ids=ids, labels=ids).loss.backward()
-        self.opt.step()
-        return self.pub.publish(timeout=120.0)
-
-    def close(self) -> None:
-        self.pub.close()
+        super().__init__(ckpt, port, CHANNEL, TOKEN, dtype=torch.bfloat16)
 
 
 async def _stats(eng) -> dict:
@@ -108,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from benchmarks.vllm_update import _config
     from transports._util import free_port
     from wbridge.integrations.sglang import SGLangOptions, engine_args
     from wbridge.testing.sglang import CPU_ENGINE_ARGS

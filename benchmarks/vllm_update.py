@@ -59,9 +59,10 @@ def _config(hidden: int, layers: int):
 
 
 class Trainer:
-    """The trainer process: fp32 model, AdamW steps on random tokens, a publish after each."""
+    """The trainer process: fp32 model, AdamW steps on random tokens, a publish after each (in
+    ``dtype``, None: as trained) on ``channel`` with ``token``."""
 
-    def __init__(self, ckpt: str, port: int) -> None:
+    def __init__(self, ckpt: str, port: int, channel: str = CHANNEL, token: str = TOKEN, dtype=None) -> None:
         import torch
         from transformers import Qwen2ForCausalLM
 
@@ -71,8 +72,8 @@ class Trainer:
         self.model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         url, mode = f"tcp://127.0.0.1:{port}", Async(max_staleness=10)
-        self.pub = Publisher(CHANNEL, url, host_store=True, token=TOKEN, mode=mode, transport="tcp")
-        self.pub.register(from_module(self.model))
+        self.pub = Publisher(channel, url, host_store=True, token=token, mode=mode, transport="tcp")
+        self.pub.register(from_module(self.model), dtype=dtype)
 
     def step_and_publish(self) -> int:
         import torch

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from wbridge import Publisher, Shard, Subscriber, UsageError, ZeroCopy
+from wbridge.testing.gpu_check_data import fp8_reference
 
 from .fp8_actors import SHAPES, TOKEN, Fp8Trainer, master
 from .harness import Worker, free_port
@@ -19,21 +20,15 @@ FP8 = torch.float8_e4m3fn
 
 
 def reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The format, block by block: for each 128x128 block B (edge blocks are what is left, not
-    padded), in float32: ``scale_inv = max|B| / 448`` (1.0 where that is 0), ``fp8 = B /
-    scale_inv`` rounded to the nearest e4m3fn value."""
+    """The format, block by block (``wbridge.testing.gpu_check_data.fp8_reference``, the CPU reference
+    the GPU check compares the device kernels with); and the format is what it claims: each block
+    dequantised is within e4m3's precision of the block."""
+    q, s = fp8_reference(w)
     rows, cols = w.shape
-    q = torch.empty(rows, cols, dtype=FP8)
-    s = torch.empty(math.ceil(rows / 128), math.ceil(cols / 128), dtype=torch.float32)
     for i in range(0, rows, 128):
         for j in range(0, cols, 128):
             block = w[i : i + 128, j : j + 128].to(torch.float32)
-            scale_inv = block.abs().max() / 448.0
-            if scale_inv == 0:
-                scale_inv = torch.tensor(1.0)
-            q[i : i + 128, j : j + 128] = (block / scale_inv).to(FP8)
-            s[i // 128, j // 128] = scale_inv
-            # the format is what it claims: dequantised within e4m3's precision of the block
+            scale_inv = s[i // 128, j // 128]
             err = (q[i : i + 128, j : j + 128].to(torch.float32) * scale_inv - block).abs()
             assert bool((err <= block.abs() / 16 + scale_inv * 2.0**-9).all())
     return q, s
