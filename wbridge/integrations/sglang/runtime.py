@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from ...errors import LayoutError, WaitTimeout, WBridgeError
-from ..trace import TraceResult, cache_key, cached_trace, trace_load_weights
+from ..trace import TraceResult, trace_load_weights, traced
 from .options import SGLangOptions
 
 log = logging.getLogger("wbridge.sglang")
@@ -63,19 +63,7 @@ def trace_layout(model: Any, model_config: Any, rank: int, tp_size: int, cache_d
     def run() -> TraceResult:
         return trace_load_weights(model, model.load_weights, shapes)
 
-    if cache_dir is None:
-        return run()
-    key = cache_key(
-        model_config.hf_config.to_dict(),
-        "sglang",
-        sglang.__version__,
-        rank,
-        tp=tp_size,
-        dtype=str(model_config.dtype),
-        quantization=getattr(model_config, "quantization", None),
-        canonical=sorted(shapes.items()),
-    )
-    return cached_trace(cache_dir, key, run)
+    return traced(cache_dir, run, model_config, "sglang", sglang.__version__, rank, shapes, tp=tp_size)
 
 
 def check_unpacked(model: Any) -> None:

@@ -19,14 +19,14 @@ fits (a stacked ``[E, 2I, H]`` expert tensor holding ``[gate_e; up_e]`` per expe
 split into views ``param[i]`` along dim 0, each declared on its own.
 
 Results are plain data (``TraceResult``), cached as JSON keyed by model config, engine version and
-rank (``cached_trace``), and can be replicated by name pattern: ``expand_layers`` copies the layout
-of one traced decoder layer to every layer of the same kind, ``expand_experts`` the layout of the
-traced experts to a full expert map, so a 1T-parameter model is extracted from a trace of a
-two-layer, few-expert model.
+rank (``cached_trace``; ``traced`` builds that key for an engine's trace), and can be replicated by
+name pattern: ``expand_layers`` copies the layout of one traced decoder layer to every layer of the
+same kind, ``expand_experts`` the layout of the traced experts to a full expert map, so a
+1T-parameter model is extracted from a trace of a two-layer, few-expert model.
 """
 
 from .names import check_declarations, expand_experts, expand_layers, with_shapes
-from .result import TraceResult, cache_key, cached_trace, canonical_shapes
+from .result import TraceResult, cache_key, cached_trace, canonical_shapes, traced
 from .tracing import trace_load_weights
 
 __all__ = [
@@ -38,5 +38,6 @@ __all__ = [
     "expand_experts",
     "expand_layers",
     "trace_load_weights",
+    "traced",
     "with_shapes",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,3 +136,31 @@ def cached_trace(directory: str, key: str, trace: Callable[[], TraceResult]) -> 
         f.write(result.to_json())
     os.replace(tmp, path)
     return result
+
+
+def traced(
+    cache_dir: str | None,
+    trace: Callable[[], TraceResult],
+    model_config: Any,
+    engine: str,
+    engine_version: str,
+    rank: int,
+    shapes: Mapping[str, Sequence[int]],
+    **parallel: Any,
+) -> TraceResult:
+    """``trace()``, cached in ``cache_dir`` (None: not cached) under the key of all that changes an
+    engine's layout: its model config (``hf_config``, ``dtype``, ``quantization``), the engine and
+    its version, the rank, the canonical ``shapes`` and ``parallel`` (tp, pp, ep sizes)."""
+    if cache_dir is None:
+        return trace()
+    key = cache_key(
+        model_config.hf_config.to_dict(),
+        engine,
+        engine_version,
+        rank,
+        dtype=str(model_config.dtype),
+        quantization=getattr(model_config, "quantization", None),
+        canonical=sorted(shapes.items()),
+        **parallel,
+    )
+    return cached_trace(cache_dir, key, trace)

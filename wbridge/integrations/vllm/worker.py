@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...errors import LayoutError, UsageError, WaitTimeout, WBridgeError
-from ..trace import TraceResult, cache_key, cached_trace, trace_load_weights
+from ..trace import TraceResult, trace_load_weights, traced
 from .commit import Reload, allocate_staging, commit, plan_commit, prepare
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
@@ -130,21 +130,9 @@ class WBridgeWorkerExtension:
                 rl.unwrapped()
                 return trace_load_weights(model, model.load_weights, shapes)
 
-        if cache_dir is None:
-            return run()
-        key = cache_key(
-            mc.hf_config.to_dict(),
-            "vllm",
-            vllm.__version__,
-            self._wbridge_rank(),
-            tp=parallel.tensor_parallel_size,
-            pp=parallel.pipeline_parallel_size,
-            ep=getattr(parallel, "enable_expert_parallel", False),
-            dtype=str(mc.dtype),
-            quantization=mc.quantization,
-            canonical=sorted(shapes.items()),
-        )
-        return cached_trace(cache_dir, key, run)
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        ep = getattr(parallel, "enable_expert_parallel", False)
+        return traced(cache_dir, run, mc, "vllm", vllm.__version__, self._wbridge_rank(), shapes, tp=tp, pp=pp, ep=ep)
 
     def wbridge_subscribe(
         self,
