@@ -34,11 +34,10 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from benchmarks.vllm_update import Trainer as VllmTrainer
-from benchmarks.vllm_update import _config
+from benchmarks.vllm_update import _checkpoint
 
 CHANNEL, TOKEN = "sglang-update", "sglang-update-token"
 PROMPTS = [[11 + i, 42, 7, 99, 3, 58, 21, 5] for i in range(4)]
@@ -88,18 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
 
     import sglang as sgl
-    import torch
-    from transformers import Qwen2ForCausalLM
 
     from transports._util import free_port
     from wbridge.integrations.sglang import SGLangOptions, engine_args
     from wbridge.testing.sglang import CPU_ENGINE_ARGS
     from wbridge.testing.workers import Worker
 
-    tmp = tempfile.mkdtemp(prefix="wbridge-sglang-update-")
-    ckpt = os.path.join(tmp, "ckpt")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(_config(a.hidden, a.layers)).float().save_pretrained(ckpt, safe_serialization=True)
+    tmp, ckpt = _checkpoint("wbridge-sglang-update-", a.hidden, a.layers)
     port = free_port()
     trainer = Worker("trainer", Trainer, ckpt, port, timeout=300, context=mp.get_context("spawn"))
     opts = SGLangOptions(channel=CHANNEL, store=f"tcp://127.0.0.1:{port}", token=TOKEN, transport="tcp",

@@ -58,6 +58,19 @@ def _config(hidden: int, layers: int):
     )
 
 
+def _checkpoint(prefix: str, hidden: int, layers: int) -> tuple[str, str]:
+    """A fresh temporary directory and, in it, the benchmark's random-init (seed 0) fp32 checkpoint
+    of ``_config(hidden, layers)``: ``(directory, checkpoint path)``."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    ckpt = os.path.join(tmp, "ckpt")
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(_config(hidden, layers)).float().save_pretrained(ckpt, safe_serialization=True)
+    return tmp, ckpt
+
+
 class Trainer:
     """The trainer process: fp32 model, AdamW steps on random tokens, a publish after each (in
     ``dtype``, None: as trained) on ``channel`` with ``token``."""
@@ -134,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import multiprocessing as mp
 
-    import torch
-    from transformers import Qwen2ForCausalLM
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
@@ -144,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from wbridge.testing.workers import Worker
 
     register()
-    tmp = tempfile.mkdtemp(prefix="wbridge-vllm-update-")
-    ckpt = os.path.join(tmp, "ckpt")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(_config(a.hidden, a.layers)).float().save_pretrained(ckpt, safe_serialization=True)
+    tmp, ckpt = _checkpoint("wbridge-vllm-update-", a.hidden, a.layers)
     port = free_port()
     trainer = Worker("trainer", Trainer, ckpt, port, timeout=300, context=mp.get_context("spawn"))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

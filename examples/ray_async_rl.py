@@ -38,20 +38,6 @@ from wbridge.integrations.ray import EXTENSION, VLLMRollout, close_channel, host
 PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
 
 
-def make_checkpoint(path: str) -> None:
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    from wbridge.testing.hf import qwen2_config
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config())
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the default init: greedy tokens depend on them visibly
-            p.normal_(0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-
-
 def engine(path: str):
     from vllm import LLM
 
@@ -218,8 +204,10 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, work: str) -> None:
+    from wbridge.testing.hf import make_qwen2  # a random checkpoint: no model hub here
+
     ckpt, final = os.path.join(work, "initial"), os.path.join(work, "final")
-    make_checkpoint(ckpt)
+    make_qwen2(ckpt)
     cluster = start_cluster()
     trainers, rollouts, ch = [], [], None
     try:

@@ -136,7 +136,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, work: str) -> dict:
-    from wbridge.testing.sglang import make_qwen2
+    from wbridge.testing.hf import make_qwen2
 
     ckpt = os.path.join(work, "ckpt")
     make_qwen2(ckpt)

@@ -35,20 +35,6 @@ PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
 TIMEOUT = 300.0
 
 
-def make_checkpoint(path: str) -> None:
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    from wbridge.testing.hf import qwen2_config
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config())
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the default init: greedy tokens depend on them visibly
-            p.normal_(0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-
-
 def engine(path: str):
     from vllm import LLM
 
@@ -149,7 +135,9 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    make_checkpoint(args.ckpt)
+    from wbridge.testing.hf import make_qwen2  # a random checkpoint: no model hub here
+
+    make_qwen2(args.ckpt)
     ctx = mp.get_context("spawn")
     ports, token = (free_port(), free_port()), secrets.token_hex(16)
     started, stop, done, last, results = ctx.Barrier(4), ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()

@@ -38,7 +38,7 @@ def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
 
     from wbridge import Async, Delta, Publisher, Staging
     from wbridge.integrations.transformers import entries
-    from wbridge.testing.sglang import save_bf16
+    from wbridge.testing.hf import save_bf16
 
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
@@ -219,7 +219,7 @@ def server(ckpt: str, out: str, port: int, http_port: int) -> None:
 
 
 def make(ckpt: str, moe: bool = False) -> None:
-    from wbridge.testing.sglang import make_qwen2, make_qwen3_moe
+    from wbridge.testing.hf import make_qwen2, make_qwen3_moe
 
     (make_qwen3_moe if moe else make_qwen2)(ckpt)
 

@@ -1,4 +1,5 @@
-"""SGLang engine arguments and a tiny Qwen2 checkpoint for the CPU tests, example and benchmark."""
+"""SGLang engine arguments for the CPU tests, example and benchmark (their checkpoints:
+``wbridge.testing.hf``)."""
 
 from __future__ import annotations
 
@@ -22,43 +23,3 @@ CPU_ENGINE_ARGS: dict[str, Any] = dict(
     skip_tokenizer_init=True,
     log_level="warning",
 )
-
-
-def make_qwen2(path: str, seed: int = 0, **overrides: Any) -> None:
-    """Saves a random fp32 Qwen2 (``wbridge.testing.hf.qwen2_config``) at ``path``."""
-    from transformers import Qwen2ForCausalLM
-
-    from .hf import qwen2_config
-
-    _save_random(Qwen2ForCausalLM(qwen2_config(**overrides)), path, seed)
-
-
-def make_qwen3_moe(path: str, seed: int = 0, **overrides: Any) -> None:
-    """Saves a random fp32 Qwen3-MoE (``wbridge.testing.hf.qwen3_moe_config``: 4 experts, 2 per
-    token) at ``path``."""
-    from transformers import Qwen3MoeForCausalLM
-
-    from .hf import qwen3_moe_config
-
-    _save_random(Qwen3MoeForCausalLM(qwen3_moe_config(**overrides)), path, seed)
-
-
-def _save_random(model: Any, path: str, seed: int) -> None:
-    import torch
-
-    torch.manual_seed(seed)
-    model = model.float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-
-
-def save_bf16(model: Any, path: str) -> None:
-    """Saves ``model`` (fp32 masters) as the bf16 checkpoint a publisher with ``dtype=bfloat16``
-    serves: each tensor cast once, as the publisher casts it."""
-    import copy
-
-    import torch
-
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
