@@ -112,11 +112,16 @@ def one_slot_pub(kind: str, request: Any) -> tuple[Any, str]:
     return Worker("pub", FaultPub, url, 0, 1, 1, **kw), url
 
 
-def pause_fault(tmp_path, on_reads: tuple[int, ...], hold: float = 60.0) -> tuple[tuple[str, dict], str, str]:
+def pause_fault(
+    tmp_path, on_reads: tuple[int, ...], hold: float = 60.0, **pause: Any
+) -> tuple[tuple[str, dict], str, str]:
     """A ``fault=`` for ``SubActor`` that stops reads ``on_reads`` half-way until released; returns
-    it with the signal and release file paths."""
+    it with the signal and release file paths. ``pause``: more ``Pause`` arguments (``min_bytes``...)."""
     signal_path, release_path = str(tmp_path / "paused"), str(tmp_path / "release")
-    fault = ("pause", {"signal_path": signal_path, "release_path": release_path, "hold": hold, "on_reads": on_reads})
+    fault = (
+        "pause",
+        {"signal_path": signal_path, "release_path": release_path, "hold": hold, "on_reads": on_reads, **pause},
+    )
     return fault, signal_path, release_path
 
 

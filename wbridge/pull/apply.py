@@ -10,7 +10,9 @@
    replicas when a source dies (``reads``, ``connect.failover``).
 4. Verifies full pulls against the publishers' checksums where asked (delta pulls always verify),
    and reads the slot stamps after the data: they, not the untrusted store's fence, prove the slot
-   did not change under the reads (``StaleVersionError`` otherwise).
+   did not change under the reads (``StaleVersionError`` otherwise). A source that dies before its
+   stamp confirmed what it sent (during a delta pull's repairs, say) is failed over: its replicas
+   stand in and the version is read again in full.
 5. Staged: copies the private buffer into the live tensors; then acks ``v`` in the state key.
 """
 
@@ -69,13 +71,15 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
             log.warning("subscriber %s: publishers of epoch %d gone (%s); planning again", ctx.name, rec.epoch, e)
             session = setup(ctx, rec, gens, deadline)
             session, result = _read(ctx, session, rec, None, deadline, zone)
-        if not result.delta and ctx.verify and rec.checksums:
+        while True:
             try:
-                verify_sources(ctx, session.sources, rec, deadline)
-            except IntegrityError:
-                check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
-                raise
-        check_stamps(ctx, session.sources, rec, deadline)
+                _check(ctx, session, rec, result, deadline, replicas=zone is None)
+                break
+            except SourcesFailed as failed:
+                # A source died after its data was read, before its stamp confirmed it (a delta
+                # pull's repairs or stamps, say): its replicas stand in, for a full read.
+                session = failover(ctx, session, failed, deadline)
+                session, result = _read(ctx, session, rec, None, deadline, None)
     except BaseException:
         # best effort, briefly even past the pull's deadline: keep the original error, and do
         # not leave a reading mark that would make publishers wait for this slot
@@ -92,6 +96,20 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
     ctx.held = Held(rec.v, rec.epoch, gens)
     ctx.store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
     return result
+
+
+def _check(
+    ctx: PullContext, session: Session, rec: VersionRecord, result: PullResult, deadline: float, replicas: bool
+) -> None:
+    """The checks after the reads: the publishers' checksums (``verify``; a delta pull checked its
+    own) and the slot stamps; ``replicas``: sources that stopped answering raise ``SourcesFailed``."""
+    if not result.delta and ctx.verify and rec.checksums:
+        try:
+            verify_sources(ctx, session.sources, rec, deadline)
+        except IntegrityError:
+            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            raise
+    check_stamps(ctx, session.sources, rec, deadline, failover=replicas)
 
 
 def _read(

@@ -56,11 +56,18 @@ def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadlin
 
 
 def check_stamps(
-    ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float, pool: ThreadPoolExecutor | None = None
+    ctx: PullContext,
+    sources: Sequence[Source],
+    rec: Any,
+    deadline: float,
+    pool: ThreadPoolExecutor | None = None,
+    failover: bool = False,
 ) -> None:
     """Reads every source's slot stamp after the data: unless each still says "version v,
     stable", the slot changed under the reads (the seqlock check; the store's fence is only a
-    hint, since the store is not trusted). ``pool``: the threads to read them on (the context's)."""
+    hint, since the store is not trusted). ``pool``: the threads to read them on (the context's).
+    ``failover=True``: sources that stopped answering raise ``SourcesFailed`` (what they sent is
+    unconfirmed; their replicas may stand in), not the first one's ``TransportError``."""
     want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
 
     def one(src: Source) -> None:
@@ -84,8 +91,11 @@ def check_stamps(
             )
 
     pool = pool or ctx.pool
-    for f in [pool.submit(one, src) for src in sources]:
-        f.result()
+    futures = [(src.rank, pool.submit(one, src)) for src in sources]
+    errors = [(rank, f.exception()) for rank, f in futures]  # every read over before any error
+    errors = [(rank, e) for rank, e in errors if e is not None]
+    if errors:
+        raise failed_sources(errors) if failover else errors[0][1]
 
 
 def verify_sources(
