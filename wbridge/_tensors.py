@@ -63,12 +63,13 @@ def byte_view(t: Any):
     return t.reshape(-1).view(torch.uint8)
 
 
-def alloc_bytes(n: int, device: str):
-    """A ``torch.uint8`` buffer of ``n`` bytes on ``device`` (page-aligned on the host)."""
+def alloc_bytes(n: int, device: str, pinned: bool = False):
+    """A ``torch.uint8`` buffer of ``n`` bytes on ``device`` (page-aligned on the host); ``pinned``:
+    page-locked host memory, which device copies reach asynchronously (needs CUDA: host staging)."""
     import torch
 
     if device == "cpu":
-        return torch.empty(max(n, 1), dtype=torch.uint8)
+        return torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=pinned)
     return torch.empty(max(n, 1), dtype=torch.uint8, device=device)
 
 
