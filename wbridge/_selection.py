@@ -126,20 +126,30 @@ class BufferPlacement:
 
 
 def subscriber_placement(
-    device: str, preference: str, staged: bool, kinds: Mapping[str, Sequence[str]], rdma: bool, who: str
+    device: str,
+    preference: str,
+    staged: bool,
+    kinds: Mapping[str, Sequence[str]],
+    rdma: bool,
+    who: str,
+    serves: Sequence[str] = (),
 ) -> BufferPlacement:
     """Where the reads of a subscriber with tensors on ``device`` land. ``preference``: its
     ``transport=``; ``staged``: its ``staged=``; ``kinds``: the memory kinds of the transports
-    installed here (``memory_kinds``); ``rdma``: RDMA devices here.
+    installed here (``memory_kinds``); ``rdma``: RDMA devices here; ``serves``: the transports it
+    also serves its buffer through (a relay's, ``wbridge.pull.zone``).
 
     Host tensors, or a transport that reaches ``device``: as asked. ``auto`` reads device memory
     where a one-sided RDMA transport that reaches it can be chosen (RDMA devices here and nixl
     installed), else through a pinned host buffer (staged). A named transport that cannot reach
     ``device``: staged through host memory, or ``UsageError`` where the subscriber asked to read
-    straight into its tensors (``staged=False``)."""
+    straight into its tensors (``staged=False``). A buffer served through a transport that cannot
+    reach ``device`` is in host memory (staged)."""
     if memory_kind(device) == "cpu":
         return BufferPlacement(device, staged)
     reach = reaching(kinds, device)
+    if any(name in kinds and name not in reach for name in serves):
+        return BufferPlacement("cpu", True)
     if preference == "auto":
         direct = rdma and any(name in reach for name in RDMA_FIRST)
         return BufferPlacement(device, staged) if direct else BufferPlacement("cpu", True)

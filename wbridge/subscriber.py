@@ -49,7 +49,7 @@ from .pull.apply import apply
 from .pull.context import Destination, Endpoints, PullContext
 from .pull.membership import NEW_GENERATION, STILL, Membership
 from .pull.version import VERSION_WAIT_SLICE_S, GenerationChanged, next_version
-from .pull.zone import ZoneReader, join_zone
+from .pull.zone import RELAY_TRANSPORTS, ZoneReader, join_zone
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
 
@@ -152,7 +152,9 @@ class Subscriber(Closeable):
         layout, live, device = build_layout(ctx.member.id, tensors, pack=self.staged, who=who)
         # where reads land: host memory in front of device tensors that the transport cannot reach
         kinds = memory_kinds(ctx.endpoints.installed["transports"])
-        where = subscriber_placement(device, self.preference, self.staged, kinds, rdma_present(), who)
+        relay = self.zone is not None and self.zone.relay
+        serves = (RELAY_TRANSPORTS if self.preference == "auto" else [self.preference]) if relay else []
+        where = subscriber_placement(device, self.preference, self.staged, kinds, rdma_present(), who, serves)
         if where.staged and not self.staged:  # staged through host memory: one packed region
             layout, live, device = build_layout(ctx.member.id, tensors, pack=True, who=who)
         ctx.drop_session()

@@ -112,6 +112,15 @@ def test_subscriber_auto_reads_device_memory_where_nixl_and_rdma_are() -> None:
     assert subscriber_placement("cuda:0", "auto", False, mooncake, True, WHO) == BufferPlacement("cpu", True)
 
 
+def test_a_relay_serving_tcp_and_local_stages_in_host_memory() -> None:
+    """A relay under ``auto`` serves its buffer on tcp and local: host memory even where nixl could
+    read into the GPU; a relay that names nixl serves it from the GPU."""
+    nixl = {**kinds("tcp", "local"), "nixl": ("cpu", "cuda")}
+    relay = ("tcp", "local")
+    assert subscriber_placement("cuda:0", "auto", True, nixl, True, WHO, relay) == BufferPlacement("cpu", True)
+    assert subscriber_placement("cuda:0", "nixl", True, nixl, True, WHO, ["nixl"]) == BufferPlacement("cuda:0", True)
+
+
 def test_subscriber_direct_reads_of_gpu_tensors_through_tcp_are_refused() -> None:
     with pytest.raises(UsageError, match=r"rank 0: the tensors are on cuda:1, but transport 'tcp'.*staged=True"):
         subscriber_placement("cuda:1", "tcp", False, kinds("tcp", "nccl"), False, WHO)
