@@ -190,8 +190,11 @@ class Transport(ABC):
     """
 
     name: ClassVar[str] = "base"
-    #: Whether this transport can serve CUDA memory without a host bounce.
-    supports_cuda: ClassVar[bool] = False
+    #: The kinds of memory this transport registers, serves and reads into directly: ``"cpu"``
+    #: (host memory), plus ``"cuda"`` where it reaches device memory without a host bounce.
+    #: wbridge stages tensors that live in a kind a transport lacks in host memory
+    #: (``wbridge._selection``: the publisher's slots, the subscriber's read buffer).
+    memory_kinds: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self, *, token: bytes | None = None, host: str = "127.0.0.1") -> None:
         self.token = token

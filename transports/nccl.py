@@ -102,7 +102,7 @@ class NcclTransport(Transport):
     """
 
     name = "nccl"
-    supports_cuda = True
+    memory_kinds = ("cpu", "cuda")
 
     def __init__(
         self,

@@ -158,7 +158,7 @@ class NixlTransport(Transport):
     """
 
     name = "nixl"
-    supports_cuda = True
+    memory_kinds = ("cpu", "cuda")
     conformance_skips: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
             "auth": "NIXL has no peer authentication; the token is not used",

@@ -1,7 +1,9 @@
 """Transport choice: which transport a reader uses for one peer, and why (pure policy, no I/O in it).
 
 Each side describes itself with ``capabilities()`` (a small JSON-able dict that can travel through
-the store next to the endpoints); ``choose_transport(local, remote)`` applies the ``auto`` order:
+the store next to the endpoints; a reader may narrow its ``transports`` to those that reach the
+memory its reads land in, named by an optional ``memory`` key); ``choose_transport(local,
+remote)`` applies the ``auto`` order:
 
 1. ``nixl``, then ``mooncake``: RDMA devices on both sides and the transport installed on both;
 2. ``local``: both processes on the same host identity (same boot and pid namespace);
@@ -109,7 +111,9 @@ def candidates(
             ("tcp", f"same host but local unavailable, {rdma_note}" if same_host else f"different hosts, {rdma_note}")
         )
     if not out:
-        raise TransportError(f"no common transport: this process has {sorted(here)}, the peer {sorted(there)}")
+        # a reader whose buffers live in device memory lists only the transports that reach it
+        memory = f" reaching its {local_caps['memory']} memory" if local_caps.get("memory") else ""
+        raise TransportError(f"no common transport: this process has {sorted(here)}{memory}, the peer {sorted(there)}")
     return out
 
 

@@ -63,12 +63,13 @@ def byte_view(t: Any):
     return t.reshape(-1).view(torch.uint8)
 
 
-def alloc_bytes(n: int, device: str):
-    """A ``torch.uint8`` buffer of ``n`` bytes on ``device`` (page-aligned on the host)."""
+def alloc_bytes(n: int, device: str, pinned: bool = False):
+    """A ``torch.uint8`` buffer of ``n`` bytes on ``device`` (page-aligned on the host); ``pinned``:
+    page-locked host memory, which device copies reach asynchronously (needs CUDA: host staging)."""
     import torch
 
     if device == "cpu":
-        return torch.empty(max(n, 1), dtype=torch.uint8)
+        return torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=pinned)
     return torch.empty(max(n, 1), dtype=torch.uint8, device=device)
 
 
@@ -116,8 +117,10 @@ def build_layout(rank: int, tensors: Any, *, pack: bool, who: str, cast: str | N
     return layout, live, devices.pop()
 
 
-def commit_pairs(plan: Any, layout: Any, live: Mapping[str, Any], private: Any, device: str) -> list[tuple[Any, Any]]:
-    """Staged mode: (live slice, private slice) views of every mapped byte range, built once per plan."""
+def commit_pairs(plan: Any, layout: Any, live: Mapping[str, Any], private: Any) -> list[tuple[Any, Any]]:
+    """Staged mode: (live slice, private slice) views of every mapped byte range, built once per
+    plan: numpy arrays where both are host memory (a memcpy), else torch views (a device copy; from
+    a host private buffer to device tensors where the subscriber stages in host memory)."""
     if len(plan) == 0:
         return []
     offs = np.concatenate([s.dst_offset for s in plan.sources])
@@ -135,12 +138,13 @@ def commit_pairs(plan: Any, layout: Any, live: Mapping[str, Any], private: Any, 
     tensors = sorted((lt.offset, lt.offset + lt.nbytes, lt.name) for lt in layout.tensors)
     bounds = np.array([t[0] for t in tensors])
     views = {name: byte_view(t) for name, t in live.items()}
+    host = {name: v.device.type == "cpu" and private.device.type == "cpu" for name, v in views.items()}
     for a, b in zip(m_off.tolist(), m_end.tolist()):
         while a < b:
             k = int(np.searchsorted(bounds, a, side="right")) - 1
             lo, hi, name = tensors[k]
             n = min(b, hi) - a
             dst, src = views[name][a - lo : a - lo + n], private[a : a + n]
-            out.append((dst.numpy(), src.numpy()) if device == "cpu" else (dst, src))
+            out.append((dst.numpy(), src.numpy()) if host[name] else (dst, src))
             a += n
     return out

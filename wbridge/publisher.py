@@ -51,7 +51,7 @@ from planner.layout import Declaration, RankLayout
 
 from . import _validate
 from ._lifecycle import Closeable, log, quietly
-from ._selection import RDMA_FIRST, rdma_present
+from ._selection import RDMA_FIRST, memory_kinds, publisher_placement, rdma_present
 from ._stats import PublisherStats, PublishStats
 from ._tensors import FLOATING, build_layout, dtype_name
 from .errors import StoreError, UsageError, WaitTimeout, WBridgeError
@@ -102,6 +102,9 @@ class Publisher(Closeable):
     - ``host_store``: this rank hosts the ``tcp://`` store (exactly one rank, usually 0).
     - ``token``: shared secret; signs store records and authenticates transport peers (None: neither).
     - ``transport``: what to serve: ``"auto"`` (tcp, local, and RDMA engines where devices exist) or names.
+      CUDA tensors are staged in pinned host memory where a served transport reaches host memory
+      only (tcp, local, mooncake); ``auto`` serves them from the device through the transports that
+      reach it where any is served (nixl), and only through those (``wbridge._selection``).
     - ``mode``: ``"sync"`` (publish waits for every subscriber's ack), ``"one_step_off"`` (waits for
       the acks of the version before), or ``Async(max_staleness=k)`` (``wbridge.options``).
     - ``staging``: ``Staging(slots=2, checksums=False, delta=None)`` (copies into rotating slots;
@@ -174,6 +177,7 @@ class Publisher(Closeable):
         self._tracker = SubscriberTracker(self._chan, aggregator=rank == 0, others=world_size > 1)
         self._next_version = 0
         names = served_transports(transport)
+        self._auto = transport == "auto"  # device tensors: served by what reaches them, where any does
         opts = transport_options or {}
         self._transports: dict[str, _transports.Transport] = {}
         try:
@@ -290,20 +294,25 @@ class Publisher(Closeable):
     def _build(
         self, layout: RankLayout, live: dict, decls: Mapping, device: str, old: Registration | None, transforms: dict
     ) -> Registration:
+        who = f"publisher rank {self.rank}"
+        kinds = memory_kinds(list(self._transports))
+        where = publisher_placement(device, kinds, auto=self._auto, zero_copy=self.zero_copy, who=who)
+        served = {name: self._transports[name] for name in where.served}
         reg = build_registration(
-            self._transports, layout, live, decls, device, old, transforms, self.slots, self.zero_copy
+            served, layout, live, decls, device, old, transforms, self.slots, self.zero_copy, where.device
         )
         if self.delta is not None:
             try:
                 size = int(reg.slots[0][0].numel()) if layout.region_sizes else 0
-                reg.delta = build_ring(self._transports, size, self.delta.history, old and old.delta, staging_buffer)
+                reg.delta = build_ring(served, size, self.delta.history, old and old.delta, staging_buffer)
             except BaseException:
                 self._release_regions(reg)
                 raise
         return reg
 
     def _record(self, reg: Registration) -> dict:
-        return {**served_record(reg, self._transports, self.rank, self.world_size, self.slots), "zone": self.zone}
+        served = {name: self._transports[name] for name in reg.served}
+        return {**served_record(reg, served, self.rank, self.world_size, self.slots), "zone": self.zone}
 
     # ------------------------------------------------------------------------------------------
     def publish(self, timeout: float = 60.0) -> int:

@@ -35,6 +35,7 @@ from planner.layout import Declaration
 
 from . import _validate
 from ._lifecycle import Closeable, quietly
+from ._selection import memory_kinds, rdma_present, subscriber_placement
 from ._stats import PullStats, SubscriberStats
 from ._tensors import alloc_bytes, build_layout, byte_view
 from .errors import StaleVersionError, StoreError, UsageError, WaitTimeout
@@ -48,7 +49,7 @@ from .pull.apply import apply
 from .pull.context import Destination, Endpoints, PullContext
 from .pull.membership import NEW_GENERATION, STILL, Membership
 from .pull.version import VERSION_WAIT_SLICE_S, GenerationChanged, next_version
-from .pull.zone import ZoneReader, join_zone
+from .pull.zone import RELAY_TRANSPORTS, ZoneReader, join_zone
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
 
@@ -59,7 +60,10 @@ class Subscriber(Closeable):
     - ``store``: the metadata store URL (``tcp://host:port`` or ``etcd://host:port[,...]``) or a ``Store``.
     - ``token``: the channel's shared secret (checks store records, authenticates to publishers).
     - ``transport``: ``"auto"`` (best common transport per publisher rank, see ``transports.select``) or a name.
-    - ``staged``: read into a private buffer and copy in only after every read succeeded.
+    - ``staged``: read into a private buffer and copy in only after every read succeeded. CUDA tensors
+      that the transport cannot reach (tcp, local; ``auto`` without RDMA and nixl) are always read
+      that way, through a pinned host buffer; with a named such transport ``staged=False`` is a
+      ``UsageError`` (``wbridge._selection``).
     - ``verify``: check each pull against the publishers' chunk checksums (where they publish them;
       delta pulls always check them).
     - ``connect_timeout``: seconds to wait for the store when opening it.
@@ -144,14 +148,23 @@ class Subscriber(Closeable):
         ctx = self._ctx
         if ctx.member.gen is None:
             ctx.member.join(record=False)  # the record, with the layout, follows
-        layout, live, device = build_layout(ctx.member.id, tensors, pack=self.staged, who=f"subscriber {self.name}")
+        who = f"subscriber {self.name}"
+        layout, live, device = build_layout(ctx.member.id, tensors, pack=self.staged, who=who)
+        # where reads land: host memory in front of device tensors that the transport cannot reach
+        kinds = memory_kinds(ctx.endpoints.installed["transports"])
+        relay = self.zone is not None and self.zone.relay
+        serves = (RELAY_TRANSPORTS if self.preference == "auto" else [self.preference]) if relay else []
+        where = subscriber_placement(device, self.preference, self.staged, kinds, rdma_present(), who, serves)
+        if where.staged and not self.staged:  # staged through host memory: one packed region
+            layout, live, device = build_layout(ctx.member.id, tensors, pack=True, who=who)
         ctx.drop_session()
-        if self.staged:
-            buffers = [alloc_bytes(layout.region_sizes[0] if layout.region_sizes else 0, device)]
+        if where.staged:
+            size = layout.region_sizes[0] if layout.region_sizes else 0
+            buffers = [alloc_bytes(size, where.device, pinned=where.device != device)]
         else:
             buffers = [byte_view(t) for t in live.values()]
-        ctx.endpoints.bind(buffers, device)
-        ctx.dest = Destination(layout, live, buffers, device, self.staged)
+        ctx.endpoints.bind(buffers, where.device)
+        ctx.dest = Destination(layout, live, buffers, where.device, where.staged)
         ctx.member.announce(layout)  # publishers pack their slots for the layouts they are told
         ctx.hold(None)
         ctx.held = None

@@ -131,7 +131,7 @@ def test_snapshot_keeps_the_packed_copy_program_per_slot():
 
     packs = [pack_staging(layout, [reader(24, 1)]), pack_staging(layout, [reader(12, 2)])]
     assert not any(ps.identity for ps in packs)
-    reg = build_registration({}, layout, tensors, {}, "cpu", None, {}, 2, False)
+    reg = build_registration({}, layout, tensors, {}, "cpu", None, {}, 2, False, "cpu")
 
     def want(ps):
         out = np.zeros(int(reg.slots[1][0].numel()), dtype=np.uint8)

@@ -1,5 +1,10 @@
 """A publisher's staging: its slots, their stamps, and the snapshot copy that fills a slot with a
-version (plain, cast to the published dtype, or packed for the readers' layouts)."""
+version (plain, cast to the published dtype, or packed for the readers' layouts).
+
+Host staging: where the tensors live on a GPU and a served transport reaches host memory only
+(``wbridge._selection.publisher_placement``), the slots are pinned host memory and the snapshot
+runs on the device into one device buffer (``Registration.bounce``: the casts, the FP8 transform
+and the packed copy are computed there), which is then copied to the host slot in one copy."""
 
 from __future__ import annotations
 
@@ -36,7 +41,10 @@ class Registration:
     copies: list[list[tuple[Any, Any]]] = field(default_factory=list)  # slot -> (dst, src) views
     stamps: list[Any] = field(default_factory=list)  # slot -> stamp buffer
     epoch: int = 0
-    device: str = "cpu"
+    device: str = "cpu"  # where the live tensors are
+    slot_device: str = "cpu"  # where the slots are: ``device``, or "cpu" (host staging)
+    served: tuple[str, ...] = ()  # the transports that serve the slots
+    bounce: Any = None  # host staging: the device buffer each snapshot is computed in
     zero_copy: bool = False
     copy_stream: Any = None  # CUDA: the snapshot copy's own stream
     packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
@@ -46,11 +54,12 @@ class Registration:
     delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge.publish.delta)
 
 
-def staging_buffer(transports: Mapping[str, Any], size: int, device: str) -> Any:
+def staging_buffer(transports: Mapping[str, Any], size: int, device: str, pinned: bool = False) -> Any:
     """A zeroed ``torch.uint8`` staging buffer: host memory a served transport serves best where
-    one offers it (shared memory, say), else plain memory on ``device``."""
+    one offers it (shared memory, say), else plain memory on ``device``; ``pinned``: page-locked
+    host memory (host staging: the device's copies into it run asynchronously)."""
     buf = None
-    if device == "cpu" and size:
+    if device == "cpu" and size and not pinned:
         import torch
 
         for t in transports.values():
@@ -59,7 +68,7 @@ def staging_buffer(transports: Mapping[str, Any], size: int, device: str) -> Any
                 buf = torch.frombuffer(host, dtype=torch.uint8, count=size)
                 break
     if buf is None:
-        buf = alloc_bytes(size, device)
+        buf = alloc_bytes(size, device, pinned)
     buf.zero_()  # fault the pages in now, not inside the first publish() stall
     return buf
 
@@ -78,6 +87,8 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
                 packed_copy(reg, slot, packed).run()
             for dst, src in [] if reg.zero_copy or packed is not None else reg.copies[slot]:
                 dst.copy_(src, non_blocking=True)
+            if reg.bounce is not None:  # host staging: the computed slot, to the host in one copy
+                reg.slots[slot][0].copy_(reg.bounce, non_blocking=True)
         reg.copy_stream.synchronize()
     elif packed is not None:  # reader-ordered: one copy per cell (wbridge.publish.packing)
         packed_copy(reg, slot, packed).run()
@@ -93,10 +104,12 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
 
 
 def packed_copy(reg: Registration, slot: int, packed: Any) -> PackedCopy:
-    """``slot``'s copy program for the packing ``packed``, made when the packing changes."""
+    """``slot``'s copy program for the packing ``packed``, made when the packing changes (into the
+    device buffer where the registration stages in host memory)."""
     pc = reg.packed_copies.get(slot)
     if pc is None or pc.ps is not packed:
-        pc = reg.packed_copies[slot] = PackedCopy(packed, list(reg.tensors.values()), reg.slots[slot][0])
+        target = reg.slots[slot][0] if reg.bounce is None else reg.bounce
+        pc = reg.packed_copies[slot] = PackedCopy(packed, list(reg.tensors.values()), target)
     return pc
 
 
@@ -149,24 +162,33 @@ def build_registration(
     transforms: dict,
     nslots: int,
     zero_copy: bool,
+    slot_device: str,
 ) -> Registration:
-    """The staging slots (or live views) of a registration, registered with every transport;
-    ``old``'s buffers and stamps are reused where they fit (no new shared memory per call)."""
+    """The staging slots (or live views) of a registration on ``slot_device`` (the tensors'
+    ``device``, or ``"cpu"``: host staging), registered with every transport of ``transports`` (those
+    that serve them); ``old``'s buffers and stamps are reused where they fit (no new shared memory
+    per call)."""
+    host_staged = slot_device != device
+    bounce = None
     if zero_copy:
         slots = [[byte_view(t) for t in live.values()]]
     else:
         size = layout.region_sizes[0] if layout.region_sizes else 0
-        same = old is not None and old.device == device and not old.zero_copy
+        same = old is not None and (old.device, old.slot_device) == (device, slot_device) and not old.zero_copy
         if same and all(int(s[0].numel()) == size for s in old.slots) and len(old.slots) == nslots:
-            slots = old.slots
+            slots, bounce = old.slots, old.bounce
         else:
-            slots = [[staging_buffer(transports, size, device)] for _ in range(nslots)]
+            slots = [[staging_buffer(transports, size, slot_device, pinned=host_staged)] for _ in range(nslots)]
+            bounce = alloc_bytes(size, device) if host_staged else None
     reg = Registration(layout, live, decls, slots, device=device, zero_copy=zero_copy, transforms=transforms)
+    reg.slot_device, reg.served, reg.bounce = slot_device, tuple(transports), bounce
     if device != "cpu":
         import torch
 
         reg.copy_stream = torch.cuda.Stream(device=device)
-    if not zero_copy:
+    if bounce is not None:  # every slot's snapshot is computed in the one device buffer
+        reg.copies = [copy_pairs(bounce, live, layout, device, transforms)] * len(slots)
+    elif not zero_copy:
         reg.copies = [copy_pairs(slot[0], live, layout, device, transforms) for slot in slots]
     # Each slot's last region is its stamp: the version it holds and whether it is being
     # written. Readers check it after their reads (a seqlock in the data plane), so a store
@@ -184,7 +206,7 @@ def build_registration(
                 regions: list[Any] = []
                 per_slot.append(regions)
                 for buf in slot:
-                    regions.append(t.register(address(buf), int(buf.numel()), device=device))
+                    regions.append(t.register(address(buf), int(buf.numel()), device=slot_device))
                 regions.append(t.register(address(stamp), STAMP_BYTES, device="cpu"))
     except BaseException:
         release_regions(reg, transports)
@@ -217,6 +239,7 @@ def served_record(reg: Registration, transports: Mapping[str, Any], rank: int, w
         "slots": nslots,
         "zero_copy": reg.zero_copy,
         "device": reg.device,
+        "slot_device": reg.slot_device,
         "transports": {
             name: {
                 "endpoint": b64(t.endpoint()),

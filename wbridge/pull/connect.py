@@ -89,7 +89,7 @@ def connect_all(ctx: PullContext, session: Session, deadline: float) -> Session:
     ctx.size_pool(len(sources))
     dest = ctx.dest
     if dest.staged:
-        dest.commit = commit_pairs(plan, dest.layout, dest.live, dest.buffers[0], dest.device)
+        dest.commit = commit_pairs(plan, dest.layout, dest.live, dest.buffers[0])
     ctx.session = session
     return session
 

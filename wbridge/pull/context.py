@@ -20,6 +20,7 @@ from planner.layout import RankLayout
 from transports import select as _select
 
 from .._lifecycle import quietly
+from .._selection import memory_kind, memory_kinds, reaching
 from .._stats import SubscriberStats
 from .._tensors import address
 from ..protocol.channel import ChannelStore
@@ -65,7 +66,8 @@ class Destination:
     - ``layout``: the subscriber's ``RankLayout``.
     - ``live``: the registered tensors by name.
     - ``buffers``: uint8 views the reads write into, one per region (staged: the private buffer).
-    - ``device``: where they live (``"cpu"``, ``"cuda:0"``...).
+    - ``device``: where they live (``"cpu"``, ``"cuda:0"``...): ``"cpu"`` for a private buffer in
+      host memory in front of device tensors (host staging, ``wbridge._selection``).
     - ``staged``: reads land in a private buffer, copied into ``live`` once every read succeeded.
     """
 
@@ -92,7 +94,7 @@ class Endpoints:
         self.token, self.host, self.options, self.preference = token, host, options, preference
         # nccl joins process groups, so auto picks it only where the publisher opted in by serving
         # it (Publisher(transport=[..., "nccl"])); this side accepts it wherever it is installed
-        self.caps = _select.capabilities(nccl=True)
+        self.installed = self.caps = _select.capabilities(nccl=True)  # caps: narrowed by ``bind``
         self._open: dict[str, _transports.Transport] = {}
         self._regions: dict[str, list[Any]] = {}
         self._buffers: list[Any] = []
@@ -105,9 +107,16 @@ class Endpoints:
         self._wrap = fn
 
     def bind(self, buffers: list[Any], device: str) -> None:
-        """Closes what is open; transports opened from now on register ``buffers``."""
+        """Closes what is open; transports opened from now on register ``buffers``, which live on
+        ``device``: ``caps`` lists only the transports that reach that memory from now on."""
         self.close()
         self._buffers, self._device = buffers, device
+        kind = memory_kind(device)
+        if kind == "cpu":  # every transport reaches host memory
+            self.caps = self.installed
+        else:
+            reach = reaching(memory_kinds(self.installed["transports"]), device)
+            self.caps = {**self.installed, "transports": reach, "memory": kind}
 
     def open(self, name: str) -> _transports.Transport:
         """Transport ``name``, opened (and the destination registered with it) on first use."""

@@ -7,9 +7,15 @@ process of its own and the subscriber in this one, every call bounded by a timeo
 
 - ``nixl``, ``nccl``, ``tcp``, ``local``: two versions of a tiny Llama (trainer layout: one rank,
   separate q/k/v) pulled into a fused TP-rank layout through that transport. nccl needs a second
-  GPU (NCCL refuses two ranks on one device), so on one GPU its line is a SKIP.
+  GPU (NCCL refuses two ranks on one device), so on one GPU its line is a SKIP. tcp and local
+  reach host memory only (``Transport.memory_kinds``): on CUDA tensors they go through host
+  staging on both sides (the publisher's slots in pinned host memory, a staged subscriber reading
+  into a pinned host buffer), and a subscriber asking for direct reads is refused (``UsageError``).
+- ``auto``: ``transport="auto"`` on both sides with a direct subscriber: host staging chosen by
+  both sides where no RDMA device is (the line names the transport used and why).
 - ``cast_bf16``: fp32 masters registered with ``dtype=torch.bfloat16``, the cast done by the
-  snapshot on the device; checked against ``tensor.to(torch.bfloat16)`` on the CPU.
+  snapshot on the device; checked against ``tensor.to(torch.bfloat16)`` on the CPU. ``host_cast``:
+  the same through tcp, so on CUDA the cast lands in the device buffer of host staging first.
 - ``fp8_block128``: ``transforms={name: "fp8_block128"}`` quantised on the device; checked against
   a block-by-block quantiser on the CPU (``gpu_check_data.fp8_reference``).
 - ``delta``: ``staging=Staging(delta=Delta())``; a sparse change pulled as a delta (``stats.last.delta``).
@@ -40,8 +46,14 @@ test_gpu_check.py``), so the references cannot rot. What only a GPU run exercise
    (``_delta_pull._scatter``);
 4. nixl's VRAM registrations and NCCL process groups on CUDA memory (``transports._nccl_group``),
    and the staged subscriber's commit as device copies (``_tensors.commit_pairs``);
-5. tcp and local with CUDA tensors: the runtime registers CUDA staging slots and destinations with
-   them, which they refuse (host memory only): their parts fail so until host staging exists.
+5. host staging (tcp, local, auto without RDMA): pinned host memory (``_tensors.alloc_bytes(pinned=
+   True)``) for the publisher's slots and the subscriber's read buffer; the publisher's device
+   buffer (``Registration.bounce``) that the snapshot copies, casts, transforms or packs into, and
+   its one device-to-host copy into the slot (``publish.staging.snapshot``); the subscriber's
+   commit from host to device (``_tensors.commit_pairs`` with mixed devices, ``pull.apply``); and
+   the refusal of a direct subscriber (``refuses_direct``). The decisions themselves
+   (``_selection.publisher_placement``, ``subscriber_placement``, ``Endpoints.bind`` narrowing a
+   reader's transports) are pure and run in ``tests/runtime/test_host_staging.py`` on any machine.
 """
 
 from __future__ import annotations
@@ -181,7 +193,7 @@ def _free_port() -> int:
 class Session:
     """One part's publisher process and subscriber (in this process), torn down by ``close``.
 
-    - ``transport``: what the publisher serves and the subscriber reads through.
+    - ``transport``: what the publisher serves and the subscriber reads through (``"auto"``: both choose).
     - ``source``, ``device``, ``nbytes``: the publisher's tensors (``publisher_tensors``) and their device.
     - ``sub_kind``: the subscriber's tensors and reference (``subscriber_tensors``).
     - ``sub_device``: where the subscriber's tensors live (default ``device``).
@@ -212,7 +224,7 @@ class Session:
         self.sub = None
         self.held: dict[str, tuple[Any, Any]] = {}
         self.sub_options = sub_options or {}
-        served = [transport]
+        served = transport if transport == "auto" else [transport]
         self.pub = Worker(
             "publisher",
             PublisherProcess,
@@ -288,6 +300,31 @@ def feature_transport(device: str) -> str:
     return "tcp"
 
 
+def host_only(name: str) -> bool:
+    """Whether transport ``name`` reaches host memory only (``Transport.memory_kinds``): CUDA tensors
+    then go through host staging on both sides (``wbridge._selection``)."""
+    import transports
+
+    return "cuda" not in transports.get(name).memory_kinds
+
+
+def refuses_direct(s: Session, device: str) -> None:
+    """A subscriber that asks to read straight into CUDA tensors (``staged=False``) through a
+    transport that reaches host memory only gets ``UsageError`` from ``register``."""
+    from wbridge import UsageError
+
+    sub = make_subscriber(s.url, s.transport, staged=False)
+    try:
+        sub.register(garbage_like(subscriber_tensors(s.sub_kind, 0, s.nbytes), device))
+    except UsageError as e:
+        if s.transport not in str(e) or "staged=True" not in str(e):
+            raise AssertionError(f"the refusal does not name the transport and the remedy: {e}") from None
+        return
+    finally:
+        sub.close()
+    raise AssertionError(f"a direct subscriber on {device} through {s.transport} registered")
+
+
 def transport_part(name: str) -> Callable[[str], str]:
     def part(device: str) -> str:
         import torch
@@ -301,19 +338,38 @@ def transport_part(name: str) -> Callable[[str], str]:
             if torch.cuda.device_count() < 2:
                 raise Skip("NCCL refuses two ranks on one device: needs a second GPU (subscriber on cuda:1)")
             sub_device = "cuda:1"
-        s = Session(name, "model", device, sub_kind="model", sub_device=sub_device)
+        # host memory only: the publisher stages in host memory by itself, the subscriber is staged
+        staged = host_only(name)
+        s = Session(name, "model", device, sub_kind="model", sub_device=sub_device, sub_options={"staged": staged})
         try:
+            if staged and device != "cpu":
+                refuses_direct(s, device)
             for v in (1, 2):
                 s.step(v)
             used = s.sub.stats.transports[0][0]
             if used != name:
                 raise AssertionError(f"read through {used}, not {name}")
-            return f"{_mib(_model_bytes(s))} x 2 versions bit-exact through {name} ({device} -> {sub_device})"
+            how = ", host staging on both sides" if staged and device != "cpu" else ""
+            return f"{_mib(_model_bytes(s))} x 2 versions bit-exact through {name} ({device} -> {sub_device}{how})"
         finally:
             s.close()
 
     part.__name__ = f"part_{name}"
     return part
+
+
+def part_auto(device: str) -> str:
+    """``transport="auto"`` on both sides and a direct subscriber: on a GPU without RDMA both sides
+    stage in host memory by themselves (tcp and local reach host memory only); with RDMA devices and
+    nixl both read device memory through nixl."""
+    s = Session("auto", "model", device, sub_kind="model")
+    try:
+        for v in (1, 2):
+            s.step(v)
+        used, reason = s.sub.stats.transports[0]
+        return f"{_mib(_model_bytes(s))} x 2 versions bit-exact, auto on both sides chose {used} ({reason})"
+    finally:
+        s.close()
 
 
 def part_cast_bf16(device: str) -> str:
@@ -324,6 +380,21 @@ def part_cast_bf16(device: str) -> str:
         for v in (1, 2):
             s.step(v)
         return "fp32 masters cast to bf16 by the snapshot, 2 versions equal tensor.to(bfloat16) on the CPU"
+    finally:
+        s.close()
+
+
+def part_host_cast(device: str) -> str:
+    """The bf16 cast through tcp: on CUDA tensors computed on the device, then copied to the
+    publisher's host slot; the staged subscriber copies it to its device tensors."""
+    import torch
+
+    register = {"dtype": torch.bfloat16}
+    s = Session("tcp", "fp32", device, sub_kind="bf16", register=register, sub_options={"staged": True})
+    try:
+        for v in (1, 2):
+            s.step(v)
+        return "fp32 masters cast to bf16 by the snapshot, through tcp (host staging on CUDA): 2 versions bit-exact"
     finally:
         s.close()
 
@@ -476,7 +547,9 @@ def measure_figures(device: str) -> tuple[Figures, str]:
 
 PARTS: dict[str, Callable[[str], str]] = {
     **{name: transport_part(name) for name in ("nixl", "nccl", "tcp", "local")},
+    "auto": part_auto,
     "cast_bf16": part_cast_bf16,
+    "host_cast": part_host_cast,
     "fp8_block128": part_fp8_block128,
     "delta": part_delta,
     "packed": part_packed,
