@@ -59,7 +59,7 @@ class SubscriberView:
     dead: bool = False
     acked: int = 0
     reading: int = 0
-    layout: str = ""  # hash of its announced layout (``_packing.announce``)
+    layout: str = ""  # hash of its announced layout (``protocol.packing.announce``)
     relay: str = ""  # the store key of its relay record (``_relay``), collected with it
 
 

@@ -39,11 +39,11 @@ The same part functions run in the test suite with ``device="cpu"`` (``tests/run
 test_gpu_check.py``), so the references cannot rot. What only a GPU run exercises:
 
 1. the snapshot copy on the publisher's own CUDA stream after the caller's event
-   (``_staging.snapshot``, ``Publisher._begin``), and the cast and FP8 kernels on the device;
-2. the packed copy as torch strided views (``_packing.copy_torch``);
-3. the delta encode in torch (``_delta.DeltaRing.encode``'s GPU branch), its checksums through a
+   (``publish.staging.snapshot``, ``Publisher._begin``), and the cast and FP8 kernels on the device;
+2. the packed copy as torch strided views (``publish.packing.copy_torch``);
+3. the delta encode in torch (``publish.delta.DeltaRing.encode``'s GPU branch), its checksums through a
    host copy (``protocol.checksum.host_array``), and the delta scatter into CUDA memory
-   (``_delta_pull._scatter``);
+   (``pull.delta._scatter``);
 4. nixl's VRAM registrations and NCCL process groups on CUDA memory (``transports._nccl_group``),
    and the staged subscriber's commit as device copies (``_tensors.commit_pairs``);
 5. host staging (tcp, local, auto without RDMA): pinned host memory (``_tensors.alloc_bytes(pinned=
