@@ -232,21 +232,31 @@ class ZoneReader:
         finally:
             if own is not None:
                 own.exception()  # never leave it writing into the buffer once this returns
-        used = None
+        used: list[PullResult] = []
         if own is not None:
-            session, n, _, used = own.result()
+            session, n, _, done = own.result()
             from_pub += n
+            used += [done] if done is not None else []
         rest = 0
         if missing:
-            session, rest = self._from_publishers(session, rec, missing, deadline)
-            from_pub += rest
-            self._hold(missing)
+            # what peers did not bring: as deltas too where they can be used (deltas hold the new
+            # words, so bytes a peer brought already stay right; bytes a failed peer read left
+            # wrong fail the check and are read again), else in full
+            plan = self._delta_plan(session, rec, held, missing)
+            done = self._own_deltas(plan[1], rec, held, deadline) if plan is not None else None
+            if done is not None:
+                from_pub += done.from_publishers
+                used.append(done)
+                self._hold(plan[0])
+            else:
+                session, rest = self._from_publishers(session, rec, missing, deadline)
+                from_pub += rest
+                self._hold(missing)
         # deltas: the caller checks nothing more, so bytes read in full from publishers are too
-        unchecked = from_peers or (used is not None and rest and self.ctx.verify)
+        unchecked = from_peers or (used and rest and self.ctx.verify)
         session, from_pub, from_peers = self._checked(session, rec, from_pub, from_peers, unchecked, deadline)
-        ops = len(session.plan) + (used.ops if used is not None else 0)
-        repaired = used.repaired if used is not None else 0
-        return session, PullResult(from_pub, from_peers, ops, repaired, delta=used is not None)
+        ops = len(session.plan) + sum(u.ops for u in used)
+        return session, PullResult(from_pub, from_peers, ops, sum(u.repaired for u in used), delta=bool(used))
 
     def _checked(
         self, session: Any, rec: Any, from_pub: int, from_peers: int, unchecked: bool, deadline: float
