@@ -422,12 +422,13 @@ def run_delta(link: Link, args: argparse.Namespace, delta: bool, kill: bool) -> 
             t2, n2, rs2 = version(v + 1, subs[1:])
             if not all(r["delta"] for r in rs2):
                 raise SystemExit("zones: the relays left did not pull deltas after the kill")
-            print(
-                f"  relay killed mid-version {v}: {len(rs)} relays bit-exact in {t:.2f}s, link "
-                f"{n / (args.mb << 20):.3f}x model (its range in full); version {v + 1}: {t2:.2f}s, "
-                f"link {n2 / (args.mb << 20):.4f}x, deltas",
-                flush=True,
-            )
+            if not args.quiet:
+                print(
+                    f"  relay killed mid-version {v}: {len(rs)} relays bit-exact in {t:.2f}s, link "
+                    f"{n / (args.mb << 20):.4f}x model; version {v + 1} without it: {t2:.2f}s, "
+                    f"link {n2 / (args.mb << 20):.4f}x, deltas",
+                    flush=True,
+                )
         return took, used
     finally:
         for w in (*subs, trainer):

@@ -21,6 +21,20 @@ and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
    in, after twice the time that took without progress (at least ``STALL_MIN_S``: a relay died or
    is stuck), or halfway to the pull's deadline, the rest comes from the publishers.
 
+Deltas across the link. Where the publishers encode deltas and a relay's buffer holds a version
+``a`` whole (its last pull succeeded) that the deltas can bring to ``v`` (``wbridge.pull.delta``:
+same epoch and packing, ``v - a`` within the ring), the relay reads its range as deltas: the
+session's plan clipped to the range widened to whole checksum chunks (``ranges.widen``: the check
+that follows re-reads nothing over the link), applied onto its buffer by ``delta.pull`` (which
+checks every chunk and repairs what does not match), the publishers' stamps checked, then
+announced in one piece. Readers still read whole ranges from relays (bytes inside the zone).
+Ranges a relay still misses when its peers stall come as deltas too: the buffer holds ``a`` there,
+delta entries carry the new words (bytes a peer already brought stay right) and bytes a failed
+peer read left wrong fail the check and are read again. A relay that cannot (a new relay, one
+further behind than the ring, deltas that turn out unusable) reads its range in full, as above.
+A zone subscriber with no relay to read from takes deltas from the publishers as a plain
+subscriber does. ``PullStats.delta`` says whether a pull applied deltas.
+
 A subscriber with a layout no relay of Z has (not staged, another TP, fused tensors) plans with the
 planner against the relays of Z that hold the version whole, their layouts as one more set of
 sources (balanced over them as replicas), and reads the publishers if there are none or that fails.
