@@ -110,12 +110,13 @@ def _link(rs: list[dict]) -> float:
     return sum(r["from_publishers"] for r in rs) / MODEL
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_relays_pull_deltas_across_the_link(url: str) -> None:
     """3 relays and a reader of the zone, 5 versions: after their first pull the relays apply the
     deltas of their ranges (the zone reads 3-4% of the model from publishers per version, where
     whole versions read at least 1x), the reader reads only from relays, every pull bit-exact. A
-    relay joining at version 4 reads its range in full, and applies deltas from version 5 on."""
+    relay joining at version 4 reads its range in full, and applies deltas from version 5 on; a
+    relay further behind than the publishers' ring of deltas reads its range in full."""
     pub = Worker("pub", DeltaPub, url)
     relays = [Worker(f"relay{i}", ZoneSub, url, True, timeout=None) for i in range(3)]
     reader = Worker("reader", ZoneSub, url, False, timeout=None)
@@ -147,6 +148,14 @@ def test_relays_pull_deltas_across_the_link(url: str) -> None:
         _exact(rs, 5, want)
         assert all(r["delta"] for r in rs[:4]), [r["delta"] for r in rs]
         assert 0 < _link(rs) <= 0.05, _link(rs)
+        # relay 0 sits out versions 6 to 9: at 10 it is further behind than the ring (Delta(history=4))
+        # and reads its range in full; the others keep to deltas (its range, while it sat out, too)
+        for v in range(6, 11):
+            want = pub.call("publish", v)
+            rs = call_all([*relays[1:], fresh] if v < 10 else [*relays, fresh], "pull", v)
+            _exact(rs, v, want)
+            assert all(r["delta"] for r in rs[-3:]), (v, [r["delta"] for r in rs])
+        assert not rs[0]["delta"] and MODEL // 5 < rs[0]["from_publishers"] < MODEL // 3, rs[0]
     finally:
         for w in (reader, *relays, *([fresh] if fresh else []), pub):
             w.stop()

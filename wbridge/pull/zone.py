@@ -377,7 +377,7 @@ class ZoneReader:
             log.warning("subscriber %s: zone %s: delta pull of version %d failed (%s)", *self._who(rec), e)
             return None
         if done is not None:
-            check_stamps(self.ctx, clipped.sources, rec, deadline, self.pool)
+            check_stamps(self.ctx, clipped.sources, rec, deadline)
         return done
 
     def _delta_plan(self, session: Session, rec: Any, held: Held | None, mine: Ranges) -> tuple | None:
