@@ -200,3 +200,21 @@ def test_relay_killed_mid_delta_pull(url: str, tmp_path) -> None:
     finally:
         for w in (*others, victim, pub):
             w.stop()
+
+
+@pytest.mark.timeout(120)
+def test_zone_reader_without_relays_takes_deltas(url: str) -> None:
+    """A subscriber of a zone with no relay to read from reads the publishers: as deltas once it
+    holds a version, as a subscriber without a zone does (before, whole versions, every time)."""
+    pub = Worker("pub", DeltaPub, url)
+    reader = Worker("reader", ZoneSub, url, False)
+    try:
+        for v in (1, 2, 3):
+            want = pub.call("publish", v)
+            r = reader.call("pull", v)
+            _exact([r], v, want)
+            assert r["delta"] == (v > 1) and r["from_peers"] == 0, r
+            assert (r["from_publishers"] <= 0.05 * MODEL) == (v > 1), r
+    finally:
+        reader.stop()
+        pub.stop()

@@ -267,7 +267,7 @@ class ZoneReader:
                 from_pub += rest
                 self._hold(missing)
         # deltas: the caller checks nothing more, so bytes read in full from publishers are too
-        unchecked = from_peers or (used and rest and self.ctx.verify)
+        unchecked = from_peers > 0 or bool(used and rest and self.ctx.verify)
         session, from_pub, from_peers = self._checked(session, rec, from_pub, from_peers, unchecked, deadline)
         ops = len(session.plan) + sum(u.ops for u in used)
         return session, PullResult(from_pub, from_peers, ops, sum(u.repaired for u in used), delta=bool(used))
