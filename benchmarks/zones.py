@@ -248,7 +248,13 @@ def run(link: Link, mb: int, relay: bool, replicas: int, quiet: bool) -> tuple[f
 
 class Master:
     """A trainer of fp32 masters published as bf16, with deltas or without; one AdamW step per
-    version (see the module docstring)."""
+    version (see the module docstring).
+
+    - ``ns``, ``host``, ``port``: its network namespace, address, and the store's port (it hosts it).
+    - ``mb``: the published (bf16) model's size in MiB.
+    - ``delta``: publish with ``Staging(delta=Delta())``, else ``Staging(checksums=True)``.
+    - ``lr``, ``warmup``: the step size; optimizer steps taken before version 1.
+    """
 
     def __init__(self, ns: str, host: str, port: int, mb: int, delta: bool, lr: float, warmup: int) -> None:
         enter(ns)
@@ -312,8 +318,13 @@ def digest(tensors: list) -> str:
 
 
 class Relay:
-    """A relay replica of bf16 tensors; ``pause``: its reads stop half-way once the file
-    ``pause`` is gone (``wbridge.testing.faults``), a line then appended to ``pause + ".hit"``."""
+    """A relay replica of bf16 tensors.
+
+    - ``ns``, ``url``: its network namespace and the store's URL.
+    - ``shapes``: the trainer's tensors' shapes, by name.
+    - ``pause``: None, or a file: once it is gone its reads stop half-way
+      (``wbridge.testing.faults``' pause), a line then appended to ``pause + ".hit"``.
+    """
 
     def __init__(self, ns: str, url: str, shapes: dict, pause: str | None) -> None:
         enter(ns)
