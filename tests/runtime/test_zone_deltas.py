@@ -29,6 +29,13 @@ def _tensors() -> dict:
     return {f"w{i}": torch.zeros((ROWS, COLS), dtype=torch.bfloat16) for i in range(TENSORS)}
 
 
+def _words(t) -> np.ndarray:
+    """A bf16 tensor's elements as int16 (numpy, the same memory)."""
+    import torch
+
+    return t.view(-1).view(torch.int16).numpy()
+
+
 def _digest(tensors: dict) -> str:
     import torch
 
@@ -39,7 +46,10 @@ def _digest(tensors: dict) -> str:
 
 
 class DeltaPub:
-    """A publisher with deltas whose versions each change ``CHANGED`` of the bf16 words (seeded)."""
+    """A publisher with deltas whose versions each change ``CHANGED`` of the bf16 words (seeded).
+
+    - ``url``: the store's URL.
+    """
 
     def __init__(self, url: str) -> None:
         from wbridge import Publisher
@@ -47,14 +57,14 @@ class DeltaPub:
         self.t = _tensors()
         rng = np.random.default_rng(0)
         for t in self.t.values():
-            t.view(-1).view(__import__("torch").int16).numpy()[:] = rng.integers(-(2**14), 2**14, ROWS * COLS)
+            _words(t)[:] = rng.integers(-(2**14), 2**14, ROWS * COLS)
         self.pub = Publisher("zd", url, token=TOKEN, staging=Staging(delta=Delta()), mode=Async(max_staleness=8))
         self.pub.register({n: (t, Shard(n, (ROWS, COLS))) for n, t in self.t.items()})
 
     def publish(self, v: int) -> str:
         rng = np.random.default_rng(v)
         for t in self.t.values():
-            words = t.view(-1).view(__import__("torch").int16).numpy()
+            words = _words(t)
             idx = rng.choice(len(words), int(CHANGED * len(words)), replace=False)
             words[idx] += 1
         got = self.pub.publish(timeout=30.0)
@@ -66,7 +76,13 @@ class DeltaPub:
 
 
 class ZoneSub:
-    """A staged subscriber of zone ``far`` (a relay, or a reader of the relays)."""
+    """A staged subscriber of zone ``far``.
+
+    - ``url``: the store's URL.
+    - ``relay``: it relays (else it reads from the zone's relays).
+    - ``fault``: ``(wrapper name, keywords)`` of ``wbridge.testing.faults`` for its transports, or None.
+    - ``kwargs``: more ``Subscriber`` keywords.
+    """
 
     def __init__(self, url: str, relay: bool, fault: tuple | None = None, **kwargs) -> None:
         from wbridge import Subscriber
