@@ -157,3 +157,18 @@ def test_zones_small_prints_summary_line() -> None:
     assert float(m.group(1)) <= 1.15, lines[-1]  # bytes, not time: holds under load too
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert "wbz" not in out, out  # the run deleted its namespaces
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zones_delta_small_prints_summary_line() -> None:
+    """Deltas across the link: a few percent of the model per version (every replica bit-exact and a
+    relay killed mid-version survived, or the run exits non-zero)."""
+    if os.geteuid() != 0:
+        pytest.skip("benchmarks/zones.py makes network namespaces: needs root")
+    lines = run_benchmark("zones.py", "--delta", "--mb", "16", "--versions", "4", timeout=290)
+    m = re.fullmatch(
+        r"zones: delta=1 link_bytes_per_version_vs_model=(\S+) all_replicas_s=(\S+) vs_full=(\S+)", lines[-1]
+    )
+    assert m, lines[-1]
+    assert float(m.group(1)) <= 0.06, lines[-1]  # bytes, not time: holds under load too

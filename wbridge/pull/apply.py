@@ -117,7 +117,7 @@ def _read(
 ) -> tuple[Session, PullResult]:
     """The reads of ``rec``: deltas onto ``held`` where usable, else through the zone, else from
     every source (failing over to replicas); the session (a new one after a failover) and result."""
-    if zone is None and delta.usable(ctx, session, rec, held):  # a zone's readers read whole versions
+    if zone is None and delta.usable(ctx, session, rec, held):  # a zone's reader takes deltas in ``zone``
         try:
             result = delta.pull(ctx, session, rec, held.v, deadline)
         except IntegrityError:
@@ -128,13 +128,12 @@ def _read(
             result = None
         if result is not None:
             return ctx.session or session, result
-    if zone is not None:  # relays of the zone first, publishers for the rest
+    if zone is not None:  # relays of the zone first (deltas over the link), publishers for the rest
         try:
-            session, from_pub, from_peers = zone.read(session, rec, deadline)
+            return zone.read(session, rec, held, deadline)
         except IntegrityError:  # (a relay checking its own range from the publishers)
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
-        return session, PullResult(from_pub, from_peers, len(session.plan))
     while True:
         try:
             read_sources(ctx, session.sources, rec.slot, deadline)

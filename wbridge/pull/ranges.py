@@ -60,4 +60,34 @@ def clip(batch: ReadBatch, ranges: Ranges) -> ReadBatch:
     return ReadBatch(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
 
 
-__all__ = ["ALIGN", "Ranges", "clip", "part", "subtract", "union"]
+def widen(batches: list[ReadBatch], ranges: Ranges, chunk: int) -> Ranges:
+    """``ranges`` widened to the destination bytes of every source chunk (``chunk`` bytes of one
+    source region, per batch: one batch per source) that ``batches`` clipped to ``ranges`` touch,
+    as far as ``batches`` read them: a check of the widened ranges never covers a chunk only in
+    part where the whole batches do not."""
+    out = list(ranges)
+    for batch in batches:
+        inside = clip(batch, ranges)
+        if not len(inside):
+            continue
+        touched = np.unique(_chunk_keys(inside, chunk)[0])
+        keys, soff, doff, n = _chunk_keys(batch, chunk)
+        m = np.isin(keys, touched)
+        out += list(zip(doff[m].tolist(), (doff[m] + n[m]).tolist()))
+    return union(out)
+
+
+def _chunk_keys(batch: ReadBatch, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``batch``'s reads cut at ``chunk`` boundaries of their source: per piece a key (source region
+    and chunk), its source offset, destination offset and length."""
+    first = batch.src_offset // chunk
+    count = np.where(batch.nbytes > 0, (batch.src_offset + batch.nbytes - 1) // chunk - first + 1, 0)
+    row = np.repeat(np.arange(len(batch)), count)
+    c = first[row] + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(batch.src_offset[row], c * chunk)
+    hi = np.minimum((batch.src_offset + batch.nbytes)[row], (c + 1) * chunk)
+    doff = batch.dst_offset[row] + lo - batch.src_offset[row]
+    return batch.src_region[row] * (1 << 40) + c, lo, doff, hi - lo
+
+
+__all__ = ["ALIGN", "Ranges", "clip", "part", "subtract", "union", "widen"]

@@ -21,6 +21,20 @@ and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
    in, after twice the time that took without progress (at least ``STALL_MIN_S``: a relay died or
    is stuck), or halfway to the pull's deadline, the rest comes from the publishers.
 
+Deltas across the link. Where the publishers encode deltas and a relay's buffer holds a version
+``a`` whole (its last pull succeeded) that the deltas can bring to ``v`` (``wbridge.pull.delta``:
+same epoch and packing, ``v - a`` within the ring), the relay reads its range as deltas: the
+session's plan clipped to the range widened to whole checksum chunks (``ranges.widen``: the check
+that follows re-reads nothing over the link), applied onto its buffer by ``delta.pull`` (which
+checks every chunk and repairs what does not match), the publishers' stamps checked, then
+announced in one piece. Readers still read whole ranges from relays (bytes inside the zone).
+Ranges a relay still misses when its peers stall come as deltas too: the buffer holds ``a`` there,
+delta entries carry the new words (bytes a peer already brought stay right) and bytes a failed
+peer read left wrong fail the check and are read again. A relay that cannot (a new relay, one
+further behind than the ring, deltas that turn out unusable) reads its range in full, as above.
+A zone subscriber with no relay to read from takes deltas from the publishers as a plain
+subscriber does. ``PullStats.delta`` says whether a pull applied deltas.
+
 A subscriber with a layout no relay of Z has (not staged, another TP, fused tensors) plans with the
 planner against the relays of Z that hold the version whole, their layouts as one more set of
 sources (balanced over them as replicas), and reads the publishers if there are none or that fails.
@@ -54,13 +68,15 @@ from transports.base import ReadBatch
 from .._lifecycle import quietly
 from .._selection import candidates
 from ..errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
+from ..protocol import checksum as _checksum
 from ..protocol.keys import COUNTER_JUMP_MAX, COUNTER_WINDOW
+from . import delta as _delta
 from .connect import failover
-from .context import PullContext
-from .ranges import Ranges, clip, part, subtract, union
+from .context import Held, PullContext, PullResult
+from .ranges import Ranges, clip, part, subtract, union, widen
 from .reads import check_stamps, read_sources, verify_sources
 from .relay import RelayServer
-from .session import Source, SourcesFailed, connect_source
+from .session import Session, Source, SourcesFailed, connect_source
 
 log = logging.getLogger("wbridge")
 
@@ -120,6 +136,7 @@ class ZoneReader:
         self.distrusted: dict[str, float] = {}  # relay record key -> until when it is not read
         self.sums: tuple[Any, dict] = (None, {})  # (version identity, publisher sums by rank) read
         self.unchecked = False  # warned that the publishers keep no checksums to check relays with
+        self.clipped: tuple | None = None  # (session, own range, widened, clipped session): ``_delta_plan``
 
     # -- the zone's relays ---------------------------------------------------------------------
     def scan(self) -> list[Peer]:
@@ -183,10 +200,11 @@ class ZoneReader:
         return nums + list(range(lo, count + 1))
 
     # -- one version ---------------------------------------------------------------------------
-    def read(self, session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
-        """Fills the staging buffer with version ``rec``; returns the session (a new one after a
-        publisher failover), the bytes read from publishers and those read from relays. The caller
-        checks the publishers' stamps afterwards as usual."""
+    def read(self, session: Any, rec: Any, held: Held | None, deadline: float) -> tuple[Any, PullResult]:
+        """Fills the staging buffer with version ``rec``; ``held``: the version the buffer holds
+        whole before (deltas apply onto it), if any. Returns the session (a new one after a
+        publisher failover) and what was read (bytes from publishers, from relays, deltas). The
+        caller checks the publishers' stamps afterwards as usual."""
         start = time.monotonic()
         if self.relay is not None:
             self.relay.begin(rec.identity)
@@ -200,11 +218,11 @@ class ZoneReader:
                     self.zone,
                 )
             session, n = self._from_publishers(session, rec, None, deadline)
-            return session, n, 0
+            return session, PullResult(n, 0, len(session.plan))
         everyone = self.scan()
         peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
         if self.relay is None and not peers:  # no relay with this layout: plan over full relays
-            return self._planned(everyone, session, rec, deadline)
+            return self._planned(everyone, session, rec, held, deadline)
         whole = [(0, self.size)]
         missing: Ranges = whole if self.size else []
         from_pub = from_peers = 0
@@ -212,12 +230,13 @@ class ZoneReader:
         own = None
         if self.relay is not None and not full and missing:
             group = sorted([self.relay.key, *(p.key for p in peers)], key=_number)
-            lo, hi = part(self.size, group.index(self.relay.key), len(group))
-            # fetched in the background, announced chunk by chunk: peers read the first chunks
-            # from here while the later ones still cross the link
-            chunks = [(lo + a, lo + b) for a, b in (part(hi - lo, j, OWN_CHUNKS) for j in range(OWN_CHUNKS)) if b > a]
-            own = self.pool.submit(self._own, session, rec, chunks, deadline)
-            missing = subtract(missing, [(lo, hi)])
+            mine = [part(self.size, group.index(self.relay.key), len(group))]
+            # as deltas onto the version the buffer holds where it can: the range is widened to
+            # whole checksum chunks, checked without reading any of them again over the link
+            plan = self._delta_plan(session, rec, held, mine)
+            mine = plan[0] if plan is not None else mine
+            own = self.pool.submit(self._own, session, rec, mine, plan, held, deadline)
+            missing = subtract(missing, mine)
         # A relay waits for its peers' ranges until they make no progress for twice the time its
         # own range took (a peer died or is stuck); a subscriber that relays nothing waits while
         # some relay works on the version. Neither waits past half the pull's timeout.
@@ -227,19 +246,39 @@ class ZoneReader:
         finally:
             if own is not None:
                 own.exception()  # never leave it writing into the buffer once this returns
+        used: list[PullResult] = []
         if own is not None:
-            session, n, _ = own.result()
+            session, n, _, done = own.result()
             from_pub += n
+            used += [done] if done is not None else []
+        rest = 0
         if missing:
-            session, n = self._from_publishers(session, rec, missing, deadline)
-            from_pub += n
-            self._hold(missing)
-        return self._checked(session, rec, from_pub, from_peers, deadline)
+            # what peers did not bring: as deltas too where they can be used (deltas hold the new
+            # words, so bytes a peer brought already stay right; bytes a failed peer read left
+            # wrong fail the check and are read again), else in full
+            plan = self._delta_plan(session, rec, held, missing)
+            done = self._own_deltas(plan[1], rec, held, deadline) if plan is not None else None
+            if done is not None:
+                from_pub += done.from_publishers
+                used.append(done)
+                self._hold(plan[0])
+            else:
+                session, rest = self._from_publishers(session, rec, missing, deadline)
+                from_pub += rest
+                self._hold(missing)
+        # deltas: the caller checks nothing more, so bytes read in full from publishers are too
+        unchecked = from_peers > 0 or bool(used and rest and self.ctx.verify)
+        session, from_pub, from_peers = self._checked(session, rec, from_pub, from_peers, unchecked, deadline)
+        ops = len(session.plan) + sum(u.ops for u in used)
+        return session, PullResult(from_pub, from_peers, ops, sum(u.repaired for u in used), delta=bool(used))
 
-    def _checked(self, session: Any, rec: Any, from_pub: int, from_peers: int, deadline: float) -> tuple[Any, int, int]:
-        """The whole buffer checked once it is in (the chunks at the ranges' edges included); bytes
-        that fail are read again from the publishers, every relay of this pull distrusted."""
-        if not from_peers:
+    def _checked(
+        self, session: Any, rec: Any, from_pub: int, from_peers: int, unchecked: bool, deadline: float
+    ) -> tuple[Any, int, int]:
+        """The whole buffer checked once it is in (the chunks at the ranges' edges included) where
+        some of it is ``unchecked``; bytes that fail are read again from the publishers, every relay
+        of this pull distrusted."""
+        if not unchecked:
             return session, from_pub, from_peers
         try:
             self._verify(session, rec, None, deadline)
@@ -295,12 +334,25 @@ class ZoneReader:
         except WaitTimeout:
             pass
 
-    def _own(self, session: Any, rec: Any, chunks: Ranges, deadline: float) -> tuple[Any, int, float]:
-        """A relay's own range, chunk by chunk from the publishers, each announced once checked (and
-        a failure too: it wakes ``_complete``); returns the session, bytes read and seconds taken."""
+    def _own(
+        self, session: Any, rec: Any, mine: Ranges, plan: tuple | None, held: Held | None, deadline: float
+    ) -> tuple[Any, int, float, PullResult | None]:
+        """A relay's own range ``mine``: as deltas onto ``held`` with ``plan`` (``_delta_plan``) where
+        they can be used, announced once applied and checked; else (no plan, or the deltas turn
+        out unusable) in full, chunk by chunk from the publishers, each announced once checked. A
+        failure is announced too (it wakes ``_complete``). Returns the session, bytes read from
+        publishers, seconds taken and the delta pull's result (None: read in full)."""
         t0, n = time.monotonic(), 0
         try:
-            for chunk in chunks:
+            if plan is not None:
+                done = self._own_deltas(plan[1], rec, held, deadline)
+                if done is not None:
+                    self._hold(mine, rec.identity)
+                    return session, done.from_publishers, time.monotonic() - t0, done
+                log.info("subscriber %s: zone %s: deltas of version %d unusable; range in full", *self._who(rec))
+            # fetched in the background, announced chunk by chunk: peers read the first chunks
+            # from here while the later ones still cross the link
+            for chunk in (c for r in mine for c in _split(r, max(1, OWN_CHUNKS // len(mine)))):
                 session, k = self._from_publishers(session, rec, [chunk], deadline)
                 if self.ctx.verify:  # never serve bytes corrupted in flight (readers check them anyway)
                     self._verify(session, rec, [chunk], deadline)
@@ -310,7 +362,48 @@ class ZoneReader:
             if self.relay is not None:
                 quietly(self.relay.announce)
             raise
-        return session, n, time.monotonic() - t0
+        return session, n, time.monotonic() - t0, None
+
+    def _who(self, rec: Any) -> tuple[str, str, int]:
+        return self.ctx.name, self.zone, rec.v
+
+    def _own_deltas(self, clipped: Session, rec: Any, held: Held, deadline: float) -> PullResult | None:
+        """The deltas since ``held`` of ``clipped``'s reads applied to the buffer and checked
+        (``wbridge.pull.delta``), then the publishers' stamps; None before any write where the
+        deltas cannot be used."""
+        try:
+            done = _delta.pull(self.ctx, clipped, rec, held.v, deadline)
+        except TransportError as e:  # (a source died mid-pull: the full read fails over)
+            log.warning("subscriber %s: zone %s: delta pull of version %d failed (%s)", *self._who(rec), e)
+            return None
+        if done is not None:
+            check_stamps(self.ctx, clipped.sources, rec, deadline)
+        return done
+
+    def _delta_plan(self, session: Session, rec: Any, held: Held | None, mine: Ranges) -> tuple | None:
+        """``(ranges, clipped session)``: ``mine`` widened to whole checksum chunks and the session's
+        reads clipped to them, where ``rec`` can be pulled as deltas onto ``held``; else None.
+        Kept while the session and ``mine`` are (its delta geometry is computed once)."""
+        if held is None or held.epoch != rec.epoch or not 0 < rec.v - held.v:
+            return None
+        kept = self.clipped
+        if kept is None or kept[0] is not session or kept[1] != mine:
+            self._release_clipped()
+            wide = widen([s.batch for s in session.sources], mine, _checksum.CHUNK)
+            sources = [replace(s, batch=clip(s.batch, wide), prepared={}) for s in session.sources]
+            sources = [s for s in sources if len(s.batch)]  # a source none of whose bytes are here
+            clipped = replace(session, sources=sources, delta=None, closers=[])
+            self.clipped = kept = (session, mine, wide, clipped)
+        if not kept[3].sources or not _delta.usable(self.ctx, kept[3], rec, held):
+            return None
+        return kept[2], kept[3]
+
+    def _release_clipped(self) -> None:
+        """Releases what the clipped session of ``_delta_plan`` holds (its delta scratch buffers)."""
+        kept, self.clipped = self.clipped, None
+        if kept is not None:
+            for close in kept[3].closers:
+                quietly(close)
 
     def _verify(self, session: Any, rec: Any, ranges: Ranges | None, deadline: float) -> None:
         """Checks the destination's bytes ``ranges`` (None: all) against the publishers' chunk sums
@@ -326,9 +419,12 @@ class ZoneReader:
         if self.relay is not None and ranges:
             self.relay.hold(ranges, version, wake)
 
-    def _planned(self, peers: list[Peer], session: Any, rec: Any, deadline: float) -> tuple[Any, int, int]:
+    def _planned(
+        self, peers: list[Peer], session: Any, rec: Any, held: Held | None, deadline: float
+    ) -> tuple[Any, PullResult]:
         """A subscriber whose layout no relay has: the planner's reads from the relays that hold
-        version ``rec`` whole (any layouts: one more source each), else from the publishers."""
+        version ``rec`` whole (any layouts: one more source each), else from the publishers (as
+        deltas onto ``held`` where they can be used)."""
         full = [p for p in peers if p.identity == rec.identity]
         full = sorted((p for p in full if not subtract([(0, int(p.record["size"]))], list(p.held))), key=_number_of)
         if full:
@@ -337,15 +433,23 @@ class ZoneReader:
             try:
                 n = self._from_full(full, rec, share)
                 self._verify(session, rec, None, deadline)  # relays are peers: checked, every byte
-                return session, 0, n
+                return session, PullResult(0, n, len(self.plan[1]) if self.plan else 0)
             except (TransportError, StaleVersionError, StoreError, PlanError, IntegrityError, WaitTimeout) as e:
                 log.warning(
                     "subscriber %s: reading zone %s relays failed (%s); publishers", self.ctx.name, self.zone, e
                 )
                 for p in full:
                     self._distrust(p.key)
+        elif _delta.usable(self.ctx, session, rec, held):  # nothing written yet: the buffer holds ``held``
+            try:
+                done = _delta.pull(self.ctx, session, rec, held.v, deadline)
+            except TransportError as e:  # a source died mid-pull: the full read below fails over
+                log.warning("subscriber %s: zone %s: delta pull of version %d failed (%s)", *self._who(rec), e)
+                done = None
+            if done is not None:
+                return session, done
         session, n = self._from_publishers(session, rec, None, deadline)
-        return session, n, 0
+        return session, PullResult(n, 0, len(session.plan))
 
     def _from_full(self, full: list[Peer], rec: Any, deadline: float) -> int:
         ctx = self.ctx
@@ -492,6 +596,7 @@ class ZoneReader:
         quietly(t.disconnect, src.peer)
 
     def close(self) -> None:
+        self._release_clipped()
         for key in list(self.peers):
             self._drop(key)
         self.pool.shutdown(wait=False)
@@ -523,6 +628,12 @@ def _int(raw: bytes | None) -> int:
         return max(0, int(raw or 0))
     except ValueError:
         return 0
+
+
+def _split(r: tuple[int, int], n: int) -> Ranges:
+    """Range ``r`` in ``n`` near-equal pieces (boundaries ``ALIGN``ed from its start)."""
+    lo, hi = r
+    return [(lo + a, lo + b) for a, b in (part(hi - lo, j, n) for j in range(n)) if b > a]
 
 
 def _number(key: str) -> int:
