@@ -115,6 +115,7 @@ class _Updater:
         self.state = "new"  # as last seen: idle, pulling vN, staged vN, failed..., closed
         self._subscription = (channel, store, {"token": token, **subscriber_options})
         self._pauses: dict[int, float] = {}  # version -> seconds the engine was paused to commit it
+        self._failing_since: float | None = None  # pulls have failed since, with no commit after
         self._closed = False
 
     @property
@@ -147,10 +148,16 @@ class _Updater:
                     return self.version
                 continue
             if "failed" in kinds and "pulling" not in kinds:
-                rank, err = next((i, s["error"]) for i, s in enumerate(states) if s["state"] == "failed")
-                self.state = f"failed: {err}"
+                rank, failed = next((i, s) for i, s in enumerate(states) if s["state"] == "failed")
+                self.state = f"failed: {failed['error']}"
                 yield _Op("rpc", "wbridge_discard")  # no rank commits alone; the watchers pull again
-                raise WBridgeError(f"vLLM worker rank {rank}, channel {self.channel!r}: background pull failed: {err}")
+                err = f"vLLM worker rank {rank}, channel {self.channel!r}: {failed['error']}"
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                if not failed["retry"] or now - self._failing_since >= self.timeout:
+                    raise WBridgeError(err)
+                log.warning("wbridge: %s; pulling again", err)
+                continue
             self.state = _describe(states)
             behind = min_version is not None and (self.version or 0) < min_version
             if not behind and not (wait and kinds & {"pulling", "ready"}):
@@ -174,7 +181,7 @@ class _Updater:
             raise
         finally:
             yield _Op("resume")
-        self.version, self.state = version, "idle"
+        self.version, self.state, self._failing_since = version, "idle", None
         self._pauses[version] = time.perf_counter() - t0
 
     def _staged_flow(self) -> _Flow:

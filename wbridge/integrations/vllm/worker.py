@@ -268,6 +268,7 @@ class WBridgeWorkerExtension:
             sub.wait_version,
             holder._wbridge_floor,
             lambda v: holder.wbridge_pull_start(timeout, min_version=v),
+            give_up_s=timeout,
         )
 
     def _wbridge_floor(self) -> int | None:
@@ -283,21 +284,26 @@ class WBridgeWorkerExtension:
             watcher.poke()
 
     def wbridge_staged(self) -> dict[str, Any]:
-        """The background pull, as ``{"state", "version", "error", "held"}``: ``state`` is
-        ``"idle"`` (none), ``"pulling"`` (``version``: at least this one), ``"ready"`` (staged:
-        ``wbridge_commit`` puts ``version`` into the kernels at once) or ``"failed"`` (the pull's
-        or the watcher's ``error``, as ``"Type: message"``); ``held``: the kernels' version."""
+        """The background pull, as ``{"state", "version", "error", "retry", "held"}``: ``state``
+        is ``"idle"`` (none), ``"pulling"`` (``version``: at least this one), ``"ready"`` (staged:
+        ``wbridge_commit`` puts ``version`` into the kernels at once) or ``"failed"`` (``error``
+        says what; ``retry``: the watcher pulls again once the failed pull is discarded, False
+        when the watcher itself stopped); ``held``: the kernels' version."""
         holder = self._wbridge_holder()
         bg = getattr(holder, "_wbridge_bg", None)
-        out: dict[str, Any] = {"state": "idle", "version": None, "error": None, "held": holder.wbridge_version()}
+        out: dict[str, Any] = {
+            "state": "idle", "version": None, "error": None, "retry": True, "held": holder.wbridge_version()
+        }  # fmt: skip
         watcher = getattr(holder, "_wbridge_watcher", None)
         if bg is None:
             if watcher is not None and watcher.error is not None:
-                out.update(state="failed", error=f"{type(watcher.error).__name__}: {watcher.error}")
+                e = watcher.error
+                out.update(state="failed", retry=False, error=f"the channel watcher stopped: {type(e).__name__}: {e}")
         elif bg.thread.is_alive():
             out.update(state="pulling", version=bg.min_version)
         elif bg.error is not None:
-            out.update(state="failed", version=bg.min_version, error=f"{type(bg.error).__name__}: {bg.error}")
+            e = bg.error
+            out.update(state="failed", version=bg.min_version, error=f"the pull failed: {type(e).__name__}: {e}")
         else:
             out.update(state="ready", version=bg.result[0])
         return out
