@@ -51,7 +51,7 @@ def test_async_updater_follows_a_publishing_trainer(tmp_path):
         )
     last = published[-1]
     assert published == [1, 2, 3, 4, 5, 6]
-    assert res["start_version"] == 1 and res["v1"]["tag"] == 1
+    assert res["start_version"] == 1 and res["v1"]["tag"] == 1 and res["first_tags"] == [1, 1]
     # the watcher pulled v2 and the task committed it while nothing generated
     assert res["phase_a"]["version"] == 2 and res["v2"]["tag"] == 2
     assert res["v2"]["tokens"] != res["v1"]["tokens"], "v2's weights changed the greedy tokens"

@@ -128,9 +128,12 @@ async def engine_main(ckpt: str, out: str, port: int) -> None:
             transport="tcp",
             cache_dir=os.path.join(out, "cache"),
         )
-        async with updater:
+        # two first requests at once: each starts the updater, both wait for the first version
+        first = await asyncio.gather(_greedy(updater.generate), _greedy(updater.generate))
+        res["first_tags"] = [v for v, _ in first]
+        async with updater:  # started already: a no-op
             res["start_version"] = updater.version
-            v, o = await _greedy(updater.generate)
+            v, o = first[0]
             res["v1"] = {"tag": v, "tokens": list(o.outputs[0].token_ids)}
             (res["v1_staging"],) = await engine.collective_rpc("wbridge_digests")
 

@@ -329,7 +329,8 @@ class AsyncVLLMUpdater(_Updater):
     """
 
     error: BaseException | None = None  # what stopped the background commits
-    _task: asyncio.Task | None = None
+    _task: asyncio.Task | None = None  # the background commits
+    _starting: asyncio.Task | None = None  # start()'s work, awaited by every caller
     _lock: asyncio.Lock | None = None  # made by start(), in the running loop
 
     async def _drive(self, flow: _Flow) -> Any:
@@ -367,15 +368,19 @@ class AsyncVLLMUpdater(_Updater):
         """Subscribes the workers, starts their watchers, waits for the first version and commits
         it, then commits each new version from a background task; returns the version. Idempotent."""
         self._check_open()
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-            try:
-                await self._locked(self._start_flow())
-            except BaseException:
-                await self.close()
-                raise
-            self._task = asyncio.get_running_loop().create_task(self._commits(), name=f"wbridge-{self.channel}")
+        if self._starting is None:  # concurrent first callers all wait for the first version
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._starting)
         return self.version
+
+    async def _start(self) -> None:
+        self._lock = asyncio.Lock()
+        try:
+            await self._locked(self._start_flow())
+        except BaseException:
+            await self.close()
+            raise
+        self._task = asyncio.get_running_loop().create_task(self._commits(), name=f"wbridge-{self.channel}")
 
     async def _commits(self) -> None:
         try:
