@@ -310,13 +310,13 @@ class WBridgeWorkerExtension:
 
     def wbridge_discard(self, min_version: int | None = None) -> None:
         """Drops a finished background pull without committing it (the kernels stay as they are);
-        the watcher then pulls again: at least ``min_version`` when given, else the newest."""
+        the watcher then pulls again: at least ``min_version`` when given, else the newest. A pull
+        still running (one the watcher started since the caller looked) is left to finish."""
         holder = self._wbridge_holder()
         with _BG_LOCK:
             bg = getattr(holder, "_wbridge_bg", None)
-            if bg is not None and bg.thread.is_alive():
-                raise UsageError("wbridge: wbridge_discard while the background pull runs")
-            holder._wbridge_bg, holder._wbridge_prepared = None, None
+            if bg is not None and not bg.thread.is_alive():
+                holder._wbridge_bg, holder._wbridge_prepared = None, None
             if min_version is not None:
                 holder._wbridge_skip = min_version - 1
         holder._wbridge_poke()
