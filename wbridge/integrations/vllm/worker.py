@@ -91,6 +91,10 @@ class _Background:
         self.result: tuple[int, float, float] | None = None
         self.error: BaseException | None = None
 
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
     def run(self, fetch: Any, timeout: float, min_version: int | None) -> None:
         try:
             self.result = fetch(timeout, min_version)
@@ -223,8 +227,8 @@ class WBridgeWorkerExtension:
                 raise UsageError("wbridge: a background pull is already running; commit it first")
             bg = _Background(min_version)
             bg.thread = threading.Thread(target=bg.run, args=(holder._wbridge_fetch, timeout, min_version), daemon=True)
+            bg.thread.start()  # before others see it: an unstarted thread is not alive either
             holder._wbridge_bg = bg
-        bg.thread.start()
 
     def wbridge_pull_done(self) -> bool:
         """Whether the background pull has finished (successfully or not)."""
@@ -299,7 +303,7 @@ class WBridgeWorkerExtension:
             if watcher is not None and watcher.error is not None:
                 e = watcher.error
                 out.update(state="failed", retry=False, error=f"the channel watcher stopped: {type(e).__name__}: {e}")
-        elif bg.thread.is_alive():
+        elif not bg.done:
             out.update(state="pulling", version=bg.min_version)
         elif bg.error is not None:
             e = bg.error
@@ -315,7 +319,7 @@ class WBridgeWorkerExtension:
         holder = self._wbridge_holder()
         with _BG_LOCK:
             bg = getattr(holder, "_wbridge_bg", None)
-            if bg is not None and not bg.thread.is_alive():
+            if bg is not None and bg.done:
                 holder._wbridge_bg, holder._wbridge_prepared = None, None
             if min_version is not None:
                 holder._wbridge_skip = min_version - 1
