@@ -6,8 +6,9 @@ The plain-vLLM counterpart of ``examples/ray_async_rl.py``: two trainer processe
 (random init, fp32 masters) as FSDP2 row shards over gloo, take AdamW steps on random tokens and
 publish each step as bf16 (``mode=Async(max_staleness=1)``, ``staging=Staging(delta=Delta())``); trainer rank 0 hosts
 the store. Two engine processes run vLLM CPU engines (bf16) that only generate: ``VLLMUpdater``
-watches the channel, pulls on the engine's workers while it generates, commits between two
-``generate`` calls, and tags every completion with the version that produced it.
+has the engine's workers watch the channel and pull each new version while the engine generates,
+commits it between two ``generate`` calls, and tags every completion with the version that
+produced it. (``AsyncVLLMUpdater`` does the same for an ``AsyncLLM``, committing between steps.)
 ``--check`` compares each engine's greedy tokens after the last update with a fresh engine loaded
 from a checkpoint of the trainers' final weights. ``--out DIR`` writes ``result.json``.
 The lines that are wbridge's are marked ``# wbridge``.
@@ -106,10 +107,8 @@ def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, start
     while not stop.is_set():
         for v, out in updater.generate(prompts, sp):  # wbridge: each completion with its version
             completions.append((v, len(out.outputs[0].token_ids)))
-    deadline = time.monotonic() + TIMEOUT
-    while updater.update(wait=True) != last.value and time.monotonic() < deadline:  # wbridge: the last version
-        time.sleep(0.1)
-    stats = updater.stats()  # wbridge: per update: version, nbytes, delta, pull/prepare/commit seconds
+    updater.update(min_version=last.value)  # wbridge: waits until the kernels hold the last version
+    stats = updater.stats()  # wbridge: per update: version, bytes, delta and why, pull/commit/pause seconds
     result = {"completions": completions, "version": updater.version, "greedy": greedy(llm), "stats": stats}
     updater.close()  # wbridge
     results.put(("rollout", i, result))

@@ -33,7 +33,7 @@ pytestmark = [
 ]
 
 
-def _spawn(*args, log, path=()):
+def _spawn(*args, log, path=(), script="vllm_roles.py"):
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]),
@@ -43,7 +43,7 @@ def _spawn(*args, log, path=()):
     )
     # A session of its own: cleanup kills the whole group (vLLM's engine-core and worker children).
     return subprocess.Popen(
-        [VLLM_PY, os.path.join(HERE, "vllm_roles.py"), *map(str, args)],
+        [VLLM_PY, os.path.join(HERE, script), *map(str, args)],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

@@ -1,7 +1,9 @@
 """vLLM rollout engines as wbridge subscribers.
 
 - ``worker``: ``WBridgeWorkerExtension``, mixed into vLLM's workers (``worker_extension_cls``).
-- ``updater``: ``VLLMUpdater``, keeps a plain ``vllm.LLM`` on the newest version in the background.
+- ``updater``: ``VLLMUpdater`` and ``AsyncVLLMUpdater`` keep a ``vllm.LLM`` / ``AsyncLLM`` on the newest
+  version in the background.
+- ``watch``: the workers' channel watcher, which starts each background pull.
 - ``commit``: how a pulled version reaches the kernels, with the engine paused only for the commit.
 - ``transfer``: the ``"wbridge"`` weight-transfer backend (``WeightTransferConfig(backend="wbridge")``).
 - ``trainer``: the trainer side of vLLM's weight-transfer API for that backend.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .updater import VLLMUpdater
+from .updater import AsyncVLLMUpdater, VLLMUpdater
 from .worker import DEFAULT_CACHE, WBridgeWorkerExtension, hf_checkpoint_shapes, portable_to_tensor
 
 EXTENSION = "wbridge.integrations.vllm.WBridgeWorkerExtension"
@@ -29,6 +31,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AsyncVLLMUpdater",
     "DEFAULT_CACHE",
     "EXTENSION",
     "VLLMUpdater",

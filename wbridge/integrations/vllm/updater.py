@@ -1,28 +1,230 @@
-"""Keeps a plain ``vllm.LLM`` on the newest weights of a channel while it generates (no Ray).
+"""Keeps a vLLM engine (``vllm.LLM`` or ``AsyncLLM``) on the newest weights of a channel while it generates (no Ray).
 
 Usage::
 
     llm = LLM(model=path, worker_extension_cls=EXTENSION, ...)
-    updater = VLLMUpdater(llm, "policy", "tcp://trainer:29700", token=token)  # waits for a first version
-    for version, out in updater.generate(prompts, params): ...   # each completion with its version
-    updater.stats()                                               # one dict per committed update
-    updater.close()
+    with VLLMUpdater(llm, "policy", "tcp://trainer:29700", token=token) as updater:  # waits for a first version
+        for version, out in updater.generate(prompts, params): ...   # each completion with its version
+        updater.stats()                                               # one dict per committed update
 
-What runs where: the updater lives in the user's process and holds one unregistered ``Subscriber``
-that only watches the channel's committed version. The pulls run on a thread inside each vLLM
-worker (``WBridgeWorkerExtension.wbridge_pull_start``), into checkpoint-format staging, while the
-engine keeps generating on its current weights; ``generate`` commits a finished pull before it
-generates (the only pause) and starts the next pull when a newer version is committed.
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, worker_extension_cls=EXTENSION, ...))
+    async with AsyncVLLMUpdater(engine, "policy", "tcp://trainer:29700", token=token) as updater:
+        async for version, out in updater.generate(prompt, params):  # commits land between engine steps
+            ...
+
+What runs where: each vLLM worker (``WBridgeWorkerExtension``) holds a registered ``Subscriber`` and
+a watcher thread (``watch``) that starts a pull into checkpoint-format staging as soon as a new
+version is committed, while the engine keeps generating on its current weights. The updater, in the
+user's process, only asks the workers whether a pull is staged (``wbridge_staged``) and commits it
+(``wbridge_commit``): ``VLLMUpdater`` before each ``generate`` (the engine is idle then);
+``AsyncVLLMUpdater`` from a task of the event loop, with the engine's scheduler paused for the
+commit only (``pause_generation(mode="keep")``: requests in flight continue on the new weights;
+with prefix caching on, they recompute their KV blocks, since vLLM drops its prefix cache only so).
+Each commit also sets the engine's weight-version label, so vLLM's own per-token spans
+(``CompletionOutput.weight_versions``) name wbridge versions.
+
+Both updaters run one update logic (``_Updater``): it is written as generators of engine
+operations (``_Op``), which ``VLLMUpdater`` performs by calling the engine and ``AsyncVLLMUpdater``
+by awaiting it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import UsageError
+from ...errors import UsageError, WaitTimeout, WBridgeError
+
+log = logging.getLogger(__name__)
 
 
-class VLLMUpdater:
+@dataclass(frozen=True)
+class _Op:
+    """One engine operation of the update logic.
+
+    kind: ``rpc`` (``collective_rpc(method, args=, kwargs=)``), ``pause`` / ``resume`` (the
+        scheduler, around a commit), ``reset`` (the prefix cache), ``label`` (the engine's
+        weight-version label, ``arg``) or ``sleep`` (``arg`` seconds).
+    """
+
+    kind: str
+    method: str = ""
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    arg: Any = None
+
+
+_Flow = Generator[_Op, Any, Any]
+
+
+class _Run:
+    """One flow in progress: ``op`` is the operation it waits on (None once it has returned
+    ``value``); the driver performs it and hands back its result (``send``) or error (``throw``).
+
+    flow: the generator of ``_Op``s.
+    """
+
+    def __init__(self, flow: _Flow) -> None:
+        self.flow, self.op, self.value = flow, None, None
+        self._advance(flow.send, None)
+
+    def _advance(self, how: Any, arg: Any) -> None:
+        try:
+            self.op = how(arg)
+        except StopIteration as stop:
+            self.op, self.value = None, stop.value
+
+    def send(self, reply: Any) -> None:
+        self._advance(self.flow.send, reply)
+
+    def throw(self, error: BaseException) -> None:
+        self._advance(self.flow.throw, error)
+
+    def step(self, do: Any) -> None:
+        """Performs ``op`` with ``do`` (a plain call) and hands its outcome back."""
+        try:
+            reply = do(self.op)
+        except BaseException as e:  # noqa: BLE001 - thrown into the flow, which re-raises it
+            self.throw(e)
+        else:
+            self.send(reply)
+
+
+class _Updater:
+    """The update logic both updaters share; each subclass performs its ``_Op``s (``_drive``).
+    The parameters are the subclasses'."""
+
+    def __init__(
+        self,
+        engine: Any,
+        channel: str,
+        store: str,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        poll: float = 0.05,
+        **subscriber_options: Any,
+    ) -> None:
+        self.engine, self.channel, self.timeout, self.poll = engine, channel, timeout, poll
+        self.version: int | None = None  # what the kernels hold
+        self.state = "new"  # as last seen: idle, pulling vN, staged vN, failed..., closed
+        self._subscription = (channel, store, {"token": token, **subscriber_options})
+        self._pauses: dict[int, float] = {}  # version -> seconds the engine was paused to commit it
+        self._failing_since: float | None = None  # pulls have failed since, with no commit after
+        self._closed = False
+
+    @property
+    def pulling(self) -> bool:
+        """Whether the workers were pulling, or had a pull staged, when last asked."""
+        return self.state.startswith(("pulling", "staged"))
+
+    # -- the update logic, as generators of engine operations ---------------------------------
+    def _start_flow(self) -> _Flow:
+        channel, store, kwargs = self._subscription
+        yield _Op("rpc", "wbridge_subscribe", args=(channel, store), kwargs=kwargs)
+        yield _Op("rpc", "wbridge_watch", kwargs={"timeout": self.timeout})
+        return (yield from self._update_flow(wait=True, min_version=1))
+
+    def _update_flow(self, wait: bool, min_version: int | None) -> _Flow:
+        """Commits a staged pull; waits for one in flight (``wait``) or until the kernels hold at
+        least ``min_version``; returns the kernels' version."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            states = yield _Op("rpc", "wbridge_staged")
+            kinds = {s["state"] for s in states}
+            if kinds == {"ready"}:
+                versions = sorted({s["version"] for s in states})
+                if len(versions) > 1:  # a version was committed between two ranks' reads
+                    self.state = f"pulling v{versions[-1]}"
+                    yield _Op("rpc", "wbridge_discard", kwargs={"min_version": versions[-1]})
+                    continue
+                yield from self._commit_flow(versions[0])
+                if min_version is None or self.version >= min_version:
+                    return self.version
+                continue
+            if "failed" in kinds and "pulling" not in kinds:
+                rank, failed = next((i, s) for i, s in enumerate(states) if s["state"] == "failed")
+                self.state = f"failed: {failed['error']}"
+                yield _Op("rpc", "wbridge_discard")  # no rank commits alone; the watchers pull again
+                err = f"vLLM worker rank {rank}, channel {self.channel!r}: {failed['error']}"
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                if not failed["retry"] or now - self._failing_since >= self.timeout:
+                    raise WBridgeError(err)
+                log.warning("wbridge: %s; pulling again", err)
+                continue
+            self.state = _describe(states)
+            behind = min_version is not None and (self.version or 0) < min_version
+            if not behind and not (wait and kinds & {"pulling", "ready"}):
+                return self.version
+            if time.monotonic() >= deadline:
+                want = f"version {min_version}" if behind else "the pull in flight"
+                raise WaitTimeout(f"vLLM updater, channel {self.channel!r}: no {want} within {self.timeout:.1f}s")
+            yield _Op("sleep", arg=self.poll)
+
+    def _commit_flow(self, version: int) -> _Flow:
+        t0 = time.perf_counter()
+        yield _Op("pause")
+        try:
+            committed = yield _Op("rpc", "wbridge_commit", kwargs={"timeout": self.timeout})
+            if set(committed) != {version}:
+                raise WBridgeError(f"vLLM workers committed versions {committed}, expected {version}")
+            yield _Op("reset")  # cached KV blocks were computed with the old weights
+            yield _Op("label", arg=str(version))
+        except BaseException as e:
+            self.state = f"failed: {e}"
+            raise
+        finally:
+            yield _Op("resume")
+        self.version, self.state, self._failing_since = version, "idle", None
+        self._pauses[version] = time.perf_counter() - t0
+
+    def _staged_flow(self) -> _Flow:
+        states = yield _Op("rpc", "wbridge_staged")
+        self.state = _describe(states)
+        ready = [s["version"] for s in states if s["state"] == "ready"]
+        return ready[0] if len(ready) == len(states) and len(set(ready)) == 1 else None
+
+    def _stats_flow(self) -> _Flow:
+        ranks = yield _Op("rpc", "wbridge_stats")
+        out = []
+        for per_rank in zip(*ranks):
+            v = per_rank[0]["version"]
+            merged = {"version": v, "delta": all(s["delta"] for s in per_rank)}
+            merged["delta_reason"] = "; ".join(sorted({s.get("delta_reason") or "" for s in per_rank} - {""}))
+            merged.update({k: sum(s[k] for s in per_rank) for k in ("nbytes", "repaired")})
+            merged.update({k: max(s[k] for s in per_rank) for k in ("pull_s", "prepare_s", "commit_s")})
+            merged["pause_s"] = self._pauses.get(v, merged["commit_s"])
+            out.append(merged)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"{type(self).__name__} of channel {self.channel!r} is closed")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.channel!r}, version={self.version}, {self.state}, "
+            f"updates={len(self._pauses)})"
+        )
+
+
+def _describe(states: list[dict]) -> str:
+    """One line for the workers' background pull states (``wbridge_staged``)."""
+    kinds = [s["state"] for s in states]
+    for kind, word in (("failed", "failed"), ("pulling", "pulling"), ("ready", "staged")):
+        if kind in kinds:
+            s = states[kinds.index(kind)]
+            return f"failed: {s['error']}" if kind == "failed" else f"{word} v{s['version']}"
+    return "idle"
+
+
+class VLLMUpdater(_Updater):
     """Keeps a vLLM ``LLM`` on the newest committed version of a channel, pulling in the background.
 
     - ``llm``: a ``vllm.LLM`` started with ``worker_extension_cls=EXTENSION``.
@@ -30,62 +232,49 @@ class VLLMUpdater:
     - ``store``: the store URL (``tcp://host:port`` or ``etcd://...``).
     - ``token``: the channel's shared secret (None: unsigned, unauthenticated).
     - ``timeout``: seconds to wait for the first version and for each pull.
+    - ``poll``: seconds between two looks at the workers while ``update`` waits for a pull.
     - ``subscriber_options``: more ``Subscriber`` keywords for the workers' subscribers (``host``,
       ``transport``, ``lease_ttl``, ``name``, ``cache_dir``...).
     """
 
-    def __init__(
-        self,
-        llm: Any,
-        channel: str,
-        store: str,
-        *,
-        token: str | None = None,
-        timeout: float = 60.0,
-        **subscriber_options: Any,
-    ) -> None:
-        from ...subscriber import Subscriber
-
-        self.llm, self.timeout = llm, timeout
-        self.version: int | None = None  # what the kernels hold
-        self._pulling = False
-        self._closed = False
-        self._watch = Subscriber(channel, store, token=token, host=subscriber_options.get("host", "127.0.0.1"))
+    def __init__(self, llm: Any, channel: str, store: str, **options: Any) -> None:
+        super().__init__(llm, channel, store, **options)
+        self.llm = llm
         try:
-            llm.collective_rpc(
-                "wbridge_subscribe", args=(channel, store), kwargs={"token": token, **subscriber_options}
-            )
-            self._watch.wait_version(after=0, timeout=timeout)
-            self.update(wait=True)
+            self._drive(self._start_flow())
         except BaseException:
             self.close()
             raise
 
-    def update(self, wait: bool = False) -> int | None:
-        """Commits a finished background pull, starts one when a newer version is committed, and
-        returns the version the kernels hold. ``wait=True`` waits for the pull and commits it."""
-        if self._pulling and (wait or all(self.llm.collective_rpc("wbridge_pull_done"))):
-            self._commit()
-        latest = self._watch.latest()
-        if not self._pulling and latest is not None and latest > (self.version or 0):
-            self.llm.collective_rpc("wbridge_pull_start", kwargs={"timeout": self.timeout, "min_version": latest})
-            self._pulling = True
-            if wait:
-                self._commit()
-        return self.version
+    def _drive(self, flow: _Flow) -> Any:
+        run = _Run(flow)
+        while run.op is not None:
+            run.step(self._do)
+        return run.value
 
-    @property
-    def pulling(self) -> bool:
-        """Whether a background pull is in flight (committed by the next ``update``)."""
-        return self._pulling
+    def _do(self, op: _Op) -> Any:
+        if op.kind == "rpc":
+            return self.llm.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+        if op.kind == "reset":
+            return self.llm.reset_prefix_cache()
+        if op.kind == "label":
+            return self.llm.llm_engine.set_weight_version(op.arg)
+        if op.kind == "sleep":
+            return time.sleep(op.arg)
+        return None  # pause, resume: the engine generates only inside generate(), not now
 
-    def _commit(self) -> None:
-        self._pulling = False
-        versions = set(self.llm.collective_rpc("wbridge_commit", kwargs={"timeout": self.timeout}))
-        if len(versions) != 1:
-            raise UsageError(f"vLLM workers committed different versions {sorted(versions)}")
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.version = versions.pop()
+    def update(self, wait: bool = False, min_version: int | None = None) -> int | None:
+        """Commits a pull the workers' watchers have staged and returns the version the kernels
+        hold. ``wait=True`` also waits for a pull in flight; ``min_version`` waits (at most
+        ``timeout``) until the kernels hold at least that version."""
+        self._check_open()
+        return self._drive(self._update_flow(wait, min_version))
+
+    def staged(self) -> int | None:
+        """The version every worker has pulled and staged (the next ``update`` commits it at
+        once), or None; commits nothing."""
+        self._check_open()
+        return self._drive(self._staged_flow())
 
     def generate(self, prompts: Any, params: Any) -> list[tuple[int, Any]]:
         """``llm.generate`` after ``update()``: ``[(version, RequestOutput)]``, each completion
@@ -95,26 +284,184 @@ class VLLMUpdater:
 
     def stats(self) -> list[dict]:
         """One dict per committed update, over the engine's workers: ``version``, ``nbytes`` (read
-        by all ranks), ``delta`` (every rank applied deltas), ``repaired`` chunks, ``pull_s`` and
-        ``prepare_s`` (in the background while the engine generated) and ``commit_s`` (the pause),
-        each the slowest rank's."""
-        ranks = self.llm.collective_rpc("wbridge_stats")
-        out = []
-        for per_rank in zip(*ranks):
-            merged = {"version": per_rank[0]["version"], "delta": all(s["delta"] for s in per_rank)}
-            merged.update({k: sum(s[k] for s in per_rank) for k in ("nbytes", "repaired")})
-            merged.update({k: max(s[k] for s in per_rank) for k in ("pull_s", "prepare_s", "commit_s")})
-            out.append(merged)
-        return out
+        by all ranks), ``delta`` (every rank applied deltas) and ``delta_reason`` (why or why not,
+        where the subscribers say), ``repaired`` chunks, ``pull_s`` and ``prepare_s`` (in the
+        background while the engine generated), ``commit_s`` (the workers' commit) and ``pause_s``
+        (the engine's whole pause for it), each the slowest rank's."""
+        return self._drive(self._stats_flow())
 
     def close(self) -> None:
-        """Leaves the channel (idempotent); the engine stays usable on the weights it holds."""
+        """Commits a pull in flight, stops the workers' watchers and leaves the channel
+        (idempotent); the engine stays usable on the weights it holds."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._pulling:
-                self._commit()
-            self.llm.collective_rpc("wbridge_close")
+            if self.version is not None:
+                self._drive(self._update_flow(wait=True, min_version=None))
         finally:
-            self._watch.close()
+            self.state = "closed"
+            self.llm.collective_rpc("wbridge_close")
+
+    def __enter__(self) -> VLLMUpdater:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncVLLMUpdater(_Updater):
+    """Keeps a vLLM ``AsyncLLM`` on the newest committed version of a channel: the workers pull in
+    the background and a task of the event loop commits each version between two engine steps.
+
+    - ``engine``: a ``vllm.v1.engine.async_llm.AsyncLLM`` (``vllm.AsyncLLMEngine``) started with
+      ``worker_extension_cls=EXTENSION``.
+    - ``channel``: the channel name.
+    - ``store``: the store URL (``tcp://host:port`` or ``etcd://...``).
+    - ``token``: the channel's shared secret (None: unsigned, unauthenticated).
+    - ``timeout``: seconds to wait for the first version and for each pull.
+    - ``poll``: seconds between two looks at the workers (one RPC, served between engine steps).
+    - ``subscriber_options``: more ``Subscriber`` keywords for the workers' subscribers (``host``,
+      ``transport``, ``lease_ttl``, ``name``, ``cache_dir``...).
+
+    Nothing happens at construction: ``start()`` (or ``async with``, or the first ``generate``)
+    subscribes and waits for the first version.
+    """
+
+    error: BaseException | None = None  # what stopped the background commits
+    _task: asyncio.Task | None = None  # the background commits
+    _starting: asyncio.Task | None = None  # start()'s work, awaited by every caller
+    _lock: asyncio.Lock | None = None  # made by start(), in the running loop
+
+    async def _drive(self, flow: _Flow) -> Any:
+        run = _Run(flow)
+        while run.op is not None:
+            try:
+                reply = await self._do(run.op)
+            except BaseException as e:  # noqa: BLE001 - thrown into the flow, which re-raises it
+                run.throw(e)
+            else:
+                run.send(reply)
+        return run.value
+
+    async def _do(self, op: _Op) -> Any:
+        if op.kind == "rpc":
+            return await self.engine.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+        if op.kind == "pause":  # requests in flight stay queued and resume on the new weights
+            return await self.engine.pause_generation(mode="keep", clear_cache=False)
+        if op.kind == "resume":
+            return await self.engine.resume_generation()
+        if op.kind == "reset":  # vLLM drops cached blocks only with no request holding any:
+            cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
+            if getattr(cache, "enable_prefix_caching", True):  # so requests in flight recompute theirs
+                return await self.engine.reset_prefix_cache(reset_running_requests=True)
+            return None
+        if op.kind == "label":
+            return await self.engine.update_weight_version(op.arg)
+        return await asyncio.sleep(op.arg)
+
+    async def _locked(self, flow: _Flow) -> Any:
+        async with self._lock:
+            return await self._drive(flow)
+
+    async def start(self) -> int:
+        """Subscribes the workers, starts their watchers, waits for the first version and commits
+        it, then commits each new version from a background task; returns the version. Idempotent."""
+        self._check_open()
+        if self._starting is None:  # concurrent first callers all wait for the first version
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._starting)
+        return self.version
+
+    async def _start(self) -> None:
+        self._lock = asyncio.Lock()
+        try:
+            await self._locked(self._start_flow())
+        except BaseException:
+            await self.close()
+            raise
+        self._task = asyncio.get_running_loop().create_task(self._commits(), name=f"wbridge-{self.channel}")
+
+    async def _commits(self) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.poll)
+                await self._locked(self._update_flow(wait=False, min_version=None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - raised by the next generate() / update()
+            log.warning("wbridge: the vLLM updater of channel %r stopped committing: %s", self.channel, e)
+            self.error = e
+
+    def _check(self) -> None:
+        self._check_open()
+        if self.error is not None:
+            raise self.error
+
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str | None = None, **kwargs: Any
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """``engine.generate`` (``kwargs`` passed on), each output with a version: for a finished
+        output the oldest version that produced any of its tokens (vLLM's per-token spans,
+        ``outputs[i].weight_versions``, have them all: a request in flight over a commit
+        continues on the new weights); for a partial (streamed) output the version the kernels
+        held when the request was sent, a lower bound."""
+        await self.start()
+        self._check()
+        sent = self.version
+        request_id = request_id or f"wbridge-{uuid.uuid4().hex}"
+        async for out in self.engine.generate(prompt, params, request_id, **kwargs):
+            yield _oldest(out, sent), out
+
+    async def update(self, wait: bool = False, min_version: int | None = None) -> int | None:
+        """What the background task does, now: commits a staged pull and returns the kernels'
+        version; ``wait=True`` also waits for a pull in flight; ``min_version`` waits (at most
+        ``timeout``) until the kernels hold at least that version."""
+        await self.start()
+        self._check()
+        return await self._locked(self._update_flow(wait, min_version))
+
+    async def staged(self) -> int | None:
+        """The version every worker has pulled and staged (committed at the task's next look), or None."""
+        self._check_open()
+        return await self._drive(self._staged_flow())
+
+    async def stats(self) -> list[dict]:
+        """One dict per committed update, as ``VLLMUpdater.stats``; ``pause_s`` is how long the
+        engine's scheduler was paused for it."""
+        return await self._drive(self._stats_flow())
+
+    async def close(self) -> None:
+        """Stops the background commits, commits a pull in flight, stops the workers' watchers and
+        leaves the channel (idempotent); the engine stays usable on the weights it holds."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._task is not None:
+                async with self._lock:  # not in the middle of a commit
+                    self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            if self.version is not None and self.error is None:
+                await self._drive(self._update_flow(wait=True, min_version=None))
+        finally:
+            self.state = "closed"
+            await self.engine.collective_rpc("wbridge_close")
+
+    async def __aenter__(self) -> AsyncVLLMUpdater:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def _oldest(out: Any, default: int | None) -> int | None:
+    """The oldest wbridge version in a finished output's weight-version spans, else ``default``."""
+    versions = [
+        int(span.version)
+        for completion in getattr(out, "outputs", ())
+        for span in getattr(completion, "weight_versions", None) or ()
+        if str(span.version).isdigit()
+    ]
+    return min(versions) if versions else default

@@ -34,6 +34,7 @@ the model config, the vLLM version and the rank.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +42,7 @@ from typing import Any
 from ...errors import LayoutError, UsageError, WaitTimeout, WBridgeError
 from ..trace import TraceResult, trace_load_weights, traced
 from .commit import Reload, allocate_staging, commit, plan_commit, prepare
+from .watch import Watcher
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
 
@@ -76,14 +78,22 @@ def portable_to_tensor(x: tuple[str, list[int], bytes]) -> Any:
     return buf.view(getattr(torch, dtype)).reshape(shape)
 
 
-class _Background:
-    """One pull on a worker thread: its result ``(version, pull seconds, prepare seconds)`` or
-    its error."""
+_BG_LOCK = threading.Lock()  # guards the background-pull slot: the watcher and RPCs both take it
 
-    def __init__(self) -> None:
+
+class _Background:
+    """One pull on a worker thread: the version it pulls at least, its result ``(version, pull
+    seconds, prepare seconds)`` or its error."""
+
+    def __init__(self, min_version: int | None = None) -> None:
+        self.min_version = min_version
         self.thread: Any = None
         self.result: tuple[int, float, float] | None = None
         self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
 
     def run(self, fetch: Any, timeout: float, min_version: int | None) -> None:
         try:
@@ -149,7 +159,7 @@ class WBridgeWorkerExtension:
         from ...subscriber import Subscriber
 
         if getattr(self, "_wbridge_sub", None) is not None:
-            self._wbridge_sub.close()
+            self.wbridge_close()
         trace = self.wbridge_trace(cache_dir=cache_dir)
         shapes = self._wbridge_checkpoint_shapes(trace)
         plan = plan_commit(self._wbridge_model(), shapes)  # on the live, processed model
@@ -200,12 +210,13 @@ class WBridgeWorkerExtension:
         import threading
 
         holder = self._wbridge_holder()
-        if getattr(holder, "_wbridge_bg", None) is not None:
-            raise UsageError("wbridge: a background pull is already running; commit it first")
-        bg = _Background()
-        bg.thread = threading.Thread(target=bg.run, args=(holder._wbridge_fetch, timeout, min_version), daemon=True)
-        holder._wbridge_bg = bg
-        bg.thread.start()
+        with _BG_LOCK:
+            if getattr(holder, "_wbridge_bg", None) is not None:
+                raise UsageError("wbridge: a background pull is already running; commit it first")
+            bg = _Background(min_version)
+            bg.thread = threading.Thread(target=bg.run, args=(holder._wbridge_fetch, timeout, min_version), daemon=True)
+            bg.thread.start()  # before others see it: an unstarted thread is not alive either
+            holder._wbridge_bg = bg
 
     def wbridge_pull_done(self) -> bool:
         """Whether the background pull has finished (successfully or not)."""
@@ -222,11 +233,85 @@ class WBridgeWorkerExtension:
         bg.thread.join(timeout)
         if bg.thread.is_alive():
             raise WaitTimeout(f"wbridge: the background pull did not finish within {timeout:.1f}s")
-        holder._wbridge_bg = None
-        if bg.error is not None:
-            raise bg.error
-        holder._wbridge_commit(*bg.result)
+        try:
+            if bg.error is not None:
+                raise bg.error
+            holder._wbridge_commit(*bg.result)
+        finally:
+            with _BG_LOCK:
+                holder._wbridge_bg = None
+            holder._wbridge_poke()
         return bg.result[0]
+
+    def wbridge_watch(self, timeout: float = 60.0) -> None:
+        """Starts (once) a thread that watches the channel and starts the background pull
+        (``wbridge_pull_start``) as soon as a version newer than the kernels' is committed, so the
+        next ``wbridge_commit`` finds it staged; ``timeout`` bounds each pull. After a pull it
+        waits for that pull's commit (or ``wbridge_discard``). ``wbridge_close`` stops it."""
+        holder = self._wbridge_holder()
+        sub = getattr(holder, "_wbridge_sub", None)
+        if sub is None:
+            raise UsageError("wbridge: wbridge_watch before subscribe")
+        watcher = getattr(holder, "_wbridge_watcher", None)
+        if watcher is not None and watcher.alive:
+            return
+        holder._wbridge_skip = 0
+        holder._wbridge_watcher = Watcher(
+            sub.wait_version,
+            holder._wbridge_floor,
+            lambda v: holder.wbridge_pull_start(timeout, min_version=v),
+            give_up_s=timeout,
+        )
+
+    def _wbridge_floor(self) -> int | None:
+        """For the watcher: the version it pulls only above, or None while a pull is in flight
+        or staged."""
+        if getattr(self, "_wbridge_bg", None) is not None:
+            return None
+        return max(getattr(self, "_wbridge_version", None) or 0, getattr(self, "_wbridge_skip", 0))
+
+    def _wbridge_poke(self) -> None:
+        watcher = getattr(self, "_wbridge_watcher", None)
+        if watcher is not None:
+            watcher.poke()
+
+    def wbridge_staged(self) -> dict[str, Any]:
+        """The background pull, as ``{"state", "version", "error", "retry", "held"}``: ``state``
+        is ``"idle"`` (none), ``"pulling"`` (``version``: at least this one), ``"ready"`` (staged:
+        ``wbridge_commit`` puts ``version`` into the kernels at once) or ``"failed"`` (``error``
+        says what; ``retry``: the watcher pulls again once the failed pull is discarded, False
+        when the watcher itself stopped); ``held``: the kernels' version."""
+        holder = self._wbridge_holder()
+        bg = getattr(holder, "_wbridge_bg", None)
+        out: dict[str, Any] = {
+            "state": "idle", "version": None, "error": None, "retry": True, "held": holder.wbridge_version()
+        }  # fmt: skip
+        watcher = getattr(holder, "_wbridge_watcher", None)
+        if bg is None:
+            if watcher is not None and watcher.error is not None:
+                e = watcher.error
+                out.update(state="failed", retry=False, error=f"the channel watcher stopped: {type(e).__name__}: {e}")
+        elif not bg.done:
+            out.update(state="pulling", version=bg.min_version)
+        elif bg.error is not None:
+            e = bg.error
+            out.update(state="failed", version=bg.min_version, error=f"the pull failed: {type(e).__name__}: {e}")
+        else:
+            out.update(state="ready", version=bg.result[0])
+        return out
+
+    def wbridge_discard(self, min_version: int | None = None) -> None:
+        """Drops a finished background pull without committing it (the kernels stay as they are);
+        the watcher then pulls again: at least ``min_version`` when given, else the newest. A pull
+        still running (one the watcher started since the caller looked) is left to finish."""
+        holder = self._wbridge_holder()
+        with _BG_LOCK:
+            bg = getattr(holder, "_wbridge_bg", None)
+            if bg is not None and bg.done:
+                holder._wbridge_bg, holder._wbridge_prepared = None, None
+            if min_version is not None:
+                holder._wbridge_skip = min_version - 1
+        holder._wbridge_poke()
 
     # The two halves of a pull, apart so that the weight-transfer backend (``transfer``) can
     # fetch in ``update_weights`` and commit in ``finish_weight_update``.
@@ -260,6 +345,7 @@ class WBridgeWorkerExtension:
                 "version": version,
                 "nbytes": 0 if pulled is None else pulled.nbytes,
                 "delta": False if pulled is None else pulled.delta,
+                "delta_reason": "" if pulled is None else getattr(pulled, "delta_reason", ""),
                 "repaired": 0 if pulled is None else pulled.repaired,
                 "pull_s": pull_s,
                 "prepare_s": prepare_s,
@@ -291,8 +377,9 @@ class WBridgeWorkerExtension:
 
     def wbridge_stats(self) -> list[dict]:
         """One dict per committed update of this rank: ``version``, ``nbytes`` read, ``delta``
-        (whether the pull applied deltas), ``repaired`` chunks, ``pull_s``, ``prepare_s`` (kernels
-        rebuilt in the background) and ``commit_s`` (the pause)."""
+        (whether the pull applied deltas) and ``delta_reason`` (why or why not, where the
+        subscriber says), ``repaired`` chunks, ``pull_s``, ``prepare_s`` (kernels rebuilt in the
+        background) and ``commit_s`` (the pause)."""
         return list(getattr(self._wbridge_holder(), "_wbridge_stats", []))
 
     def wbridge_staging(self) -> dict[str, tuple[str, list[int], bytes]]:
@@ -319,6 +406,11 @@ class WBridgeWorkerExtension:
         return out
 
     def wbridge_close(self) -> None:
+        """Stops the watcher and leaves the channel (idempotent); the kernels keep their weights."""
+        watcher = getattr(self, "_wbridge_watcher", None)
+        self._wbridge_watcher = None
+        if watcher is not None:
+            watcher.close()
         sub = getattr(self, "_wbridge_sub", None)
         self._wbridge_sub = None
         if sub is not None:
