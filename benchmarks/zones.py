@@ -55,6 +55,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks._common import stop_all
 from transports._util import free_port
 from wbridge.testing.workers import Worker
 
@@ -242,8 +243,7 @@ def run(link: Link, mb: int, relay: bool, replicas: int, quiet: bool) -> tuple[f
                 )
         return took, used
     finally:
-        for w in (*subs, trainer):
-            w.stop()
+        stop_all([trainer, *subs])  # the replicas first
 
 
 class Master:
@@ -433,17 +433,16 @@ def run_delta(link: Link, args: argparse.Namespace, delta: bool, kill: bool) -> 
             t2, n2, rs2 = version(v + 1, subs[1:])
             if not all(r["delta"] for r in rs2):
                 raise SystemExit("zones: the relays left did not pull deltas after the kill")
+            killed = (
+                f"  relay killed mid-version {v}: {len(rs)} relays bit-exact in {t:.2f}s, link "
+                f"{n / (args.mb << 20):.4f}x model; version {v + 1} without it: {t2:.2f}s, "
+                f"link {n2 / (args.mb << 20):.4f}x, deltas"
+            )
             if not args.quiet:
-                print(
-                    f"  relay killed mid-version {v}: {len(rs)} relays bit-exact in {t:.2f}s, link "
-                    f"{n / (args.mb << 20):.4f}x model; version {v + 1} without it: {t2:.2f}s, "
-                    f"link {n2 / (args.mb << 20):.4f}x, deltas",
-                    flush=True,
-                )
+                print(killed, flush=True)
         return took, used
     finally:
-        for w in (*subs, trainer):
-            w.stop()
+        stop_all([trainer, *subs])  # the replicas first
         for f in (pause, pause + ".hit"):
             if os.path.exists(f):
                 os.unlink(f)
