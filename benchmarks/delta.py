@@ -33,6 +33,7 @@ fraction and the read ratio for each learning rate.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import os
 import statistics
@@ -89,7 +90,7 @@ class SubActor:
     def pull(self, v: int) -> dict:
         got = self.sub.pull(min_version=v, timeout=60.0)
         last = self.sub.stats.last
-        out = {"v": got, "seconds": last.seconds, "nbytes": last.nbytes, "delta": last.delta}
+        out = {"v": got, "seconds": last.seconds, "nbytes": last.nbytes, "delta": last.delta, "why": last.delta_reason}
         return {**out, "hash": digest(self.tensors)}
 
     def close(self) -> None:
@@ -143,6 +144,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
                 if got["hash"] != want or got["v"] != v:
                     raise SystemExit(f"delta benchmark: {c} subscriber does not hold version {v} bit for bit")
                 row[f"{c}_pull"], row[f"{c}_bytes"], row[f"{c}_delta"] = got["seconds"], got["nbytes"], got["delta"]
+                row[f"{c}_why"] = got["why"]
             rows.append(row)
     finally:
         stop_all(actors)
@@ -160,6 +162,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
         "snapshot_overhead": med(r["delta_stall"] for r in after) / med(r["full_stall"] for r in after),
         "pull_speedup": med(r["full_pull"] for r in after) / med(r["delta_pull"] for r in after),
         "deltas": sum(bool(r["delta_delta"]) for r in after),
+        "reasons": dict(collections.Counter(r["delta_why"] for r in after)),
         "pulls": len(after),
         "encode_s": med(r["delta_encode"] for r in after),
         "stall_s": med(r["full_stall"] for r in after),
@@ -207,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         if not args.quiet:
             print(
-                f"delta[lr={lr:g}, {args.transport}]: {r['deltas']}/{r['pulls']} pulls were deltas, all bit-exact; "
+                f"delta[lr={lr:g}, {args.transport}]: {r['deltas']}/{r['pulls']} pulls were deltas "
+                f"(why, per pull: {r['reasons']}), all bit-exact; "
                 f"median delta_s (encode + checksums) {r['encode_s'] * 1e3:.2f} ms after a "
                 f"{r['stall_s'] * 1e3:.2f} ms baseline stall; "
                 f"{time.monotonic() - t0:.0f} s",

@@ -297,6 +297,7 @@ class Subscriber(Closeable):
                     nbytes_from_peers=done.from_peers,
                     repaired=done.repaired,
                     delta=done.delta,
+                    delta_reason=done.reason,
                 )
             )
             return rec.v

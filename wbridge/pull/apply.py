@@ -97,17 +97,19 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
 def _read(
     ctx: PullContext, session: Session, rec: VersionRecord, held: Held | None, deadline: float, zone: ZoneReader | None
 ) -> tuple[Session, PullResult]:
-    """The reads of ``rec``: deltas onto ``held`` where usable, else through the zone, else from
-    every source (failing over to replicas); the session (a new one after a failover) and result."""
-    if zone is None and delta.usable(ctx, session, rec, held):  # a zone's readers read whole versions
+    """The reads of ``rec``: deltas onto ``held`` where possible and cheaper, else through the
+    zone, else from every source (failing over to replicas); the session (a new one after a
+    failover) and result, whose ``reason`` says why it was a delta or a full pull."""
+    reason = "zone"
+    if zone is None:  # a zone's readers read whole versions
         try:
-            result = delta.pull(ctx, session, rec, held.v, deadline)
+            result, reason = delta.choose(ctx, session, rec, held, deadline)
         except IntegrityError:
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
         except TransportError as e:  # a source died mid-pull: the full read below fails over
             log.warning("subscriber %s: delta pull of version %d failed (%s); pulling in full", ctx.name, rec.v, e)
-            result = None
+            result, reason = None, "source-failed"
         if result is not None:
             return ctx.session or session, result
     if zone is not None:  # relays of the zone first, publishers for the rest
@@ -116,14 +118,18 @@ def _read(
         except IntegrityError:  # (a relay checking its own range from the publishers)
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
-        return session, PullResult(from_pub, from_peers, len(session.plan))
+        return session, PullResult(from_pub, from_peers, len(session.plan), reason=reason)
+    t0 = time.perf_counter()
     while True:
         try:
             read_sources(ctx, session.sources, rec.slot, deadline)
             break
         except SourcesFailed as failed:  # a source died: its replicas stand in, if any
             session = failover(ctx, session, failed, deadline)
-    return session, PullResult(session.plan.total_bytes, 0, len(session.plan))
+            t0 = time.perf_counter()
+    seconds = time.perf_counter() - t0
+    ctx.costs.setdefault(delta.link(session), delta.LinkCost()).full_read(session.plan.total_bytes, seconds)
+    return session, PullResult(session.plan.total_bytes, 0, len(session.plan), reason=reason)
 
 
 __all__ = ["apply"]

@@ -29,7 +29,16 @@ from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
 from ..errors import IntegrityError, StaleVersionError
 from ..protocol import checksum as _checksum
-from ..protocol.delta import CHUNK_BYTES, CHUNK_WORDS, DELTA_MAGIC, DELTA_STABLE, HEADER_BYTES, geometry, table_bytes
+from ..protocol.delta import (
+    CHUNK_BYTES,
+    CHUNK_WORDS,
+    DELTA_MAGIC,
+    DELTA_NONE,
+    DELTA_STABLE,
+    HEADER_BYTES,
+    geometry,
+    table_bytes,
+)
 from ..protocol.records import unb64
 from ..protocol.stamps import STAMP_BYTES
 from .context import Held, PullContext, PullResult
@@ -135,37 +144,51 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     )
 
 
+def why_not(ctx: PullContext, session: Session, rec: Any, held: Held | None) -> str | None:
+    """Why ``rec`` cannot be pulled as deltas onto the version ``held`` (a ``DELTA_REASONS`` value),
+    None where it can be tried. The packing generations may differ: a delta is encoded in the byte
+    order of its own version's slot, which the session plans against."""
+    if held is None or not 0 < rec.v - held.v:
+        return "no-base"
+    if held.epoch != rec.epoch:
+        return "new-epoch"
+    geo = _prepare(ctx, session)
+    if not session.sources:
+        return "publisher-no-delta"
+    for s in session.sources:
+        g = geo.get(s.rank)
+        if isinstance(g, str):
+            return g
+    if any(rec.v - held.v > len(geo[s.rank].descs) for s in session.sources):
+        return "too-far-behind"
+    return None
+
+
 def usable(ctx: PullContext, session: Session, rec: Any, held: Held | None) -> bool:
     """Whether ``rec`` can be pulled as deltas onto the version ``held``."""
-    gens = session.gens
-    if held is None or held.epoch != rec.epoch or held.gens != gens or not 0 < rec.v - held.v:
-        return False
-    geo = _prepare(ctx, session)
-    if not session.sources or any(geo.get(s.rank) is None for s in session.sources):
-        return False
-    return all(rec.v - held.v <= len(geo[s.rank].descs) for s in session.sources)
+    return why_not(ctx, session, rec, held) is None
 
 
-def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | None]:
-    """Each source's delta geometry, computed once per session (its scratch buffers are released
-    with the session)."""
+def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | str]:
+    """Each source's delta geometry (or why it has none), computed once per session (its scratch
+    buffers are released with the session)."""
     if session.delta is not None:
         return session.delta
-    geo: dict[int, _Geometry | None] = {}
+    geo: dict[int, _Geometry | str] = {}
     for src in session.sources:
         served = session.records[src.rank]["transports"].get(src.transport, {})
         descs = served.get("delta")
         sizes = session.layouts[src.rank].region_sizes
         if not isinstance(descs, list) or not descs or not sizes:
-            geo[src.rank] = None
+            geo[src.rank] = "publisher-no-delta"
             continue
-        geo[src.rank] = _geometry(src, int(sizes[0]), [unb64(d) for d in descs])
+        geo[src.rank] = _geometry(src, int(sizes[0]), [unb64(d) for d in descs]) or "unsupported-plan"
     endpoints = ctx.endpoints
 
     def release() -> None:
         for src in session.sources:
             g, t = geo.get(src.rank), endpoints.get(src.transport)
-            if g is not None and t is not None:
+            if isinstance(g, _Geometry) and t is not None:
                 for scratch in (g.head, g.check, g.entries):
                     scratch.release(t)
 
@@ -174,44 +197,225 @@ def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | None]:
     return geo
 
 
-def fetch(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> tuple | None:
-    """Reads the deltas ``base + 1 .. rec.v`` that ``src``'s reads cover: per delta the
-    (table, entries) it read, plus bytes and ops; None where they cannot be used."""
+DELTA_REASONS = {
+    "delta": "the pull applied deltas",
+    "cost": "deltas were possible but estimated slower (or more bytes) than a full read on this link",
+    "no-base": "the destination holds no whole version to apply deltas to (first pull, or one that failed)",
+    "new-epoch": "the publishers registered again since the version held",
+    "too-far-behind": "more versions since the one held than the publishers keep deltas of",
+    "publisher-no-delta": "the publishers keep no deltas (no Staging(delta=...)) over this transport",
+    "no-delta": "a version since the one held has no delta (too many changes, or none to compare to)",
+    "new-layout": "a delta since the one held is in another packing generation's byte order",
+    "header-changed": "the ring was rewritten (for newer versions) before or while the deltas were read",
+    "source-failed": "a source failed while its deltas were read (the full read fails over)",
+    "malformed": "a delta's table or entries did not make sense",
+    "unsupported-plan": "the plan reads one slot byte twice or from a region a delta does not cover",
+    "zone": "read through the zone's relays",
+}  # the values of ``PullStats.delta_reason``
+
+ALPHA = 0.3  # weight of the newest measurement in the running costs (an EWMA)
+PROBE_EVERY = 16  # a pull in this many chosen full by cost tries the deltas again (costs drift)
+SKIP_MARGIN = 2.0  # the tables are not even read where deltas were estimated this much slower
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+@dataclass
+class LinkCost:
+    """What pulls over one link (the transports a session reads over) have cost, measured as they
+    go: the subscriber pulls deltas only where they are estimated cheaper than a full read.
+
+    - ``full``: seconds per byte of a full read (its reads, as posted).
+    - ``entry``: seconds per delta entry: reading, decoding and scattering it (fixed costs included).
+    - ``check``: seconds per byte of a delta pull's verification (hashing, chunks re-read).
+    - ``entries``: delta entries per version the reads covered (to decide before reading tables).
+    - ``declined``: pulls chosen full by cost since the last delta pull (a probe every ``PROBE_EVERY``).
+    """
+
+    full: float | None = None
+    entry: float | None = None
+    check: float | None = None
+    entries: float | None = None
+    declined: int = 0
+
+    def full_read(self, nbytes: int, seconds: float) -> None:
+        """Records a full read of ``nbytes`` that took ``seconds``."""
+        if nbytes > 0:
+            self.full = _ewma(self.full, seconds / nbytes)
+
+    def estimate(self, entries: float, covered: int, partial: int) -> float | None:
+        """Seconds a delta pull of ``entries`` entries would take, verifying ``covered`` bytes of
+        which ``partial`` are re-read; None before any delta pull was measured."""
+        if self.entry is None or self.check is None:
+            return None
+        return entries * self.entry + covered * self.check + partial * (self.full or 0.0)
+
+    def delta_pull(self, entries: int, versions: int, read_s: float, covered: int, check_s: float) -> None:
+        """Records a delta pull: ``entries`` over ``versions`` read in ``read_s``, ``covered``
+        bytes verified in ``check_s``."""
+        self.entry = _ewma(self.entry, read_s / max(entries, 1))
+        self.check = _ewma(self.check, check_s / max(covered, 1))
+        self.entries = _ewma(self.entries, entries / max(versions, 1))
+        self.declined = 0
+
+
+def link(session: Session) -> str:
+    """The name a session's costs are kept under: the transports it reads over."""
+    return "+".join(sorted({s.transport for s in session.sources}))
+
+
+def choose(
+    ctx: PullContext, session: Session, rec: Any, held: Held | None, deadline: float
+) -> tuple[PullResult | None, str]:
+    """A delta pull of ``rec`` onto ``held`` where it is possible and estimated cheaper than a
+    full read on this link: ``(result, "delta")``; else ``(None, reason)`` (``DELTA_REASONS``)
+    before any write, and the caller pulls in full."""
+    reason = why_not(ctx, session, rec, held)
+    if reason is not None:
+        return None, reason
+    cost = ctx.costs.setdefault(link(session), LinkCost())
+    geo = [session.delta[s.rank] for s in session.sources]
+    full = sum(g.full for g in geo) * cost.full if cost.full is not None else None
+    if full is not None and ctx.verify and cost.check is not None:  # a full pull verifies too
+        full += sum(g.full for g in geo) * cost.check
+    probe = cost.declined >= PROBE_EVERY
+    if full is not None and cost.entries is not None and not probe:
+        guess = cost.estimate(cost.entries * (rec.v - held.v), sum(g.full for g in geo), sum(g.partial for g in geo))
+        if guess is not None and guess > SKIP_MARGIN * full:
+            cost.declined += 1
+            return None, "cost"
+    return _pull(ctx, session, rec, held.v, deadline, cost, full, probe)
+
+
+def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: float) -> PullResult | None:
+    """Pulls ``rec`` as the deltas since ``base`` into ``dest`` and verifies it (repairing what
+    does not match), whatever it costs; None before any write if the deltas cannot be used (the
+    caller pulls in full)."""
+    if not 0 < rec.v - base or any(isinstance(g, str) for g in _prepare(ctx, session).values()):
+        return None
+    if not session.sources or any(rec.v - base > len(session.delta[s.rank].descs) for s in session.sources):
+        return None
+    return _pull(ctx, session, rec, base, deadline, None, None, True)[0]
+
+
+def _pull(
+    ctx: PullContext,
+    session: Session,
+    rec: Any,
+    base: int,
+    deadline: float,
+    cost: LinkCost | None,
+    full: float | None,
+    probe: bool,
+) -> tuple[PullResult | None, str]:
+    """The delta pull proper: headers and tables, the cost check (``cost``; ``full``: the full
+    read's estimate; ``probe``: pull anyway), entries, apply, verify-and-repair."""
+    t0 = time.perf_counter()
+    got: dict[int, Any] = {}
+    nbytes = ops = 0
+    try:
+        hs = {}
+        for src in session.sources:
+            h = heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
+            if isinstance(h, str):
+                return None, h
+            hs[src.rank] = h
+        total = sum(h.entries for h in hs.values())
+        geo = [session.delta[s.rank] for s in session.sources]
+        if 4 * total + sum(g.partial for g in geo) >= sum(g.full for g in geo):
+            return None, "cost"  # more bytes than a full read
+        if cost is not None and full is not None and not probe:
+            est = cost.estimate(total, sum(g.full for g in geo), sum(g.partial for g in geo))
+            if est is not None and est >= full:
+                cost.declined += 1
+                return None, "cost"
+        for src in session.sources:
+            r = entries(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
+            if r is None:
+                return None, "header-changed"
+            got[src.rank] = r
+            nbytes, ops = nbytes + r[2], ops + r[3]
+    except TransportError:
+        return None, "source-failed"  # the full pull reads around a dead source (failover) or reports it
+    writes = [decode(src, session, got[src.rank]) for src in session.sources]
+    if any(w is None for w in writes):
+        return None, "malformed"  # before any write
+    for region, offsets, values in (w for per in writes for w in per):
+        _scatter(ctx.dest.buffers[region], offsets, values)
+    t1 = time.perf_counter()
+    repaired, extra, fops = verify_repair(ctx, session.sources, rec, deadline)
+    if cost is not None:
+        covered = sum(g.full for g in geo)
+        cost.delta_pull(total, rec.v - base, t1 - t0, covered, time.perf_counter() - t1)
+    nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
+    return PullResult(nbytes, 0, ops + fops + len(session.sources), repaired, delta=True, reason="delta"), "delta"
+
+
+@dataclass
+class _Heads:
+    """What one source's delta headers and tables said: per delta its table and the entry range
+    of each run of chunks, and the entries the source's reads cover in all."""
+
+    us: np.ndarray
+    raw: np.ndarray  # the headers and tables as read (the headers are compared again after the entries)
+    tables: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    entries: int
+    nbytes: int
+
+
+def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> _Heads | str:
+    """Reads the headers and offset tables of the deltas ``base + 1 .. rec.v`` of ``src`` (one
+    batched read); a reason (``DELTA_REASONS``) where they cannot be used."""
     g = session.delta[src.rank]
     k, tb = len(g.descs), table_bytes(g.nchunks)
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
     m = len(us)
     g.head.ensure(t, m * tb)
-    g.check.ensure(t, m * HEADER_BYTES)
     zeros = np.zeros(m, dtype=np.int64)
-    heads = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * tb, np.full(m, tb, dtype=np.int64))
-    _read(t, src, g.descs, g.head.region, heads, deadline)
-    raw = g.head.buf.numpy()[: m * tb].reshape(m, tb)
+    batch = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * tb, np.full(m, tb, dtype=np.int64))
+    _read(t, src, g.descs, g.head.region, batch, deadline)
+    raw = g.head.buf.numpy()[: m * tb].reshape(m, tb).copy()
     head = raw[:, :HEADER_BYTES].view(np.uint64)
     gen = session.gens[src.rank] if session.gens else 0
     want = np.stack([np.full(m, DELTA_MAGIC, np.uint64), us.astype(np.uint64), (us - 1).astype(np.uint64)], 1)
-    ok = (head[:, :3] == want).all() and (head[:, 3] == DELTA_STABLE).all()
-    ok = ok and (head[:, 4] == rec.epoch).all() and (head[:, 5] == gen).all() and (head[:, 6] == g.nchunks).all()
-    if not ok:
-        return None
+    if not (head[:, :3] == want).all() or not (head[:, 4] == rec.epoch).all() or not (head[:, 6] == g.nchunks).all():
+        return "header-changed"  # rewritten for a newer version, or another registration's
+    if (head[:, 3] == DELTA_NONE).any():
+        return "no-delta"
+    if not (head[:, 3] == DELTA_STABLE).all():
+        return "header-changed"
+    if not (head[:, 5] == gen).all():
+        return "new-layout"  # a delta in between is in another packing generation's byte order
     tables = raw[:, HEADER_BYTES : HEADER_BYTES + 4 * (g.nchunks + 1)].view(np.uint32).astype(np.int64)
     if np.any(tables[:, -1] != head[:, 7].astype(np.int64)) or np.any(np.diff(tables, axis=1) < 0):
-        return None
-    # one row per (delta, run of chunks): the runs' entries are contiguous in the buffer
+        return "malformed"
     lo, hi = tables[:, g.run_lo], tables[:, g.run_hi + 1]
-    n = (hi - lo).reshape(-1)
+    return _Heads(us, raw, tables, lo, hi, int((hi - lo).sum()), m * tb)
+
+
+def entries(t: Any, src: Source, session: Session, h: _Heads, deadline: float) -> tuple | None:
+    """Reads the entries of the chunks ``src``'s reads cover (one row per delta and run of chunks),
+    then the headers again: per delta the (table, entries) it read, plus bytes and reads; None
+    where a delta was rewritten under the reads."""
+    g = session.delta[src.rank]
+    k, m = len(g.descs), len(h.us)
+    g.check.ensure(t, m * HEADER_BYTES)
+    zeros = np.zeros(m, dtype=np.int64)
+    n = (h.hi - h.lo).reshape(-1)
     which = np.repeat(np.arange(m), len(g.run_lo))
     rows = n > 0
     dst = np.concatenate(([0], np.cumsum(n[rows])[:-1])).astype(np.int64) * 4
     total = int(n.sum()) * 4
-    nbytes, ops = m * tb + m * HEADER_BYTES, 2 * m
-    if total + g.partial >= g.full:  # would read more than a full pull (counting verification)
-        return None
+    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
     if total:
         g.entries.ensure(t, total)
         batch = ReadBatch(
-            (us % k)[which[rows]],
-            table_bytes(g.nchunks) + 4 * lo.reshape(-1)[rows],
+            (h.us % k)[which[rows]],
+            table_bytes(g.nchunks) + 4 * h.lo.reshape(-1)[rows],
             np.zeros(int(rows.sum()), dtype=np.int64),
             dst,
             4 * n[rows],
@@ -219,12 +423,12 @@ def fetch(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
         _read(t, src, g.descs, g.entries.region, batch, deadline)
         nbytes, ops = nbytes + total, ops + len(batch)
     # the headers again: a delta rewritten under the reads is not used
-    again = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, 64))
+    again = ReadBatch(h.us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, 64))
     _read(t, src, g.descs, g.check.region, again, deadline)
-    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), raw[:, :HEADER_BYTES]):
+    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), h.raw[:, :HEADER_BYTES]):
         return None
-    entries = g.entries.buf.numpy()[:total].view(np.uint32).copy() if total else np.zeros(0, np.uint32)
-    return [(tables[i], lo[i], hi[i]) for i in range(m)], entries, nbytes, ops
+    got = g.entries.buf.numpy()[:total].view(np.uint32).copy() if total else np.zeros(0, np.uint32)
+    return [(h.tables[i], h.lo[i], h.hi[i]) for i in range(m)], got, nbytes, ops
 
 
 def _read(t: Any, src: Source, descs: list[bytes], local: Any, batch: ReadBatch, deadline: float) -> None:
@@ -275,31 +479,6 @@ def decode(src: Source, session: Session, got: tuple) -> list[tuple[int, np.ndar
     return writes
 
 
-def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: float) -> PullResult | None:
-    """Pulls ``rec`` as the deltas since ``base`` into ``dest`` and verifies it (repairing what
-    does not match); None before any write if the deltas cannot be used (the caller pulls in
-    full)."""
-    got = {}
-    nbytes = ops = 0
-    try:
-        for src in session.sources:
-            r = fetch(ctx.endpoints[src.transport], src, session, rec, base, deadline)
-            if r is None:
-                return None
-            got[src.rank] = r
-            nbytes, ops = nbytes + r[2], ops + r[3]
-    except TransportError:
-        return None  # the full pull reads around a dead source (failover) or reports it
-    writes = [decode(src, session, got[src.rank]) for src in session.sources]
-    if any(w is None for w in writes):
-        return None  # before any write
-    for region, offsets, values in (w for per in writes for w in per):
-        _scatter(ctx.dest.buffers[region], offsets, values)
-    repaired, extra, fops = verify_repair(ctx, session.sources, rec, deadline)
-    nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
-    return PullResult(nbytes, 0, ops + fops + len(session.sources), repaired, delta=True)
-
-
 def _scatter(dst: Any, offsets: np.ndarray, values: np.ndarray) -> None:
     """``dst`` (a uint8 region) viewed as ``values``' dtype, ``[offsets] = values``."""
     w = values.dtype.itemsize
@@ -346,4 +525,4 @@ def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadlin
     return repaired, nbytes, ops
 
 
-__all__ = ["pull", "usable", "verify_repair"]
+__all__ = ["DELTA_REASONS", "LinkCost", "choose", "pull", "usable", "verify_repair", "why_not"]
