@@ -42,6 +42,8 @@ import time
 from typing import Any
 
 from _common import TOKEN, free_port, start_actors, stop_all
+from zones import Link as NetnsLink
+from zones import enter
 
 from wbridge import Delta, Staging
 
@@ -76,15 +78,21 @@ def digest(tensors: dict[str, Any]) -> str:
 
 
 class SubActor:
-    """A subscriber process: bf16 tensors of every parameter's shape; pulls and hashes them."""
+    """A subscriber process: bf16 tensors of every parameter's shape; pulls and hashes them.
+    ``net``: (namespace, address) to enter and bind (``--link``), else None (loopback)."""
 
-    def __init__(self, url: str, channel: str, shapes: dict[str, tuple[int, ...]], transport: str) -> None:
+    def __init__(
+        self, url: str, channel: str, shapes: dict[str, tuple[int, ...]], transport: str, net: tuple | None
+    ) -> None:
+        if net is not None:
+            enter(net[0])  # before any socket is opened
         import torch
 
         from wbridge import Shard, Subscriber
 
         self.tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
-        self.sub = Subscriber(channel, url, token=TOKEN, transport=transport)
+        host = net[1] if net is not None else "127.0.0.1"
+        self.sub = Subscriber(channel, url, token=TOKEN, transport=transport, host=host)
         self.sub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in self.tensors.items()})
 
     def pull(self, v: int) -> dict:
@@ -97,7 +105,9 @@ class SubActor:
         self.sub.close()
 
 
-def run_lr(lr: float, args: argparse.Namespace) -> dict:
+def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
+    """One learning rate's run; with ``link`` this process (the trainer) is in its "train"
+    namespace already and the subscribers enter its "rollout" one."""
     import torch
 
     from wbridge import Publisher, Shard, open_store
@@ -105,8 +115,10 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
     model = build_model(args.seed)
     params = {n: p.data for n, p in model.named_parameters()}
     shapes = {n: tuple(t.shape) for n, t in params.items()}
-    url = f"tcp://127.0.0.1:{free_port()}"
-    common = dict(token=TOKEN, transport=args.transport, mode="one_step_off")
+    host = link.addr["train"] if link is not None else "127.0.0.1"
+    net = (link.ns["rollout"], link.addr["rollout"]) if link is not None else None
+    url = f"tcp://{host}:{free_port()}"
+    common = dict(token=TOKEN, transport=args.transport, mode="one_step_off", host=host)
     store = open_store(url, host_store=True)  # hosted by neither publisher: their stalls compare alike
     pubs = {
         "delta": Publisher("delta", url, staging=Staging(delta=Delta()), **common),
@@ -116,7 +128,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
     try:
         for pub in pubs.values():
             pub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in params.items()}, dtype=torch.bfloat16)
-        actors = start_actors([(f"sub-{c}", SubActor, (url, c, shapes, args.transport), {}) for c in pubs])
+        actors = start_actors([(f"sub-{c}", SubActor, (url, c, shapes, args.transport, net), {}) for c in pubs])
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         gen = torch.Generator().manual_seed(args.seed + 1)
         prev = {n: t.to(torch.bfloat16) for n, t in params.items()}
@@ -202,11 +214,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.getcwd(), help="directory for delta.png (default: the current one)")
     p.add_argument("--quiet", action="store_true", help="only the summary lines")
+    p.add_argument(
+        "--link",
+        default=None,
+        help="a tc tbf rate (1gbit): publishers and subscribers in two network namespaces joined by "
+        "a veth pair shaped to it (root; tcp)",
+    )
     args = p.parse_args(argv)
+    if args.link is not None and args.transport != "tcp":
+        p.error("--link runs over tcp (the namespaces share no memory transport)")
+    link = NetnsLink(args.link) if args.link is not None else None
+    try:
+        if link is not None:
+            enter(link.ns["train"])  # this process is the trainer: its sockets are on the train side
+        results = run_all(args, link)
+    finally:
+        if link is not None:
+            link.close()
+    path = plot(results, args.out)
+    if not args.quiet:
+        print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+def run_all(args: argparse.Namespace, link: NetnsLink | None) -> list[dict]:
+    """Every ``--lr`` in turn, each printing its line."""
+    suffix = f" link={args.link}" if args.link is not None else ""
     results = []
     for lr in args.lr:
         t0 = time.monotonic()
-        r = run_lr(lr, args)
+        r = run_lr(lr, args, link)
         results.append(r)
         if not args.quiet:
             print(
@@ -219,13 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(
             f"delta: changed={r['changed']:.4f} read_ratio={r['read_ratio']:.4f} "
-            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f}",
+            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f}{suffix}",
             flush=True,
         )
-    path = plot(results, args.out)
-    if not args.quiet:
-        print(f"plot: {path}", file=sys.stderr)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from ..protocol.version import VersionRecord
 from . import delta
 from .connect import failover, setup
 from .context import Held, PullContext, PullResult
-from .reads import check_stamps, read_sources, verify_sources
+from .reads import check_stamps, prepare_sources, read_sources, verify_sources
 from .session import Session, SourcesFailed
 from .zone import ZoneReader
 
@@ -119,15 +119,15 @@ def _read(
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
         return session, PullResult(from_pub, from_peers, len(session.plan), reason=reason)
-    t0 = time.perf_counter()
     while True:
         try:
+            prepare_sources(ctx, session.sources, rec.slot)  # (not timed: once per slot and session)
+            t0 = time.perf_counter()
             read_sources(ctx, session.sources, rec.slot, deadline)
             break
         except SourcesFailed as failed:  # a source died: its replicas stand in, if any
             session = failover(ctx, session, failed, deadline)
-            t0 = time.perf_counter()
-    seconds = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0  # what a full read costs on this link (deltas or full: ``delta.choose``)
     ctx.costs.setdefault(delta.link(session), delta.LinkCost()).full_read(session.plan.total_bytes, seconds)
     return session, PullResult(session.plan.total_bytes, 0, len(session.plan), reason=reason)
 

@@ -51,13 +51,16 @@ class _Scratch:
 
     buf: Any = None
     region: Any = None
+    spent: float = 0.0  # seconds spent allocating and registering (not a delta's cost: done once)
 
     def ensure(self, t: Any, n: int) -> None:
         if self.buf is not None and int(self.buf.numel()) >= n:
             return
+        t0 = time.perf_counter()
         self.release(t)
         self.buf = alloc_bytes(max(n, 4096), "cpu")
         self.region = t.register(address(self.buf), int(self.buf.numel()))
+        self.spent += time.perf_counter() - t0
 
     def release(self, t: Any) -> None:
         if self.region is not None:
@@ -89,7 +92,7 @@ class _Geometry:
     entries: _Scratch
 
 
-def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | None:
+def _geometry(src: Source, slot_bytes: int, descs: list[bytes], sum_starts: np.ndarray) -> _Geometry | None:
     b = src.batch
     geo = geometry(slot_bytes)
     if geo is None or (len(b) and np.any(b.src_region != 0)):
@@ -117,8 +120,7 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     groups = np.append(np.flatnonzero(np.diff(dreg[perm], prepend=-1)), len(perm))
     # bytes covered below x: cum[i] + (x - soff[i]) clipped, for the last read starting below x
     cum = np.concatenate(([0], np.cumsum(n)))
-    edges = np.arange(0, slot_bytes + _checksum.CHUNK, _checksum.CHUNK)
-    edges[-1] = min(edges[-1], slot_bytes)
+    edges = np.append(sum_starts, slot_bytes)  # the checksum chunks (``checksum.slot_edges``)
     i = np.searchsorted(soff, edges, side="right") - 1
     below = np.where(i >= 0, cum[np.maximum(i, 0)] + np.clip(edges - soff[np.maximum(i, 0)], 0, n[np.maximum(i, 0)]), 0)
     covered, length = np.diff(below), np.diff(edges)
@@ -182,7 +184,9 @@ def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | str]:
         if not isinstance(descs, list) or not descs or not sizes:
             geo[src.rank] = "publisher-no-delta"
             continue
-        geo[src.rank] = _geometry(src, int(sizes[0]), [unb64(d) for d in descs]) or "unsupported-plan"
+        size = int(sizes[0])
+        starts = _checksum.slot_edges(session.layouts[src.rank], size)
+        geo[src.rank] = _geometry(src, size, [unb64(d) for d in descs], starts) or "unsupported-plan"
     endpoints = ctx.endpoints
 
     def release() -> None:
@@ -214,8 +218,8 @@ DELTA_REASONS = {
 }  # the values of ``PullStats.delta_reason``
 
 ALPHA = 0.3  # weight of the newest measurement in the running costs (an EWMA)
-PROBE_EVERY = 16  # a pull in this many chosen full by cost tries the deltas again (costs drift)
-SKIP_MARGIN = 2.0  # the tables are not even read where deltas were estimated this much slower
+PROBE_EVERY = 32  # a pull in this many chosen full by cost tries the deltas again (costs drift)
+SKIP_MARGIN = 1.0  # the tables are not even read where deltas were estimated this much slower
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -313,6 +317,9 @@ def _pull(
     """The delta pull proper: headers and tables, the cost check (``cost``; ``full``: the full
     read's estimate; ``probe``: pull anyway), entries, apply, verify-and-repair."""
     t0 = time.perf_counter()
+    spent = sum(
+        x.spent for g in session.delta.values() if isinstance(g, _Geometry) for x in (g.head, g.check, g.entries)
+    )
     got: dict[int, Any] = {}
     nbytes = ops = 0
     try:
@@ -346,9 +353,10 @@ def _pull(
         _scatter(ctx.dest.buffers[region], offsets, values)
     t1 = time.perf_counter()
     repaired, extra, fops = verify_repair(ctx, session.sources, rec, deadline)
-    if cost is not None:
+    if cost is not None:  # (the time spent setting up scratch buffers is not a delta's cost)
         covered = sum(g.full for g in geo)
-        cost.delta_pull(total, rec.v - base, t1 - t0, covered, time.perf_counter() - t1)
+        setup = sum(x.spent for g in geo for x in (g.head, g.check, g.entries)) - spent
+        cost.delta_pull(total, rec.v - base, t1 - t0 - setup, covered, time.perf_counter() - t1)
     nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
     return PullResult(nbytes, 0, ops + fops + len(session.sources), repaired, delta=True, reason="delta"), "delta"
 
