@@ -178,6 +178,7 @@ def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
         "pulls": len(after),
         "encode_s": med(r["delta_encode"] for r in after),
         "stall_s": med(r["full_stall"] for r in after),
+        "pull_s": (med(r["full_pull"] for r in after), med(r["delta_pull"] for r in after)),
     }
 
 
@@ -250,7 +251,8 @@ def run_all(args: argparse.Namespace, link: NetnsLink | None) -> list[dict]:
                 f"delta[lr={lr:g}, {args.transport}]: {r['deltas']}/{r['pulls']} pulls were deltas "
                 f"(why, per pull: {r['reasons']}), all bit-exact; "
                 f"median delta_s (encode + checksums) {r['encode_s'] * 1e3:.2f} ms after a "
-                f"{r['stall_s'] * 1e3:.2f} ms baseline stall; "
+                f"{r['stall_s'] * 1e3:.2f} ms baseline stall; median pull {r['pull_s'][0] * 1e3:.1f} ms full, "
+                f"{r['pull_s'][1] * 1e3:.1f} ms with deltas; "
                 f"{time.monotonic() - t0:.0f} s",
                 file=sys.stderr,
             )

@@ -219,7 +219,7 @@ DELTA_REASONS = {
 
 ALPHA = 0.3  # weight of the newest measurement in the running costs (an EWMA)
 PROBE_EVERY = 32  # a pull in this many chosen full by cost tries the deltas again (costs drift)
-SKIP_MARGIN = 1.0  # the tables are not even read where deltas were estimated this much slower
+SKIP_MARGIN = 2.0  # the tables are not even read where deltas were estimated this much slower
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -232,14 +232,16 @@ class LinkCost:
     go: the subscriber pulls deltas only where they are estimated cheaper than a full read.
 
     - ``full``: seconds per byte of a full read (its reads, as posted).
-    - ``entry``: seconds per delta entry: reading, decoding and scattering it (fixed costs included).
+    - ``waits``: seconds of a delta pull's reads beyond their bytes at the ``full`` rate (round trips).
+    - ``cpu``: seconds per delta entry to decode and scatter it.
     - ``check``: seconds per byte of a delta pull's verification (hashing, chunks re-read).
     - ``entries``: delta entries per version the reads covered (to decide before reading tables).
     - ``declined``: pulls chosen full by cost since the last delta pull (a probe every ``PROBE_EVERY``).
     """
 
     full: float | None = None
-    entry: float | None = None
+    waits: float | None = None
+    cpu: float | None = None
     check: float | None = None
     entries: float | None = None
     declined: int = 0
@@ -249,20 +251,27 @@ class LinkCost:
         if nbytes > 0:
             self.full = _ewma(self.full, seconds / nbytes)
 
-    def estimate(self, entries: float, covered: int, partial: int) -> float | None:
-        """Seconds a delta pull of ``entries`` entries would take, verifying ``covered`` bytes of
-        which ``partial`` are re-read; None before any delta pull was measured."""
-        if self.entry is None or self.check is None:
+    def estimate(self, entries: float, covered: int) -> float | None:
+        """Seconds a delta pull of ``entries`` entries would take, verifying ``covered`` bytes;
+        None before any delta pull was measured."""
+        if self.waits is None or self.cpu is None or self.check is None or self.full is None:
             return None
-        return entries * self.entry + covered * self.check + partial * (self.full or 0.0)
+        return self.waits + entries * (ENTRY_BYTES * self.full + self.cpu) + covered * self.check
 
-    def delta_pull(self, entries: int, versions: int, read_s: float, covered: int, check_s: float) -> None:
-        """Records a delta pull: ``entries`` over ``versions`` read in ``read_s``, ``covered``
-        bytes verified in ``check_s``."""
-        self.entry = _ewma(self.entry, read_s / max(entries, 1))
-        self.check = _ewma(self.check, check_s / max(covered, 1))
+    def delta_pull(
+        self, entries: int, versions: int, reads: tuple[int, float], cpu_s: float, check: tuple[int, float]
+    ) -> None:
+        """Records a delta pull: ``entries`` over ``versions``; its reads (bytes, seconds); the
+        seconds it took to decode and scatter them; its verification (bytes covered, seconds)."""
+        if self.full is not None:
+            self.waits = _ewma(self.waits, max(0.0, reads[1] - reads[0] * self.full))
+        self.cpu = _ewma(self.cpu, cpu_s / max(entries, 1))
+        self.check = _ewma(self.check, check[1] / max(check[0], 1))
         self.entries = _ewma(self.entries, entries / max(versions, 1))
         self.declined = 0
+
+
+ENTRY_BYTES = 4  # bytes of one delta entry (``protocol.delta``)
 
 
 def link(session: Session) -> str:
@@ -286,7 +295,7 @@ def choose(
         full += sum(g.full for g in geo) * cost.check
     probe = cost.declined >= PROBE_EVERY
     if full is not None and cost.entries is not None and not probe:
-        guess = cost.estimate(cost.entries * (rec.v - held.v), sum(g.full for g in geo), sum(g.partial for g in geo))
+        guess = cost.estimate(cost.entries * (rec.v - held.v), sum(g.full for g in geo))
         if guess is not None and guess > SKIP_MARGIN * full:
             cost.declined += 1
             return None, "cost"
@@ -334,9 +343,10 @@ def _pull(
         if 4 * total + sum(g.partial for g in geo) >= sum(g.full for g in geo):
             return None, "cost"  # more bytes than a full read
         if cost is not None and full is not None and not probe:
-            est = cost.estimate(total, sum(g.full for g in geo), sum(g.partial for g in geo))
+            est = cost.estimate(total, sum(g.full for g in geo))
             if est is not None and est >= full:
                 cost.declined += 1
+                cost.entries = _ewma(cost.entries, total / (rec.v - base))  # (what the tables said)
                 return None, "cost"
         for src in session.sources:
             r = entries(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
@@ -346,6 +356,7 @@ def _pull(
             nbytes, ops = nbytes + r[2], ops + r[3]
     except TransportError:
         return None, "source-failed"  # the full pull reads around a dead source (failover) or reports it
+    tr = time.perf_counter()
     writes = [decode(src, session, got[src.rank]) for src in session.sources]
     if any(w is None for w in writes):
         return None, "malformed"  # before any write
@@ -356,7 +367,8 @@ def _pull(
     if cost is not None:  # (the time spent setting up scratch buffers is not a delta's cost)
         covered = sum(g.full for g in geo)
         setup = sum(x.spent for g in geo for x in (g.head, g.check, g.entries)) - spent
-        cost.delta_pull(total, rec.v - base, t1 - t0 - setup, covered, time.perf_counter() - t1)
+        check_s = time.perf_counter() - t1
+        cost.delta_pull(total, rec.v - base, (nbytes, tr - t0 - setup), t1 - tr, (covered, check_s))
     nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
     return PullResult(nbytes, 0, ops + fops + len(session.sources), repaired, delta=True, reason="delta"), "delta"
 
