@@ -1,6 +1,7 @@
 """Delta updates on a real training run: bytes a one-version-behind subscriber reads, and their cost.
 
-Run: ``PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--lr 1e-6 1e-5] [--transport tcp|local]``.
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--lr 1e-6 1e-5] [--transport tcp|local]
+[--link 1gbit]``.
 
 The trainer (this process) trains a small transformers Llama (random init: hidden 256, 4 layers,
 vocabulary 4096, about 5 M parameters) with fp32 master weights and AdamW at each ``--lr`` for
@@ -11,7 +12,13 @@ pulls every version as soon as it is published, so it is always exactly one vers
 it pulls, and hashes what it holds; the trainer checks that hash against its own bf16 copy (bit
 exact, else the run exits non-zero).
 
-Printed per learning rate, in ``--lr`` order (stdout, one line each)::
+With ``--link RATE`` (root: it makes network namespaces; tcp) the trainer, its publishers and the
+store are in one network namespace and the subscribers in another, joined by a veth pair shaped
+with ``tc ... tbf rate RATE`` on both ends (``zones.Link``; this kernel has no netem, so no added
+delay): a link between clusters.
+
+Printed per learning rate, in ``--lr`` order (stdout, one line each; `` link=RATE`` appended with
+``--link``)::
 
     delta: changed=<f> read_ratio=<r> snapshot_overhead=<x> pull_speedup=<s>
 
@@ -20,11 +27,14 @@ Printed per learning rate, in ``--lr`` order (stdout, one line each)::
   stamps and any repair) averaged over its pulls after the first, fallbacks included, over the
   bytes of a full pull.
 * ``snapshot_overhead``: the delta publisher's median ``stall_s`` over the baseline publisher's
-  (the trainer's stall: the snapshot copy and cast). The delta encoding and the checksums that
+  (the trainer's stall: the snapshot copy and cast), over the ``--steps`` publishes after the
+  first (20 by default). The delta encoding and the checksums that
   ``delta=True`` turns on read only the staging slots, so they run after the stall
   (``PublishStats.delta_s``: its median is printed on stderr, with the share of pulls that were
   deltas); ``publish()`` returns that much later, ``publish_async()`` overlaps it.
-* ``pull_speedup``: the baseline subscriber's median pull time over the delta subscriber's.
+* ``pull_speedup``: the baseline subscriber's median pull time over the delta subscriber's. The
+  delta subscriber chooses per pull between deltas and a full read by what each costs on its link
+  (``wbridge.pull.delta.choose``); stderr says how often it chose what (``delta_reason``).
 
 The plot (``delta.png`` in ``--out``, default the current directory) shows per step the changed
 fraction and the read ratio for each learning rate.

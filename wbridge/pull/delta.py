@@ -219,7 +219,8 @@ DELTA_REASONS = {
 
 ALPHA = 0.3  # weight of the newest measurement in the running costs (an EWMA)
 PROBE_EVERY = 32  # a pull in this many chosen full by cost tries the deltas again (costs drift)
-SKIP_MARGIN = 2.0  # the tables are not even read where deltas were estimated this much slower
+SURE = 1.0  # a decline on the exact count by this makes the next guesses decline without the tables
+SKIP_MARGIN = 2.0  # the tables are not even read where deltas were guessed this much slower (``sure``: 1)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -237,6 +238,7 @@ class LinkCost:
     - ``check``: seconds per byte of a delta pull's verification (hashing, chunks re-read).
     - ``entries``: delta entries per version the reads covered (to decide before reading tables).
     - ``declined``: pulls chosen full by cost since the last delta pull (a probe every ``PROBE_EVERY``).
+    - ``sure``: the last pull was declined on the tables' exact count by ``SURE``: guesses are trusted as is.
     """
 
     full: float | None = None
@@ -245,6 +247,7 @@ class LinkCost:
     check: float | None = None
     entries: float | None = None
     declined: int = 0
+    sure: bool = False
 
     def full_read(self, nbytes: int, seconds: float) -> None:
         """Records a full read of ``nbytes`` that took ``seconds``."""
@@ -268,7 +271,7 @@ class LinkCost:
         self.cpu = _ewma(self.cpu, cpu_s / max(entries, 1))
         self.check = _ewma(self.check, check[1] / max(check[0], 1))
         self.entries = _ewma(self.entries, entries / max(versions, 1))
-        self.declined = 0
+        self.declined, self.sure = 0, False
 
 
 ENTRY_BYTES = 4  # bytes of one delta entry (``protocol.delta``)
@@ -296,7 +299,7 @@ def choose(
     probe = cost.declined >= PROBE_EVERY
     if full is not None and cost.entries is not None and not probe:
         guess = cost.estimate(cost.entries * (rec.v - held.v), sum(g.full for g in geo))
-        if guess is not None and guess > SKIP_MARGIN * full:
+        if guess is not None and guess > (1.0 if cost.sure else SKIP_MARGIN) * full:
             cost.declined += 1
             return None, "cost"
     return _pull(ctx, session, rec, held.v, deadline, cost, full, probe)
@@ -347,6 +350,7 @@ def _pull(
             if est is not None and est >= full:
                 cost.declined += 1
                 cost.entries = _ewma(cost.entries, total / (rec.v - base))  # (what the tables said)
+                cost.sure = est >= SURE * full  # clearly slower: the next guess needs no tables read to decline
                 return None, "cost"
         for src in session.sources:
             r = entries(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
