@@ -77,7 +77,7 @@ class DeltaPub:
         self.pub.close()
 
 
-LINK_GBPS = 1.0  # the emulated link of the delta tests: deltas pay on it (a full pull takes ~50 ms)
+LINK_GBPS = 0.5  # the emulated link of the delta tests: deltas pay on it (a full pull takes ~100 ms)
 
 
 class Link(Delegating):

@@ -2,11 +2,15 @@
 
 A publisher with ``delta=True`` keeps a ring of ``k`` delta buffers in registered memory next to its
 staging slots. After version ``v`` is snapshotted into slot ``v % slots``, and when the slot of
-``v - 1`` still holds ``v - 1`` of the same registration and packing generation, it compares the two
-staging slots (never the live tensors: the trainer's stall does not grow) as 2-byte words and writes
-what changed into buffer ``v % k``. Layout of one delta buffer (native byte order)::
+``v - 1`` still holds ``v - 1`` of the same registration, it compares the two staging slots (never
+the live tensors: the trainer's stall does not grow) as 2-byte words and writes what changed into
+buffer ``v % k``, in ``v``'s slot byte order. Where ``v - 1`` was packed for other readers (another
+packing generation), its bytes are first moved to where ``v``'s packing holds them (``remap``):
+a new reader layout, a repack, a late joiner or a rejoin costs no subscriber its base. The chunk
+checksums of a delta publisher's slot are cut at its cells (``sums``), so a reader packed for
+verifies whole chunks only. Layout of one delta buffer (native byte order)::
 
-    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen, nchunks, nentries
+    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen of v, nchunks, nentries
     table    uint32[nchunks + 1] at byte 64: entries of chunk c are [table[c], table[c + 1])
     entries  uint32 at byte ``entries_at``: word index within its chunk (low 16 bits) | new word << 16
 

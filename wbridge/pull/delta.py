@@ -1,16 +1,21 @@
-"""Delta updates, subscriber side: a pull that reads only the changes since the version held.
+"""Delta updates, subscriber side: a pull that reads only the changes since the version held,
+where that is cheaper than a full read on the link.
 
-A subscriber whose destination holds version ``a`` of the same publisher epoch and packing
-generations, pulling ``v`` with ``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``),
-reads per source rank the headers and offset tables of the deltas ``a + 1 .. v`` (one batched
-read), then the entries of just the chunks its own reads cover (one batched read: one row per run
+A subscriber whose destination holds version ``a`` of the same publisher epoch, pulling ``v`` with
+``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``), first estimates what a
+delta pull and a full read would cost on its link (``LinkCost``: running costs measured as it
+pulls; ``choose``). Where the delta is cheaper it reads per source rank the headers and offset
+tables of the deltas ``a + 1 .. v`` (one batched read), decides again on their exact entry count,
+then reads the entries of just the chunks its own reads cover (one batched read: one row per run
 of adjacent chunks per delta), then the headers again (a delta buffer rewritten meanwhile: the pull
-goes full). It applies the deltas in order with one vectorised scatter per destination region and
-then always verifies every byte it covers against the publisher's chunk checksums: a chunk that
-does not match (its memory was changed by someone else, bad bytes, a bit flip) is read in full
-from the slot and written back (``repaired`` in the stats). Anything that makes the deltas
-unusable before the first byte is written (a header that does not say "version u, stable, this
-epoch", a transport error) makes the caller pull in full; ``PullStats.delta`` is False then.
+goes full). Deltas are in ``v``'s slot byte order, which the session plans against, whatever packing
+``a`` was read in; every delta since ``a`` must be in that order. It applies the deltas in order
+with one vectorised scatter per destination region and then always verifies every byte it covers
+against the publisher's chunk checksums (cut at the slot's cells: a reader packed for re-reads
+nothing to check): a chunk that does not match (its memory was changed by someone else, bad bytes,
+a bit flip) is read in full from the slot and written back (``repaired`` in the stats). Anything
+that makes the deltas unusable or dearer before the first byte is written makes the caller pull in
+full; ``PullStats.delta_reason`` says why (``DELTA_REASONS``).
 """
 
 from __future__ import annotations
