@@ -1,6 +1,7 @@
 """Delta updates on a real training run: bytes a one-version-behind subscriber reads, and their cost.
 
-Run: ``PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--lr 1e-6 1e-5] [--transport tcp|local]``.
+Run: ``PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--lr 1e-6 1e-5] [--transport tcp|local]
+[--link 1gbit]``.
 
 The trainer (this process) trains a small transformers Llama (random init: hidden 256, 4 layers,
 vocabulary 4096, about 5 M parameters) with fp32 master weights and AdamW at each ``--lr`` for
@@ -11,7 +12,13 @@ pulls every version as soon as it is published, so it is always exactly one vers
 it pulls, and hashes what it holds; the trainer checks that hash against its own bf16 copy (bit
 exact, else the run exits non-zero).
 
-Printed per learning rate, in ``--lr`` order (stdout, one line each)::
+With ``--link RATE`` (root: it makes network namespaces; tcp) the trainer, its publishers and the
+store are in one network namespace and the subscribers in another, joined by a veth pair shaped
+with ``tc ... tbf rate RATE`` on both ends (``zones.Link``; this kernel has no netem, so no added
+delay): a link between clusters.
+
+Printed per learning rate, in ``--lr`` order (stdout, one line each; `` link=RATE`` appended with
+``--link``)::
 
     delta: changed=<f> read_ratio=<r> snapshot_overhead=<x> pull_speedup=<s>
 
@@ -20,11 +27,14 @@ Printed per learning rate, in ``--lr`` order (stdout, one line each)::
   stamps and any repair) averaged over its pulls after the first, fallbacks included, over the
   bytes of a full pull.
 * ``snapshot_overhead``: the delta publisher's median ``stall_s`` over the baseline publisher's
-  (the trainer's stall: the snapshot copy and cast). The delta encoding and the checksums that
+  (the trainer's stall: the snapshot copy and cast), over the ``--steps`` publishes after the
+  first (20 by default). The delta encoding and the checksums that
   ``delta=True`` turns on read only the staging slots, so they run after the stall
   (``PublishStats.delta_s``: its median is printed on stderr, with the share of pulls that were
   deltas); ``publish()`` returns that much later, ``publish_async()`` overlaps it.
-* ``pull_speedup``: the baseline subscriber's median pull time over the delta subscriber's.
+* ``pull_speedup``: the baseline subscriber's median pull time over the delta subscriber's. The
+  delta subscriber chooses per pull between deltas and a full read by what each costs on its link
+  (``wbridge.pull.delta.choose``); stderr says how often it chose what (``delta_reason``).
 
 The plot (``delta.png`` in ``--out``, default the current directory) shows per step the changed
 fraction and the read ratio for each learning rate.
@@ -33,6 +43,7 @@ fraction and the read ratio for each learning rate.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import os
 import statistics
@@ -41,6 +52,8 @@ import time
 from typing import Any
 
 from _common import TOKEN, free_port, start_actors, stop_all
+from zones import Link as NetnsLink
+from zones import enter
 
 from wbridge import Delta, Staging
 
@@ -75,28 +88,36 @@ def digest(tensors: dict[str, Any]) -> str:
 
 
 class SubActor:
-    """A subscriber process: bf16 tensors of every parameter's shape; pulls and hashes them."""
+    """A subscriber process: bf16 tensors of every parameter's shape; pulls and hashes them.
+    ``net``: (namespace, address) to enter and bind (``--link``), else None (loopback)."""
 
-    def __init__(self, url: str, channel: str, shapes: dict[str, tuple[int, ...]], transport: str) -> None:
+    def __init__(
+        self, url: str, channel: str, shapes: dict[str, tuple[int, ...]], transport: str, net: tuple | None
+    ) -> None:
+        if net is not None:
+            enter(net[0])  # before any socket is opened
         import torch
 
         from wbridge import Shard, Subscriber
 
         self.tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
-        self.sub = Subscriber(channel, url, token=TOKEN, transport=transport)
+        host = net[1] if net is not None else "127.0.0.1"
+        self.sub = Subscriber(channel, url, token=TOKEN, transport=transport, host=host)
         self.sub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in self.tensors.items()})
 
     def pull(self, v: int) -> dict:
         got = self.sub.pull(min_version=v, timeout=60.0)
         last = self.sub.stats.last
-        out = {"v": got, "seconds": last.seconds, "nbytes": last.nbytes, "delta": last.delta}
+        out = {"v": got, "seconds": last.seconds, "nbytes": last.nbytes, "delta": last.delta, "why": last.delta_reason}
         return {**out, "hash": digest(self.tensors)}
 
     def close(self) -> None:
         self.sub.close()
 
 
-def run_lr(lr: float, args: argparse.Namespace) -> dict:
+def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
+    """One learning rate's run; with ``link`` this process (the trainer) is in its "train"
+    namespace already and the subscribers enter its "rollout" one."""
     import torch
 
     from wbridge import Publisher, Shard, open_store
@@ -104,8 +125,10 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
     model = build_model(args.seed)
     params = {n: p.data for n, p in model.named_parameters()}
     shapes = {n: tuple(t.shape) for n, t in params.items()}
-    url = f"tcp://127.0.0.1:{free_port()}"
-    common = dict(token=TOKEN, transport=args.transport, mode="one_step_off")
+    host = link.addr["train"] if link is not None else "127.0.0.1"
+    net = (link.ns["rollout"], link.addr["rollout"]) if link is not None else None
+    url = f"tcp://{host}:{free_port()}"
+    common = dict(token=TOKEN, transport=args.transport, mode="one_step_off", host=host)
     store = open_store(url, host_store=True)  # hosted by neither publisher: their stalls compare alike
     pubs = {
         "delta": Publisher("delta", url, staging=Staging(delta=Delta()), **common),
@@ -115,7 +138,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
     try:
         for pub in pubs.values():
             pub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in params.items()}, dtype=torch.bfloat16)
-        actors = start_actors([(f"sub-{c}", SubActor, (url, c, shapes, args.transport), {}) for c in pubs])
+        actors = start_actors([(f"sub-{c}", SubActor, (url, c, shapes, args.transport, net), {}) for c in pubs])
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         gen = torch.Generator().manual_seed(args.seed + 1)
         prev = {n: t.to(torch.bfloat16) for n, t in params.items()}
@@ -143,6 +166,7 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
                 if got["hash"] != want or got["v"] != v:
                     raise SystemExit(f"delta benchmark: {c} subscriber does not hold version {v} bit for bit")
                 row[f"{c}_pull"], row[f"{c}_bytes"], row[f"{c}_delta"] = got["seconds"], got["nbytes"], got["delta"]
+                row[f"{c}_why"] = got["why"]
             rows.append(row)
     finally:
         stop_all(actors)
@@ -160,9 +184,11 @@ def run_lr(lr: float, args: argparse.Namespace) -> dict:
         "snapshot_overhead": med(r["delta_stall"] for r in after) / med(r["full_stall"] for r in after),
         "pull_speedup": med(r["full_pull"] for r in after) / med(r["delta_pull"] for r in after),
         "deltas": sum(bool(r["delta_delta"]) for r in after),
+        "reasons": dict(collections.Counter(r["delta_why"] for r in after)),
         "pulls": len(after),
         "encode_s": med(r["delta_encode"] for r in after),
         "stall_s": med(r["full_stall"] for r in after),
+        "pull_s": (med(r["full_pull"] for r in after), med(r["delta_pull"] for r in after)),
     }
 
 
@@ -199,29 +225,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.getcwd(), help="directory for delta.png (default: the current one)")
     p.add_argument("--quiet", action="store_true", help="only the summary lines")
+    p.add_argument(
+        "--link",
+        default=None,
+        help="a tc tbf rate (1gbit): publishers and subscribers in two network namespaces joined by "
+        "a veth pair shaped to it (root; tcp)",
+    )
     args = p.parse_args(argv)
+    if args.link is not None and args.transport != "tcp":
+        p.error("--link runs over tcp (the namespaces share no memory transport)")
+    link = NetnsLink(args.link) if args.link is not None else None
+    try:
+        if link is not None:
+            enter(link.ns["train"])  # this process is the trainer: its sockets are on the train side
+        results = run_all(args, link)
+    finally:
+        if link is not None:
+            link.close()
+    path = plot(results, args.out)
+    if not args.quiet:
+        print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+def run_all(args: argparse.Namespace, link: NetnsLink | None) -> list[dict]:
+    """Every ``--lr`` in turn, each printing its line."""
+    suffix = f" link={args.link}" if args.link is not None else ""
     results = []
     for lr in args.lr:
         t0 = time.monotonic()
-        r = run_lr(lr, args)
+        r = run_lr(lr, args, link)
         results.append(r)
         if not args.quiet:
             print(
-                f"delta[lr={lr:g}, {args.transport}]: {r['deltas']}/{r['pulls']} pulls were deltas, all bit-exact; "
+                f"delta[lr={lr:g}, {args.transport}]: {r['deltas']}/{r['pulls']} pulls were deltas "
+                f"(why, per pull: {r['reasons']}), all bit-exact; "
                 f"median delta_s (encode + checksums) {r['encode_s'] * 1e3:.2f} ms after a "
-                f"{r['stall_s'] * 1e3:.2f} ms baseline stall; "
+                f"{r['stall_s'] * 1e3:.2f} ms baseline stall; median pull {r['pull_s'][0] * 1e3:.1f} ms full, "
+                f"{r['pull_s'][1] * 1e3:.1f} ms with deltas; "
                 f"{time.monotonic() - t0:.0f} s",
                 file=sys.stderr,
             )
         print(
             f"delta: changed={r['changed']:.4f} read_ratio={r['read_ratio']:.4f} "
-            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f}",
+            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f}{suffix}",
             flush=True,
         )
-    path = plot(results, args.out)
-    if not args.quiet:
-        print(f"plot: {path}", file=sys.stderr)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class PullStats:
     nbytes_from_peers: int = 0  # of nbytes: read from relaying subscribers of the zone
     repaired: int = 0  # delta pulls: chunks whose bytes failed the checksum and were read in full
     delta: bool = False  # True when this pull applied deltas, False for a full pull
+    delta_reason: str = ""  # why: "delta", or why not ("cost", "no-base"...: ``wbridge.pull.delta.DELTA_REASONS``)
 
     @property
     def gbps(self) -> float:

@@ -58,7 +58,6 @@ from .errors import StoreError, UsageError, WaitTimeout, WBridgeError
 from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
 from .protocol.channel import ChannelStore
-from .protocol.checksum import chunk_sums
 from .protocol.keys import Keys
 from .protocol.packing import packing_gens
 from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
@@ -409,8 +408,9 @@ class Publisher(Closeable):
             stamp[1:] = (v, STAMP_STABLE, reg.epoch)
             t2 = time.perf_counter()
             if reg.delta is not None:  # both read the staging slots only: after the trainer's stall
-                reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen)
-                sums = chunk_sums(reg.slots[slot])
+                slot_layout = packed.layout if packed is not None else reg.layout
+                reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen, slot_layout)
+                sums = reg.delta.sums(reg.slots[slot], slot_layout)
         delta_s = time.perf_counter() - t2
         if sums is not None:
             self._chan.write(self.keys.sums(v, self.rank), sums)

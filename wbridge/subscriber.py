@@ -17,8 +17,9 @@ complete version) unless staged, where the live tensors keep the last complete v
 rank that dies is read around (its DP replicas hold the same bytes). A pull that finds the store
 lost (a new store generation) or its own lease lapsed first joins the channel again, under a new id.
 Where publishers encode deltas (``Staging(delta=Delta())``) and the destination holds a recent
-version whole, a pull reads only what changed since, and always verifies it against the
-publishers' checksums, repairing what does not match (``wbridge.pull.delta``; ``stats.last.delta``).
+version whole, a pull reads only what changed since where that costs less than a full read on its
+link, and always verifies it against the publishers' checksums, repairing what does not match
+(``wbridge.pull.delta``; ``stats.last.delta``, and why not: ``stats.last.delta_reason``).
 """
 
 from __future__ import annotations
@@ -310,6 +311,7 @@ class Subscriber(Closeable):
                     nbytes_from_peers=done.from_peers,
                     repaired=done.repaired,
                     delta=done.delta,
+                    delta_reason=done.reason,
                 )
             )
             return rec.v

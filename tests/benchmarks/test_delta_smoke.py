@@ -25,3 +25,22 @@ def test_delta_benchmark_prints_its_line(tmp_path) -> None:
     ratio = float(re.search(r"read_ratio=([0-9.]+)", lines[0]).group(1))
     assert 0 < ratio < 0.2, lines  # both pulls after the first were deltas of ~1.5% changed elements
     assert os.path.exists(tmp_path / "delta.png")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # trains the small Llama in real processes, in two network namespaces
+@pytest.mark.timeout(300)
+def test_delta_benchmark_over_a_shaped_link(tmp_path) -> None:
+    from tests.hosts import netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(f"--link needs network namespaces: {why}")
+    args = ("--lr", "1e-6", "--steps", "3", "--link", "1gbit", "--out", str(tmp_path))
+    lines = run_benchmark("delta.py", *args, timeout=280)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} link=1gbit", lines[0]
+    ), lines
+    # a full version takes ~80 ms over the link, its deltas a few: chosen every time, and faster
+    assert float(re.search(r"pull_speedup=([0-9.]+)", lines[0]).group(1)) > 2, lines

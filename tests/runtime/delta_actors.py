@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from wbridge import Publisher, Subscriber
+from wbridge.testing.faults import Delegating
 from wbridge.testing.synthetic import make_tensors
 
 from .actors import TOKEN, model
@@ -76,19 +77,52 @@ class DeltaPub:
         self.pub.close()
 
 
+LINK_GBPS = 0.5  # the emulated link of the delta tests: deltas pay on it (a full pull takes ~100 ms)
+
+
+class Link(Delegating):
+    """A link of ``gbps`` Gbit/s: every read returns only once its bytes would have crossed it
+    (loopback and shared memory are so fast here that a full read beats decoding deltas, and the
+    subscriber rightly chooses full pulls there: ``PullStats.delta_reason == "cost"``)."""
+
+    def __init__(self, inner: Any, gbps: float) -> None:
+        super().__init__(inner)
+        self.rate = gbps * 1e9 / 8
+
+    def read(self, prepared: Any, *, timeout: float) -> None:
+        import time
+
+        t0 = time.monotonic()
+        self.inner.read(prepared[0], timeout=timeout)
+        left = prepared[2].total_bytes / self.rate - (time.monotonic() - t0)
+        if left > 0:
+            time.sleep(min(left, timeout))
+
+
 class DeltaSub:
-    """A subscriber of TP rank ``rank`` of ``tp`` (unfused), tensors filled with garbage first."""
+    """A subscriber of TP rank ``rank`` of ``tp`` (unfused), tensors filled with garbage first,
+    reading over a ``LINK_GBPS`` link (``link_gbps=None``: as fast as the transport goes)."""
 
     def __init__(
-        self, url: str, tp: int = 1, rank: int = 0, fault: tuple[str, dict] | None = None, odd: bool = False, **kwargs
+        self,
+        url: str,
+        tp: int = 1,
+        rank: int = 0,
+        fault: tuple[str, dict] | None = None,
+        odd: bool = False,
+        link_gbps: float | None = LINK_GBPS,
+        **kwargs,
     ) -> None:
+        from wbridge.testing.faults import inject, wrapper
+
         self.odd = odd
         self.tensors = tensors_of(tp, rank, odd, version=None, fill_value=0x5A)
         self.sub = Subscriber("d", url, token=TOKEN, **kwargs)
-        if fault is not None:
-            from wbridge.testing.faults import inject, wrapper
-
-            inject(self.sub, wrapper(fault[0], **fault[1]))
+        wrap = wrapper(fault[0], **fault[1]) if fault is not None else (lambda t: t)
+        if link_gbps is not None:
+            inject(self.sub, lambda t: Link(wrap(t), link_gbps))
+        elif fault is not None:
+            inject(self.sub, wrap)
         self.sub.register(self.tensors)
 
     def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
@@ -99,6 +133,7 @@ class DeltaSub:
         geo = (session.delta or {}) if session is not None else {}
         units = sorted({g.unit for g in geo.values() if g is not None})
         out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
+        out["why"] = last.delta_reason
         return {**out, "retries": last.retries}
 
     def bad(self, steps: Sequence[tuple[int, float]]) -> list[str]:

@@ -232,3 +232,34 @@ def test_lease_lapsed_while_stalled_rejoins_and_reads_deltas() -> None:
     finally:
         sub.stop()
         pub.stop()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("link_gbps", "frac", "want"), [(None, 0.15, "cost"), (0.5, FRAC, "delta")])
+def test_the_subscriber_chooses_delta_or_full_by_what_each_costs(
+    link_gbps: float | None, frac: float, want: str
+) -> None:
+    """Shared memory reads a full version faster than a delta pull decodes and scatters 15% of
+    the words: after the delta pull that measures it (the probe) the subscriber pulls in full,
+    saying why (``"cost"``). Over a 0.5 Gbit/s link the deltas of 2% win and every pull takes them."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="local")
+    sub = Worker("sub", DeltaSub, url, transport="local", link_gbps=link_gbps)
+    try:
+        steps: list = []
+        pub.call("publish")
+        first = sub.call("pull", min_version=1)
+        assert not first["delta"] and first["why"] == "no-base", first
+        whys = []
+        for v in range(2, 10):
+            steps.append((v, frac))
+            pub.call("step", v, frac)
+            got = sub.call("pull", min_version=v)
+            assert got["v"] == v and got["delta"] == (got["why"] == "delta"), got
+            whys.append(got["why"])
+        assert sub.call("bad", steps) == []
+        assert whys[0] == "delta", whys  # the probe
+        assert whys[1:].count(want) >= 6, whys
+    finally:
+        sub.stop()
+        pub.stop()

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from transports._copy import CopyPlan
+
 CHUNK = 1 << 20
 
 try:  # xxh3 runs at memory speed; crc32 is the fallback that always exists
@@ -37,14 +39,38 @@ def host_array(buf: Any) -> np.ndarray:
     return buf.numpy()
 
 
-def chunk_sums(buffers: Sequence[Any], chunk: int = CHUNK) -> dict:
-    """``{"algo", "chunk", "regions": [[hash of each chunk] per buffer]}``."""
+def chunk_edges(size: int, cuts: Any = (), chunk: int = CHUNK) -> np.ndarray:
+    """The starts of the checksum chunks of a buffer of ``size`` bytes: every multiple of ``chunk``
+    and every offset of ``cuts`` (where readers' ranges begin and end: the cells of a packed slot),
+    so a reader whose ranges are whole cells covers whole chunks and re-reads none to check them,
+    and each chunk lies within one ``chunk``-aligned chunk."""
+    cuts = np.asarray(cuts, dtype=np.int64).reshape(-1)
+    cuts = cuts[(cuts > 0) & (cuts < size)]
+    return np.unique(np.concatenate((np.arange(0, max(size, 1), chunk, dtype=np.int64), cuts)))
+
+
+def slot_edges(layout: Any, size: int) -> np.ndarray:
+    """``chunk_edges`` of a staging slot of ``size`` bytes laid out as ``layout`` (a
+    ``RankLayout``): its tensors' (a packed slot's cells') starts and ends cut the chunks."""
+    at = np.array([(t.offset, t.offset + t.nbytes) for t in layout.tensors if t.region == 0], dtype=np.int64)
+    return chunk_edges(size, at)
+
+
+def chunk_sums(buffers: Sequence[Any], chunk: int = CHUNK, edges: Sequence[Any] | None = None) -> dict:
+    """``{"algo", "chunk", "regions": [[hash of each chunk] per buffer], "sizes"}``; with
+    ``edges`` (per buffer the chunk starts, ``chunk_edges``) also ``"edges"``: chunks of varying
+    length, each at most ``chunk`` bytes."""
     regions, sizes = [], []
-    for buf in buffers:
+    for i, buf in enumerate(buffers):
         arr = host_array(buf)
-        regions.append([hash_bytes(arr[i : i + chunk]) for i in range(0, len(arr), chunk)])
+        starts = np.arange(0, len(arr), chunk) if edges is None else np.asarray(edges[i], dtype=np.int64)
+        ends = np.append(starts[1:], len(arr)).tolist()
+        regions.append([hash_bytes(arr[a:e]) for a, e in zip(starts.tolist(), ends)])
         sizes.append(len(arr))
-    return {"algo": ALGO, "chunk": chunk, "regions": regions, "sizes": sizes}
+    out = {"algo": ALGO, "chunk": chunk, "regions": regions, "sizes": sizes}
+    if edges is not None:
+        out["edges"] = [np.asarray(e, dtype=np.int64).tolist() for e in edges]
+    return out
 
 
 class _Stream:
@@ -66,65 +92,122 @@ class _Stream:
         return self._h.intdigest() if self._h is not None else self._crc
 
 
+def _starts(sums: dict, region: int) -> np.ndarray:
+    """The chunk starts of ``region`` in ``sums`` (fixed ``chunk`` bytes where it has no edges)."""
+    size = int(sums["sizes"][region])
+    edges = sums.get("edges")
+    if edges is None:
+        return np.arange(0, max(size, 1), int(sums["chunk"]), dtype=np.int64)
+    return np.asarray(edges[region], dtype=np.int64)
+
+
 def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: str, repair: Any = None) -> int:
     """Verifies every byte ``batch`` read into ``dest`` against the source's chunk sums.
 
-    A chunk the batch covers completely is hashed from the destination in source order; for a
-    chunk it covers only in part, ``fetch(region, offset, n)`` reads the whole chunk again, its
-    hash is checked, and the destination bytes are compared with it (``fetch=None``: such a chunk is
-    left to a later check of the whole destination, nothing is read again). Raises ``IntegrityError``;
-    with ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is
-    instead written from the chunk read again (whose own hash must match); returns how many
-    chunks were repaired.
+    The chunks the batch covers completely are gathered from the destination in source order
+    (one vectorised copy plan, no Python call per read) and hashed; for a chunk it covers only in
+    part, ``fetch(region, offset, n)`` reads the whole chunk again, its hash is checked, and the
+    destination bytes are compared with it (``fetch=None``: such a chunk is left to a later check
+    of the whole destination, nothing is read again). Raises ``IntegrityError``; with
+    ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is instead
+    written from the chunk read again (whose own hash must match); returns how many chunks were
+    repaired.
     """
     from ..errors import IntegrityError
 
-    chunk = int(sums["chunk"])
-    regions, sizes = sums["regions"], sums["sizes"]
     host = [host_array(d) for d in dest]
     order = np.lexsort((batch.src_offset, batch.src_region))
-    rows = zip(
-        *(getattr(batch, c)[order].tolist() for c in ("src_region", "src_offset", "dst_region", "dst_offset", "nbytes"))
-    )
-    pieces: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-    for sreg, soff, dreg, doff, n in rows:  # split reads at chunk boundaries
-        while n > 0:
-            c = soff // chunk
-            take = min(n, (c + 1) * chunk - soff)
-            pieces.setdefault((sreg, c), []).append((soff, dreg, doff, take))
-            soff, doff, n = soff + take, doff + take, n - take
+    keep = order[batch.nbytes[order] > 0]
+    sreg, soff, n = batch.src_region[keep], batch.src_offset[keep], batch.nbytes[keep]
+    dreg, doff = batch.dst_region[keep], batch.dst_offset[keep]
+    # split the reads at chunk starts: one piece per (read, chunk), keyed by a global chunk index
+    regions = np.unique(sreg).tolist()
+    try:
+        starts = {r: _starts(sums, r) for r in regions}
+        sizes = {r: int(sums["sizes"][r]) for r in regions}
+        expected = {r: sums["regions"][r] for r in regions}
+    except (IndexError, KeyError, TypeError, ValueError):
+        raise IntegrityError(f"{where}: no checksums for regions {regions}") from None
+    base = {}
+    at = 0
+    for r in regions:
+        base[r] = at
+        at += len(starts[r])
+    all_starts = np.concatenate([starts[r] for r in regions]) if regions else np.zeros(0, np.int64)
+    all_ends = np.concatenate([np.append(starts[r][1:], sizes[r]) for r in regions]) if regions else all_starts
+    ri = np.searchsorted(np.array(regions, dtype=np.int64), sreg)
+    c0 = np.empty(len(sreg), dtype=np.int64)
+    c1 = np.empty(len(sreg), dtype=np.int64)
+    for j, r in enumerate(regions):  # one step per source region (a few), vectorised inside
+        m = ri == j
+        c0[m] = np.searchsorted(starts[r], soff[m], side="right") - 1 + base[r]
+        c1[m] = np.searchsorted(starts[r], soff[m] + n[m] - 1, side="right") - 1 + base[r]
+    if len(sreg) and (np.any(c0 < 0) or np.any(soff + n > np.array([sizes[r] for r in regions])[ri])):
+        raise IntegrityError(f"{where}: reads past the checksummed bytes")
+    count = c1 - c0 + 1
+    row = np.repeat(np.arange(len(sreg)), count)
+    c = np.repeat(c0, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(soff[row], all_starts[c])
+    hi = np.minimum((soff + n)[row], all_ends[c])
+    plen = hi - lo
+    pdoff = doff[row] + lo - soff[row]
+    pdreg = dreg[row]
+    covered = np.bincount(c, weights=plen, minlength=len(all_starts)).astype(np.int64)
+    length = all_ends - all_starts
+    touched = np.flatnonzero(covered > 0)
+    whole = touched[covered[touched] == length[touched]]
+    # a whole chunk read in one piece is hashed where it landed; one of several pieces is
+    # gathered from the destination in source order first (one vectorised copy plan)
+    npieces = np.bincount(c, minlength=len(all_starts))
+    single = whole[npieces[whole] == 1]
+    several = whole[npieces[whole] > 1]
+    region_of = np.repeat(np.array(regions, dtype=np.int64), [len(starts[r]) for r in regions])
+    first_index = np.repeat(np.array([base[r] for r in regions], dtype=np.int64), [len(starts[r]) for r in regions])
+    index_in = np.arange(len(all_starts)) - first_index
+    bad: list[int] = []
+    piece_of = np.full(len(all_starts), -1, dtype=np.int64)
+    piece_of[c] = np.arange(len(c))  # (the last piece of each chunk: the only one, for ``single``)
+    for k, p in zip(single.tolist(), piece_of[single].tolist()):
+        dr, do, m = int(pdreg[p]), int(pdoff[p]), int(plen[p])
+        if hash_bytes(host[dr][do : do + m]) != expected[int(region_of[k])][int(index_in[k])]:
+            bad.append(k)
+    in_several = np.isin(c, several)
+    gather_n = plen[in_several]
+    scratch = np.empty(int(gather_n.sum()), dtype=np.uint8)
+    if len(scratch):
+        at_scratch = np.cumsum(gather_n) - gather_n
+        addrs = np.array([h.ctypes.data for h in host], dtype=np.int64)
+        CopyPlan.of(scratch.ctypes.data + at_scratch, addrs[pdreg[in_several]] + pdoff[in_several], gather_n).run()
+    at = 0
+    for k in several.tolist():  # one hash per chunk (its pieces are contiguous in ``scratch``)
+        size = int(length[k])
+        h = hash_bytes(scratch[at : at + size])
+        at += size
+        if h != expected[int(region_of[k])][int(index_in[k])]:
+            bad.append(k)
+    if bad and repair is None:
+        k = bad[0]
+        raise IntegrityError(
+            f"{where}: checksum mismatch in region {int(region_of[k])} bytes "
+            f"[{int(all_starts[k])}, {int(all_ends[k])}) (corrupted in flight?)"
+        )
+    todo = bad + ([] if fetch is None else np.setdiff1d(touched, whole).tolist())
     repaired = 0
-    for (sreg, c), parts in pieces.items():
-        try:
-            expected = regions[sreg][c]
-            lo = c * chunk
-            length = min(chunk, int(sizes[sreg]) - lo)
-        except (IndexError, TypeError, ValueError):
-            raise IntegrityError(f"{where}: no checksum for region {sreg} chunk {c}") from None
-        if sum(p[3] for p in parts) == length:  # sorted and non-overlapping: the whole chunk
-            h = _Stream()
-            for _, dreg, doff, n in parts:
-                h.update(host[dreg][doff : doff + n])
-            if h.digest() == expected:
-                continue
-            if repair is None:
-                raise IntegrityError(
-                    f"{where}: checksum mismatch in region {sreg} bytes [{lo}, {lo + length}) (corrupted in flight?)"
-                )
-        elif fetch is None:
-            continue
-        ref = fetch(sreg, lo, length)
-        if hash_bytes(ref) != expected:
-            raise IntegrityError(f"{where}: checksum mismatch re-reading region {sreg} chunk {c}")
+    for k in todo:  # chunks read again: mismatches and chunks covered in part (few, by design)
+        r, lo_k, size = int(region_of[k]), int(all_starts[k]), int(length[k])
+        ref = fetch(r, lo_k, size)
+        if hash_bytes(ref) != expected[r][int(index_in[k])]:
+            raise IntegrityError(f"{where}: checksum mismatch re-reading region {r} bytes [{lo_k}, {lo_k + size})")
         fixed = False
-        for soff, dreg, doff, n in parts:
-            if not np.array_equal(host[dreg][doff : doff + n], ref[soff - lo : soff - lo + n]):
+        for p in np.flatnonzero(c == k).tolist():
+            a, m, dr, do = int(lo[p]) - lo_k, int(plen[p]), int(pdreg[p]), int(pdoff[p])
+            if not np.array_equal(host[dr][do : do + m], ref[a : a + m]):
                 if repair is None:
                     raise IntegrityError(
-                        f"{where}: bytes read from region {sreg} offset {soff} "
-                        f"(+{n}) differ from the publisher's (corrupted in flight?)"
+                        f"{where}: bytes read from region {r} offset {lo_k + a} "
+                        f"(+{m}) differ from the publisher's (corrupted in flight?)"
                     )
-                repair(dreg, doff, ref[soff - lo : soff - lo + n])
+                repair(dr, do, ref[a : a + m])
                 fixed = True
         repaired += fixed
     return repaired

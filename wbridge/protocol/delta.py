@@ -2,12 +2,13 @@
 
 Layout of one delta buffer (native byte order)::
 
-    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen, nchunks, nentries
+    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen of v, nchunks, nentries
     table    uint32[nchunks + 1] at byte 64: entries of chunk c are [table[c], table[c + 1])
     entries  uint32 at byte ``table_bytes(nchunks)``: word index within its chunk (low 16 bits) | new word << 16
 
 The header says ``DELTA_WRITING`` while the buffer is rewritten and ``DELTA_NONE`` where the version
 has no delta; readers (``wbridge.pull.delta``) read it before and after the entries (a seqlock).
+Entries are word indices in the byte order of ``v``'s slot (its packing generation's layout).
 """
 
 from __future__ import annotations

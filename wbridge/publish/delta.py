@@ -2,11 +2,15 @@
 
 A publisher with ``delta=True`` keeps a ring of ``k`` delta buffers in registered memory next to its
 staging slots. After version ``v`` is snapshotted into slot ``v % slots``, and when the slot of
-``v - 1`` still holds ``v - 1`` of the same registration and packing generation, it compares the two
-staging slots (never the live tensors: the trainer's stall does not grow) as 2-byte words and writes
-what changed into buffer ``v % k``. Layout of one delta buffer (native byte order)::
+``v - 1`` still holds ``v - 1`` of the same registration, it compares the two staging slots (never
+the live tensors: the trainer's stall does not grow) as 2-byte words and writes what changed into
+buffer ``v % k``, in ``v``'s slot byte order. Where ``v - 1`` was packed for other readers (another
+packing generation), its bytes are first moved to where ``v``'s packing holds them (``remap``):
+a new reader layout, a repack, a late joiner or a rejoin costs no subscriber its base. The chunk
+checksums of a delta publisher's slot are cut at its cells (``sums``), so a reader packed for
+verifies whole chunks only. Layout of one delta buffer (native byte order)::
 
-    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen, nchunks, nentries
+    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen of v, nchunks, nentries
     table    uint32[nchunks + 1] at byte 64: entries of chunk c are [table[c], table[c + 1])
     entries  uint32 at byte ``entries_at``: word index within its chunk (low 16 bits) | new word << 16
 
@@ -26,8 +30,14 @@ from typing import Any
 
 import numpy as np
 
+from planner.builder import build_plan
+from planner.errors import PlanError
+from planner.layout import RankLayout
+from transports._copy import CopyPlan
+
 from .._lifecycle import quietly
-from .._tensors import address
+from .._tensors import address, alloc_bytes
+from ..protocol.checksum import chunk_edges, chunk_sums, slot_edges
 from ..protocol.delta import (
     CHUNK_WORDS,
     DELTA_MAGIC,
@@ -49,28 +59,71 @@ class DeltaRing:
     nchunks: int
     capacity: int
     regions: dict[str, list[Any]] = field(default_factory=dict)  # transport -> ring position -> region
-    held: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (version, packing gen)
+    held: dict[int, tuple[int, int, Any]] = field(default_factory=dict)  # slot -> (version, packing gen, layout)
+    scratch: Any = None  # the previous slot remapped to a new packing (``remap``)
 
     @property
     def entries_at(self) -> int:
         return table_bytes(self.nchunks)
 
+    def remap(self, prev: Any, cur: Any, was: RankLayout | None, now: RankLayout | None) -> Any:
+        """``prev`` (a slot laid out as ``was``) with its bytes moved to where ``now`` holds them,
+        in a scratch buffer whose other bytes are ``cur``'s; None where that cannot be done (a slot
+        on a GPU, a layout unknown or not plannable). Runs once per change of packing."""
+        if was is None or now is None or cur.device.type != "cpu":
+            return None
+        try:
+            plan = build_plan([was], now)
+        except PlanError:
+            return None
+        if self.scratch is None or int(self.scratch.numel()) != int(cur.numel()):
+            self.scratch = alloc_bytes(int(cur.numel()), "cpu")
+        scratch = self.scratch
+        scratch.copy_(cur)
+        ops = [s for s in plan.sources if len(s)]
+        if any(np.any(s.src_region != 0) or np.any(s.dst_region != 0) for s in ops):
+            return None
+        if ops:
+            src = np.concatenate([s.src_offset for s in ops]) + address(prev)
+            dst = np.concatenate([s.dst_offset for s in ops]) + address(scratch)
+            CopyPlan.of(dst, src, np.concatenate([s.nbytes for s in ops])).run()
+        return scratch
+
+    def sums(self, slot: list[Any], layout: RankLayout) -> dict:
+        """The chunk checksums of ``slot`` (its buffers), its first region's chunks cut where
+        ``layout``'s tensors (a packed slot's cells) begin and end (``checksum.slot_edges``): a
+        delta pull verifies the ranges it reads without reading any chunk again."""
+        edges = [
+            slot_edges(layout, int(b.numel())) if i == 0 else chunk_edges(int(b.numel())) for i, b in enumerate(slot)
+        ]
+        return chunk_sums(slot, edges=edges)
+
     def header(self, i: int) -> np.ndarray:
         return self.buffers[i][:HEADER_BYTES].numpy().view(np.uint64)
 
-    def encode(self, slots: list[Any], v: int, nslots: int, epoch: int, gen: int) -> int:
-        """Encodes ``v`` (in slot ``v % nslots``) against ``v - 1`` into ring buffer ``v % k``;
-        returns the number of changed words (-1: no delta for ``v``, readers pull in full)."""
+    def encode(
+        self, slots: list[Any], v: int, nslots: int, epoch: int, gen: int, layout: RankLayout | None = None
+    ) -> int:
+        """Encodes ``v`` (in slot ``v % nslots``, laid out as ``layout``: packing generation
+        ``gen``) against ``v - 1`` into ring buffer ``v % k``, in ``v``'s slot byte order; returns
+        the number of changed words (-1: no delta for ``v``, readers pull in full). Where ``v - 1``
+        was packed for other readers (another generation), its bytes are first moved to where
+        ``v``'s packing holds them (``remap``), so a new reader layout costs no one their base."""
         slot = v % nslots
         base = self.held.get((v - 1) % nslots) if nslots >= 2 else None
-        self.held[slot] = (v, gen)
+        self.held[slot] = (v, gen, layout)
         i = v % len(self.buffers)
         head = self.header(i)
         head[:] = (DELTA_MAGIC, v, v - 1, DELTA_WRITING, epoch, gen, self.nchunks, 0)
-        if base != (v - 1, gen):
+        if base is None or base[0] != v - 1:
             head[3] = DELTA_NONE
             return -1
         prev, cur = slots[(v - 1) % nslots][0], slots[slot][0]
+        if base[1] != gen:
+            prev = self.remap(prev, cur, base[2], layout)
+            if prev is None:
+                head[3] = DELTA_NONE
+                return -1
         even = int(cur.numel()) // 2 * 2
         if even != int(cur.numel()) and bool(prev[-1] != cur[-1]):  # the odd last byte: in no word
             head[3] = DELTA_NONE

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from ..protocol.version import VersionRecord
 from . import delta
 from .connect import failover, setup
 from .context import Held, PullContext, PullResult
-from .reads import check_stamps, read_sources, verify_sources
+from .reads import check_stamps, prepare_sources, read_sources, verify_sources
 from .session import Session, SourcesFailed
 from .zone import ZoneReader
 
@@ -80,6 +81,7 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
                 # pull's repairs or stamps, say): its replicas stand in, for a full read.
                 session = failover(ctx, session, failed, deadline)
                 session, result = _read(ctx, session, rec, None, deadline, None)
+                result = replace(result, reason="source-failed")
     except BaseException:
         # best effort, briefly even past the pull's deadline: keep the original error, and do
         # not leave a reading mark that would make publishers wait for this slot
@@ -115,32 +117,39 @@ def _check(
 def _read(
     ctx: PullContext, session: Session, rec: VersionRecord, held: Held | None, deadline: float, zone: ZoneReader | None
 ) -> tuple[Session, PullResult]:
-    """The reads of ``rec``: deltas onto ``held`` where usable, else through the zone, else from
-    every source (failing over to replicas); the session (a new one after a failover) and result."""
-    if zone is None and delta.usable(ctx, session, rec, held):  # a zone's reader takes deltas in ``zone``
+    """The reads of ``rec``: deltas onto ``held`` where possible and cheaper, else through the
+    zone, else from every source (failing over to replicas); the session (a new one after a
+    failover) and result, whose ``reason`` says why it was a delta or a full pull."""
+    reason = "zone"
+    if zone is None:  # a zone's readers take deltas in ``zone`` (its relays pull them over the link)
         try:
-            result = delta.pull(ctx, session, rec, held.v, deadline)
+            result, reason = delta.choose(ctx, session, rec, held, deadline)
         except IntegrityError:
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
         except TransportError as e:  # a source died mid-pull: the full read below fails over
             log.warning("subscriber %s: delta pull of version %d failed (%s); pulling in full", ctx.name, rec.v, e)
-            result = None
+            result, reason = None, "source-failed"
         if result is not None:
             return ctx.session or session, result
     if zone is not None:  # relays of the zone first (deltas over the link), publishers for the rest
         try:
-            return zone.read(session, rec, held, deadline)
+            session, result = zone.read(session, rec, held, deadline)
         except IntegrityError:  # (a relay checking its own range from the publishers)
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
+        return session, replace(result, reason="delta" if result.delta else "zone")
     while True:
         try:
+            prepare_sources(ctx, session.sources, rec.slot)  # (not timed: once per slot and session)
+            t0 = time.perf_counter()
             read_sources(ctx, session.sources, rec.slot, deadline)
             break
         except SourcesFailed as failed:  # a source died: its replicas stand in, if any
             session = failover(ctx, session, failed, deadline)
-    return session, PullResult(session.plan.total_bytes, 0, len(session.plan))
+    seconds = time.perf_counter() - t0  # what a full read costs on this link (deltas or full: ``delta.choose``)
+    ctx.costs.setdefault(delta.link(session), delta.LinkCost()).full_read(session.plan.total_bytes, seconds)
+    return session, PullResult(session.plan.total_bytes, 0, len(session.plan), reason=reason)
 
 
 __all__ = ["apply"]

@@ -53,6 +53,7 @@ class PullResult:
     ops: int
     repaired: int = 0
     delta: bool = False
+    reason: str = ""  # why it was a delta or a full pull (``wbridge.pull.delta.DELTA_REASONS``)
 
     @property
     def nbytes(self) -> int:
@@ -180,6 +181,7 @@ class PullContext:
     held: Held | None = None  # the version the destination buffers hold whole
     newest: int = 0  # the newest version number seen; records older than it are refused
     nslots: int = 1  # fences read along with the version record: slots 0 .. nslots - 1
+    costs: dict[str, Any] = field(default_factory=dict)  # link -> what its pulls cost (``pull.delta.LinkCost``)
     _pool: ThreadPoolExecutor | None = None
     _pool_size: int = 0
 

@@ -1,16 +1,21 @@
-"""Delta updates, subscriber side: a pull that reads only the changes since the version held.
+"""Delta updates, subscriber side: a pull that reads only the changes since the version held,
+where that is cheaper than a full read on the link.
 
-A subscriber whose destination holds version ``a`` of the same publisher epoch and packing
-generations, pulling ``v`` with ``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``),
-reads per source rank the headers and offset tables of the deltas ``a + 1 .. v`` (one batched
-read), then the entries of just the chunks its own reads cover (one batched read: one row per run
+A subscriber whose destination holds version ``a`` of the same publisher epoch, pulling ``v`` with
+``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``), first estimates what a
+delta pull and a full read would cost on its link (``LinkCost``: running costs measured as it
+pulls; ``choose``). Where the delta is cheaper it reads per source rank the headers and offset
+tables of the deltas ``a + 1 .. v`` (one batched read), decides again on their exact entry count,
+then reads the entries of just the chunks its own reads cover (one batched read: one row per run
 of adjacent chunks per delta), then the headers again (a delta buffer rewritten meanwhile: the pull
-goes full). It applies the deltas in order with one vectorised scatter per destination region and
-then always verifies every byte it covers against the publisher's chunk checksums: a chunk that
-does not match (its memory was changed by someone else, bad bytes, a bit flip) is read in full
-from the slot and written back (``repaired`` in the stats). Anything that makes the deltas
-unusable before the first byte is written (a header that does not say "version u, stable, this
-epoch", a transport error) makes the caller pull in full; ``PullStats.delta`` is False then.
+goes full). Deltas are in ``v``'s slot byte order, which the session plans against, whatever packing
+``a`` was read in; every delta since ``a`` must be in that order. It applies the deltas in order
+with one vectorised scatter per destination region and then always verifies every byte it covers
+against the publisher's chunk checksums (cut at the slot's cells: a reader packed for re-reads
+nothing to check): a chunk that does not match (its memory was changed by someone else, bad bytes,
+a bit flip) is read in full from the slot and written back (``repaired`` in the stats). Anything
+that makes the deltas unusable or dearer before the first byte is written makes the caller pull in
+full; ``PullStats.delta_reason`` says why (``DELTA_REASONS``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
 from ..errors import IntegrityError, StaleVersionError
 from ..protocol import checksum as _checksum
-from ..protocol.delta import CHUNK_BYTES, CHUNK_WORDS, DELTA_MAGIC, DELTA_STABLE, HEADER_BYTES, geometry, table_bytes
+from ..protocol.delta import (
+    CHUNK_BYTES,
+    CHUNK_WORDS,
+    DELTA_MAGIC,
+    DELTA_NONE,
+    DELTA_STABLE,
+    HEADER_BYTES,
+    geometry,
+    table_bytes,
+)
 from ..protocol.records import unb64
 from ..protocol.stamps import STAMP_BYTES
 from .context import Held, PullContext, PullResult
@@ -42,13 +56,16 @@ class _Scratch:
 
     buf: Any = None
     region: Any = None
+    spent: float = 0.0  # seconds spent allocating and registering (not a delta's cost: done once)
 
     def ensure(self, t: Any, n: int) -> None:
         if self.buf is not None and int(self.buf.numel()) >= n:
             return
+        t0 = time.perf_counter()
         self.release(t)
         self.buf = alloc_bytes(max(n, 4096), "cpu")
         self.region = t.register(address(self.buf), int(self.buf.numel()))
+        self.spent += time.perf_counter() - t0
 
     def release(self, t: Any) -> None:
         if self.region is not None:
@@ -80,7 +97,7 @@ class _Geometry:
     entries: _Scratch
 
 
-def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | None:
+def _geometry(src: Source, slot_bytes: int, descs: list[bytes], sum_starts: np.ndarray) -> _Geometry | None:
     b = src.batch
     geo = geometry(slot_bytes)
     if geo is None or (len(b) and np.any(b.src_region != 0)):
@@ -108,8 +125,7 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     groups = np.append(np.flatnonzero(np.diff(dreg[perm], prepend=-1)), len(perm))
     # bytes covered below x: cum[i] + (x - soff[i]) clipped, for the last read starting below x
     cum = np.concatenate(([0], np.cumsum(n)))
-    edges = np.arange(0, slot_bytes + _checksum.CHUNK, _checksum.CHUNK)
-    edges[-1] = min(edges[-1], slot_bytes)
+    edges = np.append(sum_starts, slot_bytes)  # the checksum chunks (``checksum.slot_edges``)
     i = np.searchsorted(soff, edges, side="right") - 1
     below = np.where(i >= 0, cum[np.maximum(i, 0)] + np.clip(edges - soff[np.maximum(i, 0)], 0, n[np.maximum(i, 0)]), 0)
     covered, length = np.diff(below), np.diff(edges)
@@ -135,37 +151,53 @@ def _geometry(src: Source, slot_bytes: int, descs: list[bytes]) -> _Geometry | N
     )
 
 
+def why_not(ctx: PullContext, session: Session, rec: Any, held: Held | None) -> str | None:
+    """Why ``rec`` cannot be pulled as deltas onto the version ``held`` (a ``DELTA_REASONS`` value),
+    None where it can be tried. The packing generations may differ: a delta is encoded in the byte
+    order of its own version's slot, which the session plans against."""
+    if held is None or not 0 < rec.v - held.v:
+        return "no-base"
+    if held.epoch != rec.epoch:
+        return "new-epoch"
+    geo = _prepare(ctx, session)
+    if not session.sources:
+        return "publisher-no-delta"
+    for s in session.sources:
+        g = geo.get(s.rank)
+        if isinstance(g, str):
+            return g
+    if any(rec.v - held.v > len(geo[s.rank].descs) for s in session.sources):
+        return "too-far-behind"
+    return None
+
+
 def usable(ctx: PullContext, session: Session, rec: Any, held: Held | None) -> bool:
     """Whether ``rec`` can be pulled as deltas onto the version ``held``."""
-    gens = session.gens
-    if held is None or held.epoch != rec.epoch or held.gens != gens or not 0 < rec.v - held.v:
-        return False
-    geo = _prepare(ctx, session)
-    if not session.sources or any(geo.get(s.rank) is None for s in session.sources):
-        return False
-    return all(rec.v - held.v <= len(geo[s.rank].descs) for s in session.sources)
+    return why_not(ctx, session, rec, held) is None
 
 
-def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | None]:
-    """Each source's delta geometry, computed once per session (its scratch buffers are released
-    with the session)."""
+def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | str]:
+    """Each source's delta geometry (or why it has none), computed once per session (its scratch
+    buffers are released with the session)."""
     if session.delta is not None:
         return session.delta
-    geo: dict[int, _Geometry | None] = {}
+    geo: dict[int, _Geometry | str] = {}
     for src in session.sources:
         served = session.records[src.rank]["transports"].get(src.transport, {})
         descs = served.get("delta")
         sizes = session.layouts[src.rank].region_sizes
         if not isinstance(descs, list) or not descs or not sizes:
-            geo[src.rank] = None
+            geo[src.rank] = "publisher-no-delta"
             continue
-        geo[src.rank] = _geometry(src, int(sizes[0]), [unb64(d) for d in descs])
+        size = int(sizes[0])
+        starts = _checksum.slot_edges(session.layouts[src.rank], size)
+        geo[src.rank] = _geometry(src, size, [unb64(d) for d in descs], starts) or "unsupported-plan"
     endpoints = ctx.endpoints
 
     def release() -> None:
         for src in session.sources:
             g, t = geo.get(src.rank), endpoints.get(src.transport)
-            if g is not None and t is not None:
+            if isinstance(g, _Geometry) and t is not None:
                 for scratch in (g.head, g.check, g.entries):
                     scratch.release(t)
 
@@ -174,44 +206,245 @@ def _prepare(ctx: PullContext, session: Session) -> dict[int, _Geometry | None]:
     return geo
 
 
-def fetch(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> tuple | None:
-    """Reads the deltas ``base + 1 .. rec.v`` that ``src``'s reads cover: per delta the
-    (table, entries) it read, plus bytes and ops; None where they cannot be used."""
+DELTA_REASONS = {
+    "delta": "the pull applied deltas",
+    "cost": "deltas were possible but estimated slower (or more bytes) than a full read on this link",
+    "no-base": "the destination holds no whole version to apply deltas to (first pull, or one that failed)",
+    "new-epoch": "the publishers registered again since the version held",
+    "too-far-behind": "more versions since the one held than the publishers keep deltas of",
+    "publisher-no-delta": "the publishers keep no deltas (no Staging(delta=...)) over this transport",
+    "no-delta": "a version since the one held has no delta (too many changes, or none to compare to)",
+    "new-layout": "a delta since the one held is in another packing generation's byte order",
+    "header-changed": "the ring was rewritten (for newer versions) before or while the deltas were read",
+    "source-failed": "a source failed while its deltas were read (the full read fails over)",
+    "malformed": "a delta's table or entries did not make sense",
+    "unsupported-plan": "the plan reads one slot byte twice or from a region a delta does not cover",
+    "zone": "read through the zone's relays",
+}  # the values of ``PullStats.delta_reason``
+
+ALPHA = 0.3  # weight of the newest measurement in the running costs (an EWMA)
+PROBE_EVERY = 32  # a pull in this many chosen full by cost tries the deltas again (costs drift)
+SURE = 1.0  # a decline on the exact count by this makes the next guesses decline without the tables
+SKIP_MARGIN = 2.0  # the tables are not even read where deltas were guessed this much slower (``sure``: 1)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+@dataclass
+class LinkCost:
+    """What pulls over one link (the transports a session reads over) have cost, measured as they
+    go: the subscriber pulls deltas only where they are estimated cheaper than a full read.
+
+    - ``full``: seconds per byte of a full read (its reads, as posted).
+    - ``waits``: seconds of a delta pull's reads beyond their bytes at the ``full`` rate (round trips).
+    - ``cpu``: seconds per delta entry to decode and scatter it.
+    - ``check``: seconds per byte of a delta pull's verification (hashing, chunks re-read).
+    - ``entries``: delta entries per version the reads covered (to decide before reading tables).
+    - ``declined``: pulls chosen full by cost since the last delta pull (a probe every ``PROBE_EVERY``).
+    - ``sure``: the last pull was declined on the tables' exact count by ``SURE``: guesses are trusted as is.
+    """
+
+    full: float | None = None
+    waits: float | None = None
+    cpu: float | None = None
+    check: float | None = None
+    entries: float | None = None
+    declined: int = 0
+    sure: bool = False
+
+    def full_read(self, nbytes: int, seconds: float) -> None:
+        """Records a full read of ``nbytes`` that took ``seconds``."""
+        if nbytes > 0:
+            self.full = _ewma(self.full, seconds / nbytes)
+
+    def estimate(self, entries: float, covered: int) -> float | None:
+        """Seconds a delta pull of ``entries`` entries would take, verifying ``covered`` bytes;
+        None before any delta pull was measured."""
+        if self.waits is None or self.cpu is None or self.check is None or self.full is None:
+            return None
+        return self.waits + entries * (ENTRY_BYTES * self.full + self.cpu) + covered * self.check
+
+    def delta_pull(
+        self, entries: int, versions: int, reads: tuple[int, float], cpu_s: float, check: tuple[int, float]
+    ) -> None:
+        """Records a delta pull: ``entries`` over ``versions``; its reads (bytes, seconds); the
+        seconds it took to decode and scatter them; its verification (bytes covered, seconds)."""
+        if self.full is not None:
+            self.waits = _ewma(self.waits, max(0.0, reads[1] - reads[0] * self.full))
+        self.cpu = _ewma(self.cpu, cpu_s / max(entries, 1))
+        self.check = _ewma(self.check, check[1] / max(check[0], 1))
+        self.entries = _ewma(self.entries, entries / max(versions, 1))
+        self.declined, self.sure = 0, False
+
+
+ENTRY_BYTES = 4  # bytes of one delta entry (``protocol.delta``)
+
+
+def link(session: Session) -> str:
+    """The name a session's costs are kept under: the transports it reads over."""
+    return "+".join(sorted({s.transport for s in session.sources}))
+
+
+def choose(
+    ctx: PullContext, session: Session, rec: Any, held: Held | None, deadline: float
+) -> tuple[PullResult | None, str]:
+    """A delta pull of ``rec`` onto ``held`` where it is possible and estimated cheaper than a
+    full read on this link: ``(result, "delta")``; else ``(None, reason)`` (``DELTA_REASONS``)
+    before any write, and the caller pulls in full."""
+    reason = why_not(ctx, session, rec, held)
+    if reason is not None:
+        return None, reason
+    cost = ctx.costs.setdefault(link(session), LinkCost())
+    geo = [session.delta[s.rank] for s in session.sources]
+    full = sum(g.full for g in geo) * cost.full if cost.full is not None else None
+    if full is not None and ctx.verify and cost.check is not None:  # a full pull verifies too
+        full += sum(g.full for g in geo) * cost.check
+    probe = cost.declined >= PROBE_EVERY
+    if full is not None and cost.entries is not None and not probe:
+        guess = cost.estimate(cost.entries * (rec.v - held.v), sum(g.full for g in geo))
+        if guess is not None and guess > (1.0 if cost.sure else SKIP_MARGIN) * full:
+            cost.declined += 1
+            return None, "cost"
+    return _pull(ctx, session, rec, held.v, deadline, cost, full, probe)
+
+
+def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: float) -> PullResult | None:
+    """Pulls ``rec`` as the deltas since ``base`` into ``dest`` and verifies it (repairing what
+    does not match), whatever it costs; None before any write if the deltas cannot be used (the
+    caller pulls in full)."""
+    if not 0 < rec.v - base or any(isinstance(g, str) for g in _prepare(ctx, session).values()):
+        return None
+    if not session.sources or any(rec.v - base > len(session.delta[s.rank].descs) for s in session.sources):
+        return None
+    return _pull(ctx, session, rec, base, deadline, None, None, True)[0]
+
+
+def _pull(
+    ctx: PullContext,
+    session: Session,
+    rec: Any,
+    base: int,
+    deadline: float,
+    cost: LinkCost | None,
+    full: float | None,
+    probe: bool,
+) -> tuple[PullResult | None, str]:
+    """The delta pull proper: headers and tables, the cost check (``cost``; ``full``: the full
+    read's estimate; ``probe``: pull anyway), entries, apply, verify-and-repair."""
+    t0 = time.perf_counter()
+    spent = sum(
+        x.spent for g in session.delta.values() if isinstance(g, _Geometry) for x in (g.head, g.check, g.entries)
+    )
+    got: dict[int, Any] = {}
+    nbytes = ops = 0
+    try:
+        hs = {}
+        for src in session.sources:
+            h = heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
+            if isinstance(h, str):
+                return None, h
+            hs[src.rank] = h
+        total = sum(h.entries for h in hs.values())
+        geo = [session.delta[s.rank] for s in session.sources]
+        if 4 * total + sum(g.partial for g in geo) >= sum(g.full for g in geo):
+            return None, "cost"  # more bytes than a full read
+        if cost is not None and full is not None and not probe:
+            est = cost.estimate(total, sum(g.full for g in geo))
+            if est is not None and est >= full:
+                cost.declined += 1
+                cost.entries = _ewma(cost.entries, total / (rec.v - base))  # (what the tables said)
+                cost.sure = est >= SURE * full  # clearly slower: the next guess needs no tables read to decline
+                return None, "cost"
+        for src in session.sources:
+            r = entries(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
+            if r is None:
+                return None, "header-changed"
+            got[src.rank] = r
+            nbytes, ops = nbytes + r[2], ops + r[3]
+    except TransportError:
+        return None, "source-failed"  # the full pull reads around a dead source (failover) or reports it
+    tr = time.perf_counter()
+    writes = [decode(src, session, got[src.rank]) for src in session.sources]
+    if any(w is None for w in writes):
+        return None, "malformed"  # before any write
+    for region, offsets, values in (w for per in writes for w in per):
+        _scatter(ctx.dest.buffers[region], offsets, values)
+    t1 = time.perf_counter()
+    repaired, extra, fops = verify_repair(ctx, session.sources, rec, deadline)
+    if cost is not None:  # (the time spent setting up scratch buffers is not a delta's cost)
+        covered = sum(g.full for g in geo)
+        setup = sum(x.spent for g in geo for x in (g.head, g.check, g.entries)) - spent
+        check_s = time.perf_counter() - t1
+        cost.delta_pull(total, rec.v - base, (nbytes, tr - t0 - setup), t1 - tr, (covered, check_s))
+    nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
+    return PullResult(nbytes, 0, ops + fops + len(session.sources), repaired, delta=True, reason="delta"), "delta"
+
+
+@dataclass
+class _Heads:
+    """What one source's delta headers and tables said: per delta its table and the entry range
+    of each run of chunks, and the entries the source's reads cover in all."""
+
+    us: np.ndarray
+    raw: np.ndarray  # the headers and tables as read (the headers are compared again after the entries)
+    tables: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    entries: int
+    nbytes: int
+
+
+def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> _Heads | str:
+    """Reads the headers and offset tables of the deltas ``base + 1 .. rec.v`` of ``src`` (one
+    batched read); a reason (``DELTA_REASONS``) where they cannot be used."""
     g = session.delta[src.rank]
     k, tb = len(g.descs), table_bytes(g.nchunks)
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
     m = len(us)
     g.head.ensure(t, m * tb)
-    g.check.ensure(t, m * HEADER_BYTES)
     zeros = np.zeros(m, dtype=np.int64)
-    heads = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * tb, np.full(m, tb, dtype=np.int64))
-    _read(t, src, g.descs, g.head.region, heads, deadline)
-    raw = g.head.buf.numpy()[: m * tb].reshape(m, tb)
+    batch = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * tb, np.full(m, tb, dtype=np.int64))
+    _read(t, src, g.descs, g.head.region, batch, deadline)
+    raw = g.head.buf.numpy()[: m * tb].reshape(m, tb).copy()
     head = raw[:, :HEADER_BYTES].view(np.uint64)
     gen = session.gens[src.rank] if session.gens else 0
     want = np.stack([np.full(m, DELTA_MAGIC, np.uint64), us.astype(np.uint64), (us - 1).astype(np.uint64)], 1)
-    ok = (head[:, :3] == want).all() and (head[:, 3] == DELTA_STABLE).all()
-    ok = ok and (head[:, 4] == rec.epoch).all() and (head[:, 5] == gen).all() and (head[:, 6] == g.nchunks).all()
-    if not ok:
-        return None
+    if not (head[:, :3] == want).all() or not (head[:, 4] == rec.epoch).all() or not (head[:, 6] == g.nchunks).all():
+        return "header-changed"  # rewritten for a newer version, or another registration's
+    if (head[:, 3] == DELTA_NONE).any():
+        return "no-delta"
+    if not (head[:, 3] == DELTA_STABLE).all():
+        return "header-changed"
+    if not (head[:, 5] == gen).all():
+        return "new-layout"  # a delta in between is in another packing generation's byte order
     tables = raw[:, HEADER_BYTES : HEADER_BYTES + 4 * (g.nchunks + 1)].view(np.uint32).astype(np.int64)
     if np.any(tables[:, -1] != head[:, 7].astype(np.int64)) or np.any(np.diff(tables, axis=1) < 0):
-        return None
-    # one row per (delta, run of chunks): the runs' entries are contiguous in the buffer
+        return "malformed"
     lo, hi = tables[:, g.run_lo], tables[:, g.run_hi + 1]
-    n = (hi - lo).reshape(-1)
+    return _Heads(us, raw, tables, lo, hi, int((hi - lo).sum()), m * tb)
+
+
+def entries(t: Any, src: Source, session: Session, h: _Heads, deadline: float) -> tuple | None:
+    """Reads the entries of the chunks ``src``'s reads cover (one row per delta and run of chunks),
+    then the headers again: per delta the (table, entries) it read, plus bytes and reads; None
+    where a delta was rewritten under the reads."""
+    g = session.delta[src.rank]
+    k, m = len(g.descs), len(h.us)
+    g.check.ensure(t, m * HEADER_BYTES)
+    zeros = np.zeros(m, dtype=np.int64)
+    n = (h.hi - h.lo).reshape(-1)
     which = np.repeat(np.arange(m), len(g.run_lo))
     rows = n > 0
     dst = np.concatenate(([0], np.cumsum(n[rows])[:-1])).astype(np.int64) * 4
     total = int(n.sum()) * 4
-    nbytes, ops = m * tb + m * HEADER_BYTES, 2 * m
-    if total + g.partial >= g.full:  # would read more than a full pull (counting verification)
-        return None
+    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
     if total:
         g.entries.ensure(t, total)
         batch = ReadBatch(
-            (us % k)[which[rows]],
-            table_bytes(g.nchunks) + 4 * lo.reshape(-1)[rows],
+            (h.us % k)[which[rows]],
+            table_bytes(g.nchunks) + 4 * h.lo.reshape(-1)[rows],
             np.zeros(int(rows.sum()), dtype=np.int64),
             dst,
             4 * n[rows],
@@ -219,12 +452,12 @@ def fetch(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
         _read(t, src, g.descs, g.entries.region, batch, deadline)
         nbytes, ops = nbytes + total, ops + len(batch)
     # the headers again: a delta rewritten under the reads is not used
-    again = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, 64))
+    again = ReadBatch(h.us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, 64))
     _read(t, src, g.descs, g.check.region, again, deadline)
-    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), raw[:, :HEADER_BYTES]):
+    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), h.raw[:, :HEADER_BYTES]):
         return None
-    entries = g.entries.buf.numpy()[:total].view(np.uint32).copy() if total else np.zeros(0, np.uint32)
-    return [(tables[i], lo[i], hi[i]) for i in range(m)], entries, nbytes, ops
+    got = g.entries.buf.numpy()[:total].view(np.uint32).copy() if total else np.zeros(0, np.uint32)
+    return [(h.tables[i], h.lo[i], h.hi[i]) for i in range(m)], got, nbytes, ops
 
 
 def _read(t: Any, src: Source, descs: list[bytes], local: Any, batch: ReadBatch, deadline: float) -> None:
@@ -275,31 +508,6 @@ def decode(src: Source, session: Session, got: tuple) -> list[tuple[int, np.ndar
     return writes
 
 
-def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: float) -> PullResult | None:
-    """Pulls ``rec`` as the deltas since ``base`` into ``dest`` and verifies it (repairing what
-    does not match); None before any write if the deltas cannot be used (the caller pulls in
-    full)."""
-    got = {}
-    nbytes = ops = 0
-    try:
-        for src in session.sources:
-            r = fetch(ctx.endpoints[src.transport], src, session, rec, base, deadline)
-            if r is None:
-                return None
-            got[src.rank] = r
-            nbytes, ops = nbytes + r[2], ops + r[3]
-    except TransportError:
-        return None  # the full pull reads around a dead source (failover) or reports it
-    writes = [decode(src, session, got[src.rank]) for src in session.sources]
-    if any(w is None for w in writes):
-        return None  # before any write
-    for region, offsets, values in (w for per in writes for w in per):
-        _scatter(ctx.dest.buffers[region], offsets, values)
-    repaired, extra, fops = verify_repair(ctx, session.sources, rec, deadline)
-    nbytes += extra + STAMP_BYTES * len(session.sources)  # the stamp check that follows
-    return PullResult(nbytes, 0, ops + fops + len(session.sources), repaired, delta=True)
-
-
 def _scatter(dst: Any, offsets: np.ndarray, values: np.ndarray) -> None:
     """``dst`` (a uint8 region) viewed as ``values``' dtype, ``[offsets] = values``."""
     w = values.dtype.itemsize
@@ -346,4 +554,4 @@ def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadlin
     return repaired, nbytes, ops
 
 
-__all__ = ["pull", "usable", "verify_repair"]
+__all__ = ["DELTA_REASONS", "LinkCost", "choose", "pull", "usable", "verify_repair", "why_not"]

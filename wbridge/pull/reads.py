@@ -13,10 +13,24 @@ import numpy as np
 
 from transports.base import ReadBatch
 
-from ..errors import StaleVersionError, WaitTimeout
+from ..errors import StaleVersionError, TransportError, WaitTimeout
 from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .context import PullContext
 from .session import Source, failed_sources, fetch_chunk, verify_source
+
+
+def prepare_sources(ctx: PullContext, sources: Sequence[Source], slot: int) -> None:
+    """Prepares each source's batch for ``slot`` where not done yet (once per slot and session);
+    a source that fails to is left to ``read_sources`` (which reports it as it does a failed read)."""
+    for src in sources:
+        if slot not in src.prepared:
+            t = ctx.endpoints[src.transport]
+            try:
+                src.prepared[slot] = t.prepare(
+                    src.peer, src.regions[slot], ctx.endpoints.regions(src.transport), src.batch
+                )
+            except TransportError:
+                continue
 
 
 def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadline: float) -> None:
@@ -123,4 +137,4 @@ def verify_sources(
         verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch)
 
 
-__all__ = ["check_stamps", "read_sources", "verify_sources"]
+__all__ = ["check_stamps", "prepare_sources", "read_sources", "verify_sources"]
