@@ -300,20 +300,7 @@ class Subscriber(Closeable):
                         f"and no newer version arrived within {timeout:.1f}s"
                     ) from None
                 continue
-            self.stats.add(
-                PullStats(
-                    rec.v,
-                    time.perf_counter() - t0,
-                    done.nbytes,
-                    done.ops,
-                    retries,
-                    nbytes_from_publishers=done.from_publishers,
-                    nbytes_from_peers=done.from_peers,
-                    repaired=done.repaired,
-                    delta=done.delta,
-                    delta_reason=done.reason,
-                )
-            )
+            self.stats.add(done.stats(rec.v, time.perf_counter() - t0, retries))
             return rec.v
 
     # ------------------------------------------------------------------------------------------

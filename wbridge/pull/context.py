@@ -21,7 +21,7 @@ from transports import select as _select
 
 from .._lifecycle import quietly
 from .._selection import memory_kind, memory_kinds, reaching
-from .._stats import SubscriberStats
+from .._stats import PullStats, SubscriberStats
 from .._tensors import address
 from ..protocol.channel import ChannelStore
 from ..protocol.keys import Keys
@@ -58,6 +58,14 @@ class PullResult:
     @property
     def nbytes(self) -> int:
         return self.from_publishers + self.from_peers
+
+    def stats(self, version: int, seconds: float, retries: int) -> PullStats:
+        """The pull's record for ``Subscriber.stats``: this result of version ``version``, pulled in
+        ``seconds`` after ``retries`` retries."""
+        return PullStats(
+            version, seconds, self.nbytes, self.ops, retries, self.from_publishers, self.from_peers,
+            self.repaired, self.delta, self.reason,
+        )  # fmt: skip
 
 
 @dataclass
