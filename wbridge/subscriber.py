@@ -266,7 +266,9 @@ class Subscriber(Closeable):
         return _validate.timeout(timeout, "pull() timeout")
 
     def pull(self, min_version: int | None = None, timeout: float = 60.0) -> int:
-        """Applies the newest committed version (at least ``min_version``) and returns it."""
+        """Applies the newest committed version (at least ``min_version``) and returns it. A pull
+        that finds the store lost (versions count from 1 again) reads the newest version there:
+        ``min_version`` counted versions of the history that was lost."""
         self._check_open()
         timeout = self._check_args(min_version, timeout)
         if self._ctx.dest is None:
@@ -279,8 +281,14 @@ class Subscriber(Closeable):
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
         want = max(1, min_version or 1)
         retries = 0
+        gen = self._ctx.member.gen
         known = self._check_membership()  # with the version record: one batched read
         while True:
+            if self._ctx.member.gen != gen:
+                # the store was lost: ``min_version`` counted versions of its lost history, and
+                # waiting for that number in the new one would hold publishers back on this
+                # subscriber's ack (it holds nothing there) until the deadline: the newest is read
+                gen, want = self._ctx.member.gen, 1
             first, known = known, None
             try:
                 rec, fence = next_version(self._ctx, want, deadline, timeout, first, self._check_membership)

@@ -43,7 +43,7 @@ def next_version(
     ``VersionRecord.keys_with_fence`` read already). ``check_membership()`` re-checks the
     subscriber's place in the channel when no record is found (None: it changed, and
     ``GenerationChanged`` is raised)."""
-    asked, want = want, max(want, ctx.newest)
+    want = max(want, ctx.newest)
     ready: VersionRecord | None = None  # the record in the ready key a wait returned
     while True:
         if ready is not None and not ready.zero_copy:  # (zero-copy: readable only while its publish() runs)
@@ -64,7 +64,7 @@ def next_version(
                 ctx.identity[1],
             )
             ctx.forget()
-            want = asked
+            want = 1  # the caller's floor counted versions of the lost history
         if rec is None and check_membership() is None:
             raise GenerationChanged
         if rec is not None and rec.slot >= ctx.nslots:
