@@ -236,6 +236,7 @@ class SubscriberTracker:
         # the aggregator's next beat (the first soon: a wait that ends at once costs none); the
         # aggregator's beat last seen by another rank
         beat_at, seen = started + BEAT_S / 10, None
+        behind: list[SubscriberView] = []  # those the last scan found short of ``pred``
         while True:
             check_stop()
             now = time.monotonic()
@@ -248,9 +249,11 @@ class SubscriberTracker:
                 beat = None if self.aggregator else self._beat(key)
                 if beat is not None and beat != seen:
                     seen = beat  # the aggregator is at work on this key since the last look: leave it
-                elif all(pred(s) for s in self.live()):
-                    self.store.set(key, b"1")
-                    return
+                else:
+                    behind = [s for s in self.live() if not pred(s)]
+                    if not behind:
+                        self.store.set(key, b"1")
+                        return
                 if self.aggregator:
                     # a long wait (slow subscribers) costs O(log) scans, a short one stays prompt
                     grown = min(max(MAX_POLL_S, (now - started) / 10), FALLBACK_S)
@@ -259,7 +262,8 @@ class SubscriberTracker:
                     next_scan, fallback = now + fallback, fallback * 2
             now = time.monotonic()
             if now >= deadline:
-                raise WaitTimeout(f"timed out waiting for {what}")
+                who = ", ".join(f"{s.name or s.id} (id {s.id}, acked {s.acked})" for s in behind[:4])
+                raise WaitTimeout(f"timed out waiting for {what}" + (f"; behind: {who}" if who else ""))
             pause = max(0.0, min(next_scan, deadline) - now)
             if self.aggregator:
                 time.sleep(pause)
