@@ -25,8 +25,8 @@ Faults beyond the subscriber kills, spread evenly over the run:
   driver closes the TCPStore it hosts and hosts a fresh one on the same port; with ``--store etcd``
   etcd is killed, its data directory wiped, and it restarts). Calls in flight fail with
   ``StoreError`` and are retried; publishers and subscribers find the new store generation, join
-  it, and version numbers start again at 1 there (a pull in flight across the loss that asked for
-  a version number of the old store may wait for it and time out: a counted failure, not stale).
+  it, and version numbers start again at 1 there (a pull in flight across the loss asked for a
+  version number of the old store: it reads the newest of the new one instead).
 - ``--replica-deaths`` times a publisher rank (never rank 0) is SIGKILLed right after a commit, while
   subscribers pull that version: they read the dead rank's bytes from its DP replica. Once they
   hold it, the rank is restarted and every rank registers again (a new epoch).

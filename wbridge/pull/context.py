@@ -188,6 +188,7 @@ class PullContext:
     identity: tuple | None = None  # that version's ``VersionRecord.identity``
     held: Held | None = None  # the version the destination buffers hold whole
     newest: int = 0  # the newest version number seen; records older than it are refused
+    newest_epoch: int = 0  # that version's publisher epoch (epochs never go back in one history)
     nslots: int = 1  # fences read along with the version record: slots 0 .. nslots - 1
     costs: dict[str, Any] = field(default_factory=dict)  # link -> what its pulls cost (``pull.delta.LinkCost``)
     _pool: ThreadPoolExecutor | None = None
@@ -248,7 +249,7 @@ class PullContext:
         """The store was lost (a new generation): nothing known of the old one holds."""
         self.drop_session()
         self.hold(None)
-        self.newest, self.held = 0, None
+        self.newest, self.newest_epoch, self.held = 0, 0, None
 
     def close(self) -> None:
         self.drop_session()

@@ -3,10 +3,12 @@
 A pull blocks on the ``ready`` key of the version it needs next (a TCPStore wait, an etcd watch),
 not polling; that key holds the version's record, so a wait needs no further read. It never goes
 back: a store replaying an older (genuinely signed) version record must not roll a subscriber back
-to stale weights. The one exception is a record of an epoch before the one of the version held:
-epochs never go back in one store history, so the store lost it (an old generation record put back,
-a backup restored) and counts from 1 again; what was known is dropped (a replayed record of an old
-epoch gains nothing: its slot stamps, read from the publishers, no longer say its version).
+to stale weights. The one exception is a record of an epoch before the one of the newest version
+seen (held or not): epochs never go back in one store history, so the store lost it (an old
+generation record put back, a backup restored) and counts from 1 again; what was known is dropped,
+the caller's ``min_version`` too (it counted the lost history: waiting for it there would hold Async
+publishers back on this subscriber's ack), and a replayed record of an old epoch gains nothing: its
+slot stamps, read from the publishers, no longer say its version.
 """
 
 from __future__ import annotations
@@ -51,17 +53,18 @@ def next_version(
         else:
             rec, fence = VersionRecord.read_with_fence(ctx.member.chan, ctx.nslots, known)
         known = ready = None
-        if rec is not None and ctx.identity is not None and rec.epoch < ctx.identity[1]:
+        known_epoch = max(ctx.newest_epoch, ctx.identity[1] if ctx.identity is not None else 0)
+        if rec is not None and rec.epoch < known_epoch:
             # epochs never go back in one store history: this one lost its history although its
             # generation record is the same (an old one put back, a backup restored) and counts
             # versions and epochs from 1 again. What was known of the old history is void.
             log.warning(
-                "subscriber %s: channel %r is at epoch %d, before the %d of the version held: the store "
+                "subscriber %s: channel %r is at epoch %d, before the %d of a version seen: the store "
                 "lost its history; reading its versions afresh",
                 ctx.name,
                 ctx.channel,
                 rec.epoch,
-                ctx.identity[1],
+                known_epoch,
             )
             ctx.forget()
             want = 1  # the caller's floor counted versions of the lost history
@@ -72,7 +75,8 @@ def next_version(
         if rec is not None and rec.v >= want:
             # zero-copy versions are readable only while their publish() runs
             if ctx.holds(rec) or not rec.zero_copy or fence == rec.fence:
-                ctx.newest = max(ctx.newest, rec.v)
+                if rec.v >= ctx.newest:
+                    ctx.newest, ctx.newest_epoch = rec.v, rec.epoch
                 return rec, fence
         elif rec is not None and rec.mode == "sync" and not ctx.holds(rec) and ctx.member.lease is not None:
             raise UsageError(
