@@ -281,14 +281,14 @@ class Subscriber(Closeable):
     def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
         want = max(1, min_version or 1)
         retries = 0
-        gen = self._ctx.member.gen
+        lost = self._ctx.losses
         known = self._check_membership()  # with the version record: one batched read
         while True:
-            if self._ctx.member.gen != gen:
+            if self._ctx.losses != lost:
                 # the store was lost: ``min_version`` counted versions of its lost history, and
                 # waiting for that number in the new one would hold publishers back on this
                 # subscriber's ack (it holds nothing there) until the deadline: the newest is read
-                gen, want = self._ctx.member.gen, 1
+                lost, want = self._ctx.losses, 1
             first, known = known, None
             try:
                 rec, fence = next_version(self._ctx, want, deadline, timeout, first, self._check_membership)

@@ -189,6 +189,7 @@ class PullContext:
     held: Held | None = None  # the version the destination buffers hold whole
     newest: int = 0  # the newest version number seen; records older than it are refused
     newest_epoch: int = 0  # that version's publisher epoch (epochs never go back in one history)
+    losses: int = 0  # how often the store was found to have lost its history (``forget``)
     nslots: int = 1  # fences read along with the version record: slots 0 .. nslots - 1
     costs: dict[str, Any] = field(default_factory=dict)  # link -> what its pulls cost (``pull.delta.LinkCost``)
     _pool: ThreadPoolExecutor | None = None
@@ -246,10 +247,12 @@ class PullContext:
         self.identity = None if rec is None else rec.identity
 
     def forget(self) -> None:
-        """The store was lost (a new generation): nothing known of the old one holds."""
+        """The store lost its history (a new generation, or an old one put back): nothing known of
+        it holds (counted in ``losses``)."""
         self.drop_session()
         self.hold(None)
         self.newest, self.newest_epoch, self.held = 0, 0, None
+        self.losses += 1
 
     def close(self) -> None:
         self.drop_session()
