@@ -109,3 +109,33 @@ def test_verify_without_publisher_checksums_is_refused(standalone_store: str) ->
     finally:
         for w in [sub, pub]:
             w.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_zone_readers_fail_over_when_a_publisher_replica_dies(standalone_store: str, victim: int) -> None:
+    """Readers that read a version from the relays alone still check the publishers' slot stamps.
+    Before, with a publisher replica dead, that check raised ``TransportError`` on every pull until
+    the rank came back (the soak's zone reader failed thousands of pulls in a row); now the replicas
+    stand in and the pull ends bit-exact."""
+    url = standalone_store
+    pubs = [Worker(f"pub{r}", PubActor, url, r, 2, 1, staging=Staging(checksums=True), transport="tcp") for r in (0, 1)]
+    relays = [
+        Worker(f"relay{i}", SubActor, url, 1, 0, fused=False, zone=Zone("a", relay=True), transport="tcp")
+        for i in range(2)
+    ]
+    subs = readers(url, "a", transport="tcp")
+    try:
+        for v in (1, 2):
+            call_all(pubs, "publish", v)
+            assert all(r["v"] == v and r["bad"] == [] for r in call_all(relays, "pull", v, timeout=30.0))
+            if v == 1:
+                assert all(r["bad"] == [] for r in call_all(subs, "pull", 1, timeout=30.0))
+        pubs[victim].kill()
+        for s in subs:
+            got = s.call("pull", 2, timeout=TIMEOUT)
+            print(s.name, {k: got[k] for k in ("v", "from_publishers", "from_peers")})
+            assert got["v"] == 2 and got["bad"] == [], (s.name, got)
+    finally:
+        for w in [*subs, *relays, *pubs]:
+            w.stop()

@@ -74,13 +74,14 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
             session, result = _read(ctx, session, rec, None, deadline, zone)
         while True:
             try:
-                _check(ctx, session, rec, result, deadline, replicas=zone is None)
+                _check(ctx, session, rec, result, deadline)
                 break
             except SourcesFailed as failed:
                 # A source died after its data was read, before its stamp confirmed it (a delta
-                # pull's repairs or stamps, say): its replicas stand in, for a full read.
+                # pull's repairs or stamps, say), or a zone reader read from relays only: its
+                # replicas stand in, for a full read (through the zone's relays where it has one).
                 session = failover(ctx, session, failed, deadline)
-                session, result = _read(ctx, session, rec, None, deadline, None)
+                session, result = _read(ctx, session, rec, None, deadline, zone)
                 result = replace(result, reason="source-failed")
     except BaseException:
         # best effort, briefly even past the pull's deadline: keep the original error, and do
@@ -100,18 +101,16 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
     return result
 
 
-def _check(
-    ctx: PullContext, session: Session, rec: VersionRecord, result: PullResult, deadline: float, replicas: bool
-) -> None:
+def _check(ctx: PullContext, session: Session, rec: VersionRecord, result: PullResult, deadline: float) -> None:
     """The checks after the reads: the publishers' checksums (``verify``; a delta pull checked its
-    own) and the slot stamps; ``replicas``: sources that stopped answering raise ``SourcesFailed``."""
+    own) and the slot stamps; sources that stopped answering raise ``SourcesFailed``."""
     if not result.delta and ctx.verify and rec.checksums:
         try:
             verify_sources(ctx, session.sources, rec, deadline)
         except IntegrityError:
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
-    check_stamps(ctx, session.sources, rec, deadline, failover=replicas)
+    check_stamps(ctx, session.sources, rec, deadline, failover=True)
 
 
 def _read(
