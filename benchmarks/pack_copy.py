@@ -61,7 +61,7 @@ def measure(
     try:
         # two slots of the packed size (never smaller than the plain one), as a publisher's
         plain_lay = layout if packed_size <= layout.region_sizes[0] else _grown(layout, packed_size)
-        reg = build_registration(served, plain_lay, live, {}, "cpu", None, {}, 2, False)
+        reg = build_registration(served, plain_lay, live, {}, "cpu", None, {}, 2, False, "cpu")
         times: dict[str, list[float]] = {"plain": [], "packed": []}
         for _ in range(repeat):  # alternating, so load from other work hits both alike
             t0 = time.perf_counter()

@@ -23,7 +23,9 @@ def test_delta_benchmark_prints_its_line(tmp_path) -> None:
         rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM}", lines[0]
     ), lines
     ratio = float(re.search(r"read_ratio=([0-9.]+)", lines[0]).group(1))
-    assert 0 < ratio < 0.2, lines  # both pulls after the first were deltas of ~1.5% changed elements
+    # Deltas or full reads, as the cost choice finds them on this link and this load (bit-exact
+    # either way: the benchmark exits non-zero otherwise); what they cost is the benchmark's figure.
+    assert 0 < ratio <= 1.05, lines
     assert os.path.exists(tmp_path / "delta.png")
 
 
