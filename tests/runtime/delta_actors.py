@@ -77,7 +77,7 @@ class DeltaPub:
         self.pub.close()
 
 
-LINK_GBPS = 0.5  # the emulated link of the delta tests: deltas pay on it (a full pull takes ~100 ms)
+LINK_GBPS = 0.1  # the emulated link of the delta tests: deltas pay on it, also under CI load (a full pull: ~0.5 s)
 
 
 class Link(Delegating):
