@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from wbridge import Zone
 from wbridge.errors import MissingExtraError, UsageError
 from wbridge.integrations.sglang import SGLangOptions, engine_args
 from wbridge.integrations.sglang.options import EXTRA_KEY
@@ -15,11 +16,17 @@ from wbridge.integrations.sglang.options import EXTRA_KEY
 
 def test_options_round_trip_through_the_loader_extra_config():
     opts = SGLangOptions(channel="policy", store="tcp://127.0.0.1:29700", token="t", dtype="bfloat16",
-                         commit="swap", zone="a", relay=True, subscriber_options={"lease_ttl": 3.0})  # fmt: skip
+                         commit="swap", zone=Zone("a", relay=True), subscriber_options={"lease_ttl": 3.0})  # fmt: skip
     text = opts.to_extra_config({"enable_multithread_load": False})
     back, rest = SGLangOptions.from_extra_config(text)
     assert back == opts and rest == {"enable_multithread_load": False}
     assert json.loads(text)[EXTRA_KEY]["subscriber_options"] == {"lease_ttl": 3.0}
+    assert back.zone == Zone("a", relay=True)
+
+
+def test_a_zone_name_alone_is_a_zone_that_does_not_relay():
+    opts = SGLangOptions(channel="policy", store="tcp://127.0.0.1:1", zone="far")
+    assert opts.zone == Zone("far") and SGLangOptions.from_extra_config(opts.to_extra_config())[0] == opts
 
 
 @pytest.mark.parametrize(
@@ -31,7 +38,8 @@ def test_options_round_trip_through_the_loader_extra_config():
         ({"pull_timeout": 0}, "pull_timeout"),
         ({"subscriber_options": {"bogus": 1}}, "subscriber_options"),
         ({"subscriber_options": {"zone": "a"}}, "subscriber_options"),
-        ({"relay": True}, "relay"),
+        ({"zone": 5}, "zone"),
+        ({"zone": "a/b"}, "Zone"),
         ({"token": 5}, "token"),
     ],
 )

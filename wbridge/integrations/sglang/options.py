@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import UsageError
+from ...options import Zone
 
 #: Subscriber keywords that ``subscriber_options`` may set (JSON values; the zone has its own fields).
 SUBSCRIBER_OPTIONS = frozenset(
@@ -37,9 +38,9 @@ class SGLangOptions:
     flush_cache: flush SGLang's prefix cache after each commit, at the first moment the
         scheduler is idle (its cached KV was computed with the old weights).
     cache_dir: where traced layouts are cached (None: trace at every start).
-    zone: the zone (cluster) the engine runs in (``Subscriber(zone=Zone(zone, relay))``); None:
-        every byte from the publishers.
-    relay: also serve the version held to the zone (needs ``zone``).
+    zone: the zone (cluster) the engine runs in, as for ``Subscriber(zone=...)``: a
+        ``Zone(name, relay=...)``, or its name alone (``Zone(name)``); None: every byte from the
+        publishers.
     subscriber_options: more ``Subscriber`` keywords (``SUBSCRIBER_OPTIONS``), e.g. ``{"lease_ttl": 3.0}``.
     """
 
@@ -52,8 +53,7 @@ class SGLangOptions:
     commit: str = "copy"
     flush_cache: bool = True
     cache_dir: str | None = None
-    zone: str | None = None
-    relay: bool = False
+    zone: Zone | str | None = None
     subscriber_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,8 +69,15 @@ class SGLangOptions:
             raise UsageError(f"wbridge SGLang options: commit must be 'copy' or 'swap', got {self.commit!r}")
         if not isinstance(self.pull_timeout, (int, float)) or not self.pull_timeout > 0:
             raise UsageError(f"wbridge SGLang options: pull_timeout must be > 0, got {self.pull_timeout!r}")
-        if self.relay and self.zone is None:
-            raise UsageError("wbridge SGLang options: relay=True needs a zone")
+        if isinstance(self.zone, dict):  # (as it travels in JSON)
+            try:
+                object.__setattr__(self, "zone", Zone(**self.zone))
+            except TypeError as e:
+                raise UsageError(f"wbridge SGLang options: zone: {e}") from e
+        elif isinstance(self.zone, str):
+            object.__setattr__(self, "zone", Zone(self.zone))
+        elif self.zone is not None and not isinstance(self.zone, Zone):
+            raise UsageError(f"wbridge SGLang options: zone must be a Zone, a zone name or None, got {self.zone!r}")
         opts = self.subscriber_options
         if not isinstance(opts, dict) or set(opts) - SUBSCRIBER_OPTIONS:
             raise UsageError(

@@ -106,7 +106,6 @@ class Runtime:
     def __init__(self, model: Any, model_config: Any, options: SGLangOptions, rank: int, tp_size: int) -> None:
         import torch
 
-        from ...options import Zone
         from ...subscriber import Subscriber
 
         check_unpacked(model)
@@ -126,7 +125,7 @@ class Runtime:
         self.nbytes = sum(t.numel() * t.element_size() for t in self._staged)
         kw = {"name": f"sglang-rank{rank}", **options.subscriber_options}
         if options.zone is not None:
-            kw["zone"] = Zone(options.zone, relay=options.relay)
+            kw["zone"] = options.zone
         self.sub = Subscriber(options.channel, options.store, token=options.token, transport=options.transport, **kw)
         try:
             self.sub.register(trace.bind(self.staging))
