@@ -48,25 +48,27 @@ def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadlin
             raise WaitTimeout(f"subscriber {ctx.name}: pull timed out before reading rank {src.rank}")
         t.read(prep, timeout=left)
 
-    work = [s for s in sources if len(s.batch)]
-    if len(work) == 1:  # no thread hop
-        try:
-            one(work[0])
-        except BaseException as e:  # noqa: BLE001 - classified, then raised
-            err = failed_sources([(work[0].rank, e)])
-            if err is e:
-                raise
-            raise err from e
-        return
-    futures = [(s.rank, ctx.pool.submit(one, s)) for s in work]
-    errors = []
-    for rank, f in futures:
-        try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001 - collect, then raise
-            errors.append((rank, e))
+    errors = _each(ctx.pool, [s for s in sources if len(s.batch)], one)
     if errors:
-        raise failed_sources(errors)
+        err = failed_sources(errors)
+        if err is errors[0][1]:
+            raise err
+        raise err from errors[0][1]
+
+
+def _each(pool: ThreadPoolExecutor, sources: Sequence[Source], one: Any) -> list[tuple[int, BaseException]]:
+    """Runs ``one(src)`` for every source, in parallel on ``pool`` where there are several (one
+    source runs in the calling thread: a thread hop costs more than a memory read) and returns
+    ``(rank, error)`` of those that raised, once every call is over."""
+    if len(sources) == 1:
+        try:
+            one(sources[0])
+        except BaseException as e:  # noqa: BLE001 - collected, then raised by the caller
+            return [(sources[0].rank, e)]
+        return []
+    futures = [(src.rank, pool.submit(one, src)) for src in sources]
+    errors = [(rank, f.exception()) for rank, f in futures]  # every call over before any error
+    return [(rank, e) for rank, e in errors if e is not None]
 
 
 def check_stamps(
@@ -104,10 +106,7 @@ def check_stamps(
                 f"{got[1]} (state {got[2]}), not version {rec.v}"
             )
 
-    pool = pool or ctx.pool
-    futures = [(src.rank, pool.submit(one, src)) for src in sources]
-    errors = [(rank, f.exception()) for rank, f in futures]  # every read over before any error
-    errors = [(rank, e) for rank, e in errors if e is not None]
+    errors = _each(pool or ctx.pool, sources, one)
     if errors:
         raise failed_sources(errors) if failover else errors[0][1]
 
