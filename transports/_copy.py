@@ -30,6 +30,8 @@ from .errors import TransportError
 
 #: Copies at least this long that belong to no progression are made by ``memmove`` one by one.
 LONG_COPY = 256 << 10
+#: Batches of at most this many copies outside progressions are made by ``memmove`` one by one.
+FEW_COPIES = 8
 #: Pieces per ``process_vm_readv`` call (Linux IOV_MAX).
 IOV_MAX = 1024
 #: Rows of a strided family shorter than this are copied by torch, longer ones by numpy (``memmove``
@@ -207,8 +209,9 @@ class CopyPlan:
             strided.append((d, s))
         f, c = first[~run], count[~run]
         rest = np.repeat(f - (np.cumsum(c) - c), c) + np.arange(int(c.sum()), dtype=np.int64)
-        longs = rest[nbytes[rest] >= LONG_COPY]
-        short = rest[nbytes[rest] < LONG_COPY]
+        few = len(rest) <= FEW_COPIES  # a syscall costs more than a few memmoves
+        longs = rest if few else rest[nbytes[rest] >= LONG_COPY]
+        short = rest[:0] if few else rest[nbytes[rest] < LONG_COPY]
         long = np.stack([dst[longs], src[longs], nbytes[longs]], axis=1).astype(np.int64)
         local_iov = np.ascontiguousarray(np.stack([dst[short], nbytes[short]], axis=1).astype(np.uint64))
         remote_iov = np.ascontiguousarray(np.stack([src[short], nbytes[short]], axis=1).astype(np.uint64))
