@@ -21,8 +21,9 @@ full; ``PullStats.delta_reason`` says why (``DELTA_REASONS``).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -222,7 +223,9 @@ DELTA_REASONS = {
     "zone": "read through the zone's relays",
 }  # the values of ``PullStats.delta_reason``
 
-ALPHA = 0.3  # weight of the newest measurement in the running costs (an EWMA)
+ALPHA = 0.3  # weight of the newest count of entries per version (an EWMA)
+WINDOW = 8  # a running cost (seconds per unit) is the least of this many latest measurements
+PROBES = 2  # delta pulls measured before any is declined by cost (the first pays one-time costs)
 PROBE_EVERY = 32  # a pull in this many chosen full by cost tries the deltas again (costs drift)
 SURE = 1.0  # a decline on the exact count by this makes the next guesses decline without the tables
 SKIP_MARGIN = 2.0  # the tables are not even read where deltas were guessed this much slower (``sure``: 1)
@@ -230,6 +233,15 @@ SKIP_MARGIN = 2.0  # the tables are not even read where deltas were guessed this
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
+
+
+def _least(seen: deque[float], new: float) -> float:
+    """The running cost after measuring ``new``: the least of the latest ``WINDOW`` measurements.
+    A busy host only ever adds time to a pull, so one slow measurement (a descheduled process, a
+    first pull's one-time costs) does not turn the choice for the next ``PROBE_EVERY`` pulls, and
+    a link that really got slower shows within ``WINDOW`` pulls."""
+    seen.append(new)
+    return min(seen)
 
 
 @dataclass
@@ -244,6 +256,9 @@ class LinkCost:
     - ``entries``: delta entries per version the reads covered (to decide before reading tables).
     - ``declined``: pulls chosen full by cost since the last delta pull (a probe every ``PROBE_EVERY``).
     - ``sure``: the last pull was declined on the tables' exact count by ``SURE``: guesses are trusted as is.
+    - ``probes``: delta pulls measured so far (none is declined by cost before ``PROBES``).
+
+    The four costs in seconds are each the least of their latest ``WINDOW`` measurements (``_least``).
     """
 
     full: float | None = None
@@ -253,11 +268,15 @@ class LinkCost:
     entries: float | None = None
     declined: int = 0
     sure: bool = False
+    probes: int = 0
+    seen: dict[str, deque[float]] = field(
+        default_factory=lambda: {k: deque(maxlen=WINDOW) for k in ("full", "waits", "cpu", "check")}, repr=False
+    )
 
     def full_read(self, nbytes: int, seconds: float) -> None:
         """Records a full read of ``nbytes`` that took ``seconds``."""
         if nbytes > 0:
-            self.full = _ewma(self.full, seconds / nbytes)
+            self.full = _least(self.seen["full"], seconds / nbytes)
 
     def estimate(self, entries: float, covered: int) -> float | None:
         """Seconds a delta pull of ``entries`` entries would take, verifying ``covered`` bytes;
@@ -272,11 +291,11 @@ class LinkCost:
         """Records a delta pull: ``entries`` over ``versions``; its reads (bytes, seconds); the
         seconds it took to decode and scatter them; its verification (bytes covered, seconds)."""
         if self.full is not None:
-            self.waits = _ewma(self.waits, max(0.0, reads[1] - reads[0] * self.full))
-        self.cpu = _ewma(self.cpu, cpu_s / max(entries, 1))
-        self.check = _ewma(self.check, check[1] / max(check[0], 1))
+            self.waits = _least(self.seen["waits"], max(0.0, reads[1] - reads[0] * self.full))
+        self.cpu = _least(self.seen["cpu"], cpu_s / max(entries, 1))
+        self.check = _least(self.seen["check"], check[1] / max(check[0], 1))
         self.entries = _ewma(self.entries, entries / max(versions, 1))
-        self.declined, self.sure = 0, False
+        self.declined, self.sure, self.probes = 0, False, self.probes + 1
 
 
 ENTRY_BYTES = 4  # bytes of one delta entry (``protocol.delta``)
@@ -301,7 +320,7 @@ def choose(
     full = sum(g.full for g in geo) * cost.full if cost.full is not None else None
     if full is not None and ctx.verify and cost.check is not None:  # a full pull verifies too
         full += sum(g.full for g in geo) * cost.check
-    probe = cost.declined >= PROBE_EVERY
+    probe = cost.declined >= PROBE_EVERY or cost.probes < PROBES
     if full is not None and cost.entries is not None and not probe:
         guess = cost.estimate(cost.entries * (rec.v - held.v), sum(g.full for g in geo))
         if guess is not None and guess > (1.0 if cost.sure else SKIP_MARGIN) * full:
