@@ -239,7 +239,7 @@ def _least(seen: deque[float], new: float) -> float:
     """The running cost after measuring ``new``: the least of the latest ``WINDOW`` measurements.
     A busy host only ever adds time to a pull, so one slow measurement (a descheduled process, a
     first pull's one-time costs) does not turn the choice for the next ``PROBE_EVERY`` pulls, and
-    a link that really got slower shows within ``WINDOW`` pulls."""
+    a link that really got slower shows within ``WINDOW`` measurements."""
     seen.append(new)
     return min(seen)
 
@@ -257,6 +257,7 @@ class LinkCost:
     - ``declined``: pulls chosen full by cost since the last delta pull (a probe every ``PROBE_EVERY``).
     - ``sure``: the last pull was declined on the tables' exact count by ``SURE``: guesses are trusted as is.
     - ``probes``: delta pulls measured so far (none is declined by cost before ``PROBES``).
+    - ``seen``: the latest ``WINDOW`` measurements of each cost in seconds.
 
     The four costs in seconds are each the least of their latest ``WINDOW`` measurements (``_least``).
     """
