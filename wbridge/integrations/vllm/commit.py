@@ -135,26 +135,89 @@ def allocate_staging(model: Any, plan: CommitPlan, shapes: Mapping[str, tuple[in
     return staging
 
 
-def prepare(model: Any, plan: CommitPlan, staging: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``repack`` layers' new kernels, built from staging off the engine's critical path
-    (nothing live is touched): ``{module name: cpu_linear}``."""
+def prepare(
+    model: Any, plan: CommitPlan, staging: Mapping[str, Any], only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The ``repack`` layers' new kernels (``only`` those named), built from staging off the
+    engine's critical path (nothing live is touched): ``{module name: cpu_linear}``."""
     import torch
 
     out: dict[str, Any] = {}
     with torch.no_grad():
         members = _by_module(staging)
-        for mod_name in plan.repack:
+        for mod_name in plan.repack if only is None else only:
             mod = model.get_submodule(mod_name)
             shadow = torch.nn.Module()
             for attr, t in members[mod_name].items():
                 # SGL's prepack may convert the bias in place (``.data = ...``): the stand-in's own
                 # Parameter takes it, not the staging tensor
                 shadow.register_parameter(attr, torch.nn.Parameter(t, requires_grad=False))
-            if hasattr(mod, "_cpu_skip_gemm_dispatch"):
-                shadow._cpu_skip_gemm_dispatch = mod._cpu_skip_gemm_dispatch
+            # MLA's kv_b_proj: vLLM marks the layers it leaves unpacked (no public accessor)
+            skip = getattr(mod, "_cpu_skip_gemm_dispatch", None)
+            if skip is not None:
+                shadow._cpu_skip_gemm_dispatch = skip
             mod.quant_method.process_weights_after_loading(shadow)
             out[mod_name] = shadow.cpu_linear
     return out
+
+
+#: How ``check`` marks a tensor whose kernel it cannot compare (its staging was checked only).
+UNCHECKED = "unchecked"
+PROBE_ROWS = 256  # rows of the identity probe run through a kernel at a time
+
+
+def check(model: Any, plan: CommitPlan, staging: Mapping[str, Any]) -> dict[str, str]:
+    """Whether the live model runs on ``staging``, per staged tensor: ``"ok"``, or why not.
+
+    ``direct`` parameters: byte for byte (cast to the live dtype where vLLM's processing changed
+    it, e.g. a bias the CPU kernel reads in fp32). ``repack`` layers: a kernel built from staging
+    by ``prepare`` (the commit's own path) and the live kernel are run on an identity probe (each
+    output row is one row of the weight, exactly) and must agree bit for bit. ``reload`` layers:
+    vLLM processed them its own way; they are marked ``UNCHECKED`` (their staging is what the
+    caller checks against the publishers' checksums)."""
+    import torch
+
+    out: dict[str, str] = {}
+    with torch.no_grad():
+        for name in plan.direct:
+            mod_name, attr = _split(name)
+            live = getattr(model.get_submodule(mod_name), attr).data
+            out[name] = "ok" if _same_bytes(live, staging[name].to(live.dtype)) else "differs from staging"
+        members = _by_module(staging)
+        for mod_name in plan.repack:
+            fresh = prepare(model, plan, staging, only=(mod_name,))[mod_name]
+            same = _same_kernel(model.get_submodule(mod_name), fresh, members[mod_name]["weight"])
+            for attr in members[mod_name]:
+                if f"{mod_name}.{attr}" not in plan.direct:  # (a kept bias was compared above)
+                    out[f"{mod_name}.{attr}"] = "ok" if same else "kernel differs from one built from staging"
+        for mod_name in plan.reload:
+            for attr in members[mod_name]:
+                out[f"{mod_name}.{attr}"] = f"{UNCHECKED}: reloaded through vLLM's own processing (staging checked)"
+    return out
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def _same_kernel(layer: Any, fresh: Any, weight: Any) -> bool:
+    """Whether ``layer``'s live kernel and ``fresh`` (built from the staged ``weight``) give the
+    same bytes on each row of the identity of the weight's input width. (A packed kernel ignores
+    the weight it is passed; a plain one reads the parameter.)"""
+    import torch
+
+    k = weight.shape[1]
+    for start in range(0, k, PROBE_ROWS):
+        rows = min(PROBE_ROWS, k - start)
+        x = torch.zeros(rows, k, dtype=weight.dtype)
+        x[torch.arange(rows), torch.arange(start, start + rows)] = 1
+        if not _same_bytes(layer.cpu_linear(x, layer.weight, None), fresh(x, weight, None)):
+            return False
+    return True
 
 
 def commit(
