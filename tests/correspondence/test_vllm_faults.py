@@ -111,7 +111,7 @@ def test_bad_extension_arguments_are_usage_errors_and_the_watcher_goes_on(faults
         assert ("min_version" if "discard" in case else "timeout") in res[case]["message"]
     assert res["update(min_version=2.5)"]["type"] == "UsageError"
     r = res["after_bad_calls"]
-    assert r["type"] is None and r["value"] == 3, r
+    assert res["published_after_bad_calls"] == 3 and r["type"] is None and r["value"] == 3, r
 
 
 @pytest.mark.timeout(800)
