@@ -113,7 +113,7 @@ class Subscriber(Closeable):
         self.staged = _validate.boolean(staged, "staged") or (
             zone is not None and zone.relay
         )  # a relay serves its staging buffer
-        self.verify = _validate.boolean(verify, "verify")
+        self.verifies = _validate.boolean(verify, "verify")  # (``verify()`` checks on demand)
         lease_ttl = _validate.timeout(lease_ttl, "lease_ttl", positive=True)
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         self.channel, self.preference, self.host, self.lease_ttl = channel, transport, host, lease_ttl
@@ -129,7 +129,7 @@ class Subscriber(Closeable):
         self._store = open_store(store, connect_timeout=connect_timeout)
         member = Membership(ChannelStore(self._store, keys, self.token), self.name, lease_ttl)
         endpoints = Endpoints(self.token, host, transport_options or {}, transport)
-        self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verify, self.stats)
+        self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verifies, self.stats)
 
     # ------------------------------------------------------------------------------------------
     @property
