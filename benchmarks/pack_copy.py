@@ -65,9 +65,9 @@ def measure(
         times: dict[str, list[float]] = {"plain": [], "packed": []}
         for _ in range(repeat):  # alternating, so load from other work hits both alike
             t0 = time.perf_counter()
-            snapshot(reg, 0, None, None, False)
+            snapshot(reg, 0, None, None)
             t1 = time.perf_counter()
-            snapshot(reg, 1, None, ps, False)
+            snapshot(reg, 1, None, ps)
             t2 = time.perf_counter()
             times["plain"].append(t1 - t0)
             times["packed"].append(t2 - t1)

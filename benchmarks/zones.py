@@ -146,21 +146,12 @@ def fill(t, i: int, v: int) -> None:
 class Trainer:
     def __init__(self, ns: str, host: str, port: int, mb: int) -> None:
         enter(ns)
-        from wbridge import Publisher, Staging
+        from wbridge import Publisher
 
         self.t = tensors(mb, 0)
         url = f"tcp://{host}:{port}"
-        # relays are read only where the publishers keep checksums (their bytes are checked)
-        self.pub = Publisher(
-            "z",
-            url,
-            host_store=True,
-            token=TOKEN,
-            transport="tcp",
-            host=host,
-            zone="train",
-            staging=Staging(checksums=True),
-        )
+        # the publisher at its defaults: Staging() keeps the checksums relays are checked against
+        self.pub = Publisher("z", url, host_store=True, token=TOKEN, transport="tcp", host=host, zone="train")
         self.pub.register(self.t)
 
     def wait_for(self, n: int) -> int:
@@ -252,7 +243,7 @@ class Master:
 
     - ``ns``, ``host``, ``port``: its network namespace, address, and the store's port (it hosts it).
     - ``mb``: the published (bf16) model's size in MiB.
-    - ``delta``: publish with ``Staging(delta=Delta())``, else ``Staging(checksums=True)``.
+    - ``delta``: publish with ``Staging(delta=Delta())``, else ``Staging()`` (the default).
     - ``lr``, ``warmup``: the step size; optimizer steps taken before version 1.
     """
 
@@ -269,7 +260,7 @@ class Master:
         self.opt = torch.optim.AdamW(self.params, lr=lr)
         for _ in range(warmup):  # the optimizer's moments as they are some steps into a run
             self.step()
-        staging = Staging(delta=Delta()) if delta else Staging(checksums=True)
+        staging = Staging(delta=Delta()) if delta else Staging()
         self.pub = Publisher(
             "z", f"tcp://{host}:{port}", host_store=True, token=TOKEN, transport="tcp", host=host, staging=staging
         )

@@ -9,8 +9,9 @@ A publisher's sync mode is a string, except the one mode that needs a bound::
 How it stages versions is one value, ``Staging`` (copies into slots: casts, packing, checksums,
 deltas) or ``ZeroCopy`` (serves the live tensors; none of those)::
 
-    Publisher(..., staging=Staging(slots=2, delta=Delta(history=4)))       # deltas carry checksums
+    Publisher(..., staging=Staging(slots=2, delta=Delta(history=4)))       # checksums are on by default
     Publisher(..., staging=ZeroCopy())
+    Publisher(..., staging=Staging(checksums=False))                       # opts out of every check
 
 A subscriber's zone and whether it relays for it are one value, ``Zone``::
 
@@ -68,12 +69,14 @@ class Staging:
     """Versions are copied into staging slots (the trainer's stall is that copy); the default.
 
     - ``slots``: slots versions rotate through (a reader of slot s blocks its reuse), 1 to 64.
-    - ``checksums``: publish per-chunk checksums of each version (subscribers with ``verify`` check them).
-    - ``delta``: a ``Delta`` to also publish deltas (needs ``slots >= 2``; implies checksums), or None.
+    - ``checksums``: publish per-chunk checksums of each version, computed after the copy (outside the
+      trainer's stall): what ``verify=True``, ``Subscriber.verify()``, deltas and zone relays check
+      against. ``False`` opts out of all four.
+    - ``delta``: a ``Delta`` to also publish deltas (needs ``slots >= 2`` and checksums), or None.
     """
 
     slots: int = 2
-    checksums: bool = False
+    checksums: bool = True
     delta: Delta | None = None
 
     def __post_init__(self) -> None:
@@ -83,15 +86,16 @@ class Staging:
         _validate.boolean(self.checksums, "Staging(checksums)")
         if self.delta is not None and not isinstance(self.delta, Delta):
             raise UsageError(f"Staging(delta) takes Delta(history=k) or None, got {self.delta!r}")
+        if self.delta is not None and not self.checksums:
+            raise UsageError(
+                "Staging(delta=...) verifies every delta pull against the chunk checksums: "
+                "drop checksums=False (checksums are on by default)"
+            )
         if self.delta is not None and n < 2:
             raise UsageError(
                 "Staging(delta=...) encodes each version against the previous one in the other slot: "
                 f"write Staging(slots=2, delta=...) (got slots={n})"
             )
-
-    @property
-    def publishes_checksums(self) -> bool:
-        return self.checksums or self.delta is not None
 
 
 @dataclass(frozen=True)
@@ -100,20 +104,18 @@ class ZeroCopy:
     once ``publish()`` returns, so every mode waits for the acks of each version. No cast
     (``register(dtype=)``), transform, packing or delta, which all need a copy.
 
-    - ``checksums``: publish per-chunk checksums of each version.
+    - ``checksums``: publish per-chunk checksums of each version (hashed from the live tensors while
+      ``publish()`` runs: zero copy has no staging copy to move them behind). ``False`` opts out of
+      ``verify=True``, ``Subscriber.verify()`` and zone relays.
     """
 
-    checksums: bool = False
+    checksums: bool = True
 
     def __post_init__(self) -> None:
         _validate.boolean(self.checksums, "ZeroCopy(checksums)")
 
     slots = 1
     delta = None
-
-    @property
-    def publishes_checksums(self) -> bool:
-        return self.checksums
 
 
 @dataclass(frozen=True)

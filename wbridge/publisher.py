@@ -36,15 +36,12 @@ drives a publisher; ``wait_acked()``, ``subscribers()`` and ``close()`` may come
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
-
-import numpy as np
 
 import transports as _transports
 from planner.layout import Declaration, RankLayout
@@ -59,22 +56,13 @@ from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
 from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
-from .protocol.packing import packing_gens
-from .protocol.stamps import STAMP_STABLE, STAMP_WRITING
 from .protocol.version import VersionRecord
+from .publish import commit as _commit
 from .publish import transforms as _transforms
 from .publish.delta import build_ring
 from .publish.packing import SlotPacker
-from .publish.staging import (
-    Registration,
-    build_registration,
-    casts,
-    release_regions,
-    served_record,
-    snapshot,
-    staging_buffer,
-)
-from .publish.tracker import SubscriberTracker, now
+from .publish.staging import Registration, build_registration, casts, release_regions, served_record, staging_buffer
+from .publish.tracker import SubscriberTracker
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
 
 CLOSE_WAIT_S = 10.0  # how long close() waits for a publish in flight before it tears down anyway
@@ -106,7 +94,7 @@ class Publisher(Closeable):
       reach it where any is served (nixl), and only through those (``wbridge._selection``).
     - ``mode``: ``"sync"`` (publish waits for every subscriber's ack), ``"one_step_off"`` (waits for
       the acks of the version before), or ``Async(max_staleness=k)`` (``wbridge.options``).
-    - ``staging``: ``Staging(slots=2, checksums=False, delta=None)`` (copies into rotating slots;
+    - ``staging``: ``Staging(slots=2, checksums=True, delta=None)`` (copies into rotating slots;
       ``delta=Delta(history=k)`` also publishes deltas) or ``ZeroCopy()`` (serves the live tensors).
     - ``host``: the address transports bind and advertise (loopback by default).
     - ``connect_timeout``: seconds to wait for the store when opening it.
@@ -149,7 +137,7 @@ class Publisher(Closeable):
         self.channel, self.rank, self.world_size = channel, rank, world_size
         self.mode, self.max_staleness, self.staging = mode, max_staleness, staging
         self.slots, self.zero_copy = staging.slots, isinstance(staging, ZeroCopy)
-        self.host, self.checksums = host, staging.publishes_checksums
+        self.host, self.checksums = host, staging.checksums
         self.delta = staging.delta  # a Delta, or None
         self.token = token
         self.keys = Keys(channel)
@@ -265,6 +253,9 @@ class Publisher(Closeable):
                 log.warning("publisher rank %d: the store was lost; joined its new generation", self.rank)
             self._gen, self._chan, self.keys = gen, chan, chan.keys
             self._tracker = SubscriberTracker(chan, aggregator=self.rank == 0, others=self.world_size > 1)
+            self._committer = _commit.Committer(
+                chan, self.rank, self.world_size, self.slots, self.checksums, self.zero_copy, self.mode
+            )
         self._next_version = (latest.v if latest else 0) + 1
         with self._snap_lock:
             self._reg = reg
@@ -393,67 +384,24 @@ class Publisher(Closeable):
             reg = self._reg
         t0 = time.perf_counter()
         v = self._next_version
-        slot = v % self.slots
-        self._wait_before_snapshot(v, slot, deadline)
-        gen, packed = 0, None
+        self._wait_before_snapshot(v, v % self.slots, deadline)
+        packing = (0, None)
         if reg.packer is not None:  # pack for the readers known now; later ones from the next version
-            gen, packed = reg.packer.choose(reg.epoch, self.rank, list(self._tracker.reader_layouts()))
+            packing = reg.packer.choose(reg.epoch, self.rank, list(self._tracker.reader_layouts()))
         t1 = time.perf_counter()
-        self._store.add(self.keys.fence(slot), 1)  # readers of the old content of `slot` fail their fence check
-        stamp = reg.stamps[slot].numpy().view(np.uint64)
-        with self._snap_lock:  # close() releases the slots only between snapshots
-            self._check_stopped(v)
-            stamp[1:] = (v, STAMP_WRITING, reg.epoch)  # before the first byte of the slot changes
-            sums = snapshot(reg, slot, ready, packed, self.checksums and reg.delta is None)
-            stamp[1:] = (v, STAMP_STABLE, reg.epoch)
-            t2 = time.perf_counter()
-            if reg.delta is not None:  # both read the staging slots only: after the trainer's stall
-                slot_layout = packed.layout if packed is not None else reg.layout
-                reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen, slot_layout)
-                sums = reg.delta.sums(reg.slots[slot], slot_layout)
-        delta_s = time.perf_counter() - t2
-        if sums is not None:
-            self._chan.write(self.keys.sums(v, self.rank), sums)
-        if reg.packer is not None:
-            reg.packer.record(v, self.rank, gen)
-        if self._store.add(self.keys.snap(v, reg.epoch), 1) == self.world_size:
-            VersionRecord(
-                v=v,
-                epoch=reg.epoch,
-                slot=slot,
-                fence=self._store.get_int(self.keys.fence(slot)),
-                world_size=self.world_size,
-                zero_copy=self.zero_copy,
-                checksums=self.checksums,
-                committed_at=now(),
-                mode=self.mode,
-                packing=() if reg.packer is None else packing_gens(self._chan, v, self.world_size),
-                nonce=os.urandom(16).hex(),
-            ).write(self._chan)  # and its ready key: subscribers wake
-            self._collect(v, reg.epoch)  # (and this version's snapshot counter: every rank added)
-        self._next_version = v + 1
+        snap = _commit.snapshot(self._committer, reg, v, ready, packing, self._snap_lock, self._check_stopped)
+        self._next_version = v + 1  # v is spent even where its commit fails: every rank moves on to v + 1
+        _commit.commit(self._committer, snap)
+        t2 = time.perf_counter()
         if self.mode == "sync" or self.zero_copy:
             self._wait_acked(v, deadline, f"publisher rank {self.rank}: acks of version {v}")
         if self.zero_copy:
-            # The trainer mutates the live tensors as soon as we return: fence v off.
-            stamp[2] = STAMP_WRITING
-            self._store.add(self.keys.fence(slot), 1)
+            _commit.fence_off(self._committer, reg, snap.slot)
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
-        wait_s = (t1 - t0) + (t3 - t2) - delta_s
-        self.stats.add(PublishStats(v, t2 - t1, wait_s, t3 - t0, nbytes, background, delta_s))
+        wait_s = (t1 - t0) + (t3 - t2)
+        self.stats.add(PublishStats(v, snap.copy_s, wait_s, t3 - t0, nbytes, background, snap.seal_s))
         return v
-
-    def _collect(self, v: int, epoch: int) -> None:
-        """Deletes the snapshot counter of ``v`` (committed: every rank added to it) and the keys of
-        the version ``slots + 2`` before ``v``: every rank is past its waits
-        for it, and its slot was overwritten since (a reader still verifying it fails stale, as it
-        would on the overwritten slot). Best effort: the next commit tries the next one."""
-        old = v - (self.slots + 2)
-        keys = [self.keys.snap(v, epoch)]
-        if old >= 1:
-            keys += self.keys.version_keys(old, epoch, self.world_size, self.checksums)
-        quietly(self._store.delete_many, keys)
 
     def wait_acked(self, version: int, timeout: float = 60.0) -> None:
         """Blocks until every live subscriber acked ``version`` or later."""

@@ -6,6 +6,7 @@ Call protocol::
     sub.register({"qkv": (buf, Fused(0, [...])), ...})   # joins the channel; counts as live from here
     v = sub.pull(timeout=60.0)          # newest committed version, applied to the registered tensors
     v = await sub.pull_async()          # the same from an asyncio loop
+    sub.verify()                        # re-checks what the tensors hold against the publishers' checksums
     sub.close()                         # idempotent; also a context manager
 
 A pull runs the stages of ``wbridge.pull`` (see its package docstring) over one ``PullContext``:
@@ -25,6 +26,7 @@ link, and always verifies it against the publishers' checksums, repairing what d
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
@@ -46,12 +48,19 @@ from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.packing import layout_hash
 from .protocol.version import VersionRecord
-from .pull.apply import apply
+from .pull.apply import apply, check_options
 from .pull.context import Destination, Endpoints, PullContext
 from .pull.membership import NEW_GENERATION, STILL, Membership
-from .pull.version import VERSION_WAIT_SLICE_S, GenerationChanged, next_version
+from .pull.reads import verify_held
+from .pull.version import GenerationChanged, lost_history, next_version
 from .pull.zone import RELAY_TRANSPORTS, ZoneReader, join_zone
 from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
+
+log = logging.getLogger("wbridge")
+
+# ``wait_version`` blocks on the next version's ``ready`` key in slices this long, following the
+# store in between (a store that lost its history has no such key to wake it)
+FOLLOW_SLICE_S = 5.0
 
 
 class Subscriber(Closeable):
@@ -104,7 +113,7 @@ class Subscriber(Closeable):
         self.staged = _validate.boolean(staged, "staged") or (
             zone is not None and zone.relay
         )  # a relay serves its staging buffer
-        self.verify = _validate.boolean(verify, "verify")
+        self.verifies = _validate.boolean(verify, "verify")  # (``verify()`` checks on demand)
         lease_ttl = _validate.timeout(lease_ttl, "lease_ttl", positive=True)
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         self.channel, self.preference, self.host, self.lease_ttl = channel, transport, host, lease_ttl
@@ -115,10 +124,12 @@ class Subscriber(Closeable):
         self._lock = threading.Lock()
         self._pull_lock = threading.Lock()
         self._zone: ZoneReader | None = None
+        self._watched: str | None = None  # a watcher's store generation (``_follow``)
+        self._refused = False  # left the channel after its options were refused (``pull.apply.check_options``)
         self._store = open_store(store, connect_timeout=connect_timeout)
         member = Membership(ChannelStore(self._store, keys, self.token), self.name, lease_ttl)
         endpoints = Endpoints(self.token, host, transport_options or {}, transport)
-        self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verify, self.stats)
+        self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verifies, self.stats)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -193,27 +204,56 @@ class Subscriber(Closeable):
         return values if found == STILL else None
 
     def latest(self) -> int | None:
-        """The newest committed version in the store (``None`` before the first); never blocks."""
+        """The newest committed version in the store (``None`` before the first); never blocks.
+        Follows the store as ``pull()`` does: after a store loss, the newest of its new history."""
         self._check_open()
-        rec = self._read_version()[1]
+        rec = self._follow()[1]
         return rec.v if rec else None
 
-    def _read_version(self) -> tuple[Keys | None, VersionRecord | None]:
-        """The keys and version record of the generation joined, or for a watcher (never
-        registered) of the store's current generation (``(None, None)``: the store has none)."""
-        member = self._ctx.member
-        chan = member.chan
-        if member.gen is None:
+    def _follow(self) -> tuple[Keys | None, VersionRecord | None]:
+        """The keys and version record of the store's current history. A registered subscriber
+        checks its membership as a pull does (a store found in a new generation is joined, a
+        lapsed lease joined again) unless a pull is running (which checks it itself); a watcher
+        (never registered) reads the store's current generation. Either forgets what it knew of a
+        history the store lost (``pull.version.lost_history``), so callers' floors of that history
+        are void (``PullContext.floor``)."""
+        ctx, member = self._ctx, self._ctx.member
+        if member.gen is None:  # a watcher: whatever generation the store is in now
             gen = _generation.current(member.base)
             if gen is None:
                 return None, None
+            if self._watched not in (None, gen):
+                ctx.forget()  # the store was lost and came back: versions count from 1 again
+            self._watched = gen
             chan = member.base.at(gen)
-        return chan.keys, VersionRecord.read(chan)
+            rec = VersionRecord.read(chan)
+        elif self._pull_lock.acquire(blocking=False):
+            try:
+                values = self._check_membership()
+                if values is None:  # joined the store's new generation (or again, under a new id)
+                    values = self._store.get_many([ctx.keys.version])
+                chan = member.chan
+                rec = VersionRecord.parse(chan, values[0])
+            finally:
+                self._pull_lock.release()
+        else:
+            chan = member.chan
+            rec = VersionRecord.read(chan)
+        why = lost_history(ctx, rec)
+        if why:
+            log.warning("subscriber %s: channel %r %s: the store lost its history", self.name, self.channel, why)
+            ctx.forget()
+        if rec is not None:
+            ctx.see(rec)
+        return chan.keys, rec
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.
         ``after=None``: newer than what this subscriber holds (0: none). Needs no ``register()``:
-        a watcher that only wants to know when to act (e.g. to tell an engine to update) uses it."""
+        a watcher that only wants to know when to act (e.g. to tell an engine to update) uses it.
+        Follows the store as ``pull()`` does: where it finds that the store lost the history
+        ``after`` counted (a new generation, or epochs that went back), it returns the newest
+        version of the new history."""
         self._check_open()
         floor = (self.version or 0) if after is None else after
         if type(floor) is not int or floor < 0:  # noqa: E721 - bool is no version
@@ -223,7 +263,8 @@ class Subscriber(Closeable):
         deadline = time.monotonic() + timeout
         with self._store.deadline(deadline):
             while True:
-                keys, rec = self._read_version()
+                keys, rec = self._follow()
+                floor = self._ctx.floor(floor)
                 if rec is not None and rec.v > floor:
                     return rec.v
                 left = deadline - time.monotonic()
@@ -235,22 +276,35 @@ class Subscriber(Closeable):
                 if keys is None:  # no generation in the store yet: nothing to block on
                     time.sleep(min(left, 0.05))
                     continue
-                # block on the commit of the next version, as pulls do, instead of polling
+                # block on the commit of the next version, as pulls do, instead of polling; in
+                # slices, so a store that lost its history is noticed within one
                 try:
-                    self._store.wait(keys.ready(floor + 1), min(left, VERSION_WAIT_SLICE_S))
+                    self._store.wait(keys.ready(floor + 1), min(left, FOLLOW_SLICE_S))
                 except (WaitTimeout, StoreError):
                     pass  # timed out (re-checked above) or a store hiccup: read again
 
-    async def versions(self, after: int | None = None) -> AsyncIterator[int]:
+    async def versions(self, after: int | None = None, give_up: float = 60.0) -> AsyncIterator[int]:
         """Yields each newly committed version: ``async for v in sub.versions(): ...``. Starts after
         ``after`` (default: the version committed now, or what this subscriber holds if newer); a
         version committed while the loop body runs is not lost, several may be coalesced into the
-        newest. Needs no ``register()``."""
+        newest. Needs no ``register()``. Follows the store as ``wait_version`` does (after a store
+        loss, the new history's versions); a store that stays unreachable for ``give_up`` seconds
+        raises its ``StoreError`` (shorter outages are waited out, with backoff)."""
+        give_up = _validate.timeout(give_up, "versions() give_up")
         last = after if after is not None else max(self.latest() or 0, self.version or 0)
+        failing_since: float | None = None
         while True:
             try:
                 last = await asyncio.to_thread(self.wait_version, last, 1.0)
+                failing_since = None
             except WaitTimeout:
+                continue
+            except StoreError:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= give_up:
+                    raise
+                await asyncio.sleep(min(2.0, 0.1 + (now - failing_since) / 4))
                 continue
             yield last
 
@@ -282,6 +336,11 @@ class Subscriber(Closeable):
         want = max(1, min_version or 1)
         retries = 0
         lost = self._ctx.losses
+        if self._refused:  # it left after a refusal: counted again from this pull on
+            self._ctx.member.join(self._ctx.member.gen, self._ctx.member.acked)
+            self._refused = False
+            if self.zone is not None:
+                self._join_zone()
         known = self._check_membership()  # with the version record: one batched read
         while True:
             if self._ctx.losses != lost:
@@ -296,6 +355,11 @@ class Subscriber(Closeable):
                 continue
             if self._ctx.holds(rec):  # the same version (number, epoch, nonce): nothing to read
                 return rec.v
+            try:
+                check_options(self._ctx, rec, self._zone)
+            except UsageError:
+                self._leave()  # no publisher waits on a subscriber that cannot pull their versions
+                raise
             t0 = time.perf_counter()
             try:
                 done = apply(self._ctx, rec, fence, deadline, self._zone)
@@ -310,6 +374,26 @@ class Subscriber(Closeable):
                 continue
             self.stats.add(done.stats(rec.v, time.perf_counter() - t0, retries))
             return rec.v
+
+    def verify(self, timeout: float = 60.0) -> int:
+        """Checks the bytes the registered tensors hold against the publishers' checksums of the
+        version they hold, and returns that version (chunks the tensors hold only in part are read
+        again from the publishers to check them). ``IntegrityError`` names the tensor and the chunk
+        that differ; ``UsageError`` where no whole version is held or the publishers keep no
+        checksums (``Staging(checksums=False)``); ``StaleVersionError`` where that version's
+        checksums were collected since (``slots + 2`` newer versions replaced it: pull again)."""
+        self._check_open()
+        deadline = time.monotonic() + _validate.timeout(timeout, "verify() timeout")
+        with self._pull_lock, self._store.deadline(deadline):
+            return verify_held(self._ctx, deadline)
+
+    def _leave(self) -> None:
+        """Leaves the channel's membership (and the zone's relays) until the next pull."""
+        if self._zone is not None:
+            quietly(self._zone.close)
+            self._zone = None
+        self._ctx.member.leave()
+        self._refused = True
 
     # ------------------------------------------------------------------------------------------
     def _check_open(self) -> None:

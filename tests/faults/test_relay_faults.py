@@ -97,15 +97,26 @@ def test_corrupting_relay_is_read_around_without_verify(standalone_store: str) -
 
 
 @pytest.mark.slow
-def test_verify_without_publisher_checksums_is_refused(standalone_store: str) -> None:
+@pytest.mark.parametrize("asks", ["verify", "zone"])
+def test_what_needs_checksums_is_refused_and_leaves_the_channel(standalone_store: str, asks: str) -> None:
+    """``verify=True`` and a zone both check bytes against the publishers' checksums: against
+    publishers that opted out (``Staging(checksums=False)``) the first pull raises ``UsageError``
+    saying what to write, and the subscriber leaves the channel: a ``sync`` publisher does not wait
+    on it (before, it stayed a live member and the publisher waited until its own timeout)."""
     url = standalone_store
-    pub = Worker("pub", PubActor, url, 0, 1, 1)  # Staging(): no checksums
-    sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="small", verify=True)
+    pub = Worker("pub", PubActor, url, 0, 1, 1, mode="sync", staging=Staging(checksums=False), transport="tcp")
+    opts = {"verify": True} if asks == "verify" else {"zone": Zone("a", relay=True)}
+    sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="small", transport="tcp", **opts)
     try:
-        pub.call("publish", 1)
+        assert pub.call("live_subscribers") == 1
+        pub.send("publish", 1, timeout=30.0)
         with pytest.raises(WorkerError) as err:
             sub.call("pull", 1, timeout=TIMEOUT)
-        assert err.value.exc_type == "UsageError" and "Staging(checksums=True)" in str(err.value), err.value
+        assert err.value.exc_type == "UsageError" and "checksums=False" in str(err.value), err.value
+        t0 = time.monotonic()
+        assert pub.result(30)["v"] == 1  # the sync publish stopped waiting on the refused subscriber
+        assert pub.call("publish", 2, timeout=5.0)["v"] == 2 and time.monotonic() - t0 < 25
+        assert pub.call("live_subscribers") == 0
     finally:
         for w in [sub, pub]:
             w.stop()

@@ -138,13 +138,13 @@ def test_snapshot_keeps_the_packed_copy_program_per_slot():
         copy_boxes(ps.copies, [byte_view(t).numpy() for t in tensors.values()], [out])
         return out
 
-    snapshot(reg, 1, None, packs[0], False)
+    snapshot(reg, 1, None, packs[0])
     first = reg.packed_copies[1]
     assert np.array_equal(reg.slots[1][0].numpy(), want(packs[0])) and want(packs[0]).any()
     store.mul_(3)  # the trainer's next values
-    snapshot(reg, 1, None, packs[0], False)
+    snapshot(reg, 1, None, packs[0])
     assert reg.packed_copies[1] is first
     assert np.array_equal(reg.slots[1][0].numpy(), want(packs[0]))
-    snapshot(reg, 1, None, packs[1], False)
+    snapshot(reg, 1, None, packs[1])
     assert reg.packed_copies[1] is not first and reg.packed_copies[1].ps is packs[1]
     assert np.array_equal(reg.slots[1][0].numpy(), want(packs[1]))

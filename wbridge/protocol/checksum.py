@@ -1,4 +1,12 @@
-"""Chunk checksums of staging regions, so a subscriber can verify what it read (``verify=True``)."""
+"""Chunk checksums of staging regions, so a subscriber can verify what it read (``verify=True``).
+
+A rank's checksum record of a version (``Keys.sums``) is bound to what the bytes mean, not only to
+the bytes: it names the version, the rank's incarnation and the hash of the slot layout it was
+computed over (``bind``), and a reader takes it only where all three are the version record's
+(``read_sums``). A record of another history (same key, same token: replayed) or of a slot laid out
+otherwise than the reader planned (a packing generation it was misled about) fails the check, so a
+wrong plan cannot verify: the checksums hold the bytes to the places the version's own layouts say.
+"""
 
 from __future__ import annotations
 
@@ -50,10 +58,60 @@ def chunk_edges(size: int, cuts: Any = (), chunk: int = CHUNK) -> np.ndarray:
 
 
 def slot_edges(layout: Any, size: int) -> np.ndarray:
-    """``chunk_edges`` of a staging slot of ``size`` bytes laid out as ``layout`` (a
-    ``RankLayout``): its tensors' (a packed slot's cells') starts and ends cut the chunks."""
-    at = np.array([(t.offset, t.offset + t.nbytes) for t in layout.tensors if t.region == 0], dtype=np.int64)
-    return chunk_edges(size, at)
+    """``chunk_edges`` of the first region (``size`` bytes) of a staging slot laid out as ``layout``
+    (``region_edges``)."""
+    return region_edges(layout, [size])[0]
+
+
+def region_edges(layout: Any, sizes: Sequence[int]) -> list[np.ndarray]:
+    """``chunk_edges`` of each region of a slot laid out as ``layout`` (a ``RankLayout``; region
+    ``i`` has ``sizes[i]`` bytes): the tensors' (a packed slot's cells') starts and ends cut the
+    chunks, so a reader whose ranges are whole cells covers whole chunks."""
+    out = []
+    for i, size in enumerate(sizes):
+        at = np.array([(t.offset, t.offset + t.nbytes) for t in layout.tensors if t.region == i], dtype=np.int64)
+        out.append(chunk_edges(size, at))
+    return out
+
+
+def slot_sums(buffers: Sequence[Any], layout: Any) -> dict:
+    """The chunk checksums of a slot's ``buffers`` laid out as ``layout``, cut at its cells
+    (``region_edges``)."""
+    sizes = [b.nbytes if isinstance(b, np.ndarray) else int(b.numel()) * b.element_size() for b in buffers]
+    return chunk_sums(buffers, edges=region_edges(layout, sizes))
+
+
+def bind(sums: dict, v: int, inc: str, layout: str) -> dict:
+    """``sums`` as the checksum record of version ``v`` of a rank of incarnation ``inc`` whose slot
+    is laid out as the layout of hash ``layout``."""
+    return {**sums, "v": v, "inc": inc, "layout": layout}
+
+
+def read_sums(chan: Any, rec: Any, ranks: Sequence[int], known: dict | None = None) -> dict:
+    """The checksum records of version record ``rec`` of publisher ranks ``ranks`` (one batched read;
+    ``known``: records read already, by rank, added to), each checked to be bound to ``rec``:
+    ``StaleVersionError`` where one was collected (a newer version replaced ``rec``),
+    ``IntegrityError`` naming the key where one is of another version, incarnation or slot layout."""
+    from ..errors import IntegrityError, StaleVersionError
+
+    known = {} if known is None else known
+    todo = [r for r in ranks if r not in known]
+    keys = [chan.keys.sums(rec.v, r) for r in todo]
+    for r, key, raw in zip(todo, keys, chan.store.get_many(keys) if keys else []):
+        if raw is None:  # written before the commit: collected since, so the slot was reused
+            raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
+        sums = chan.open(key, raw)
+        want = (rec.v, rec.incs[r] if rec.incs else None, rec.layouts[r] if rec.layouts else None)
+        got = (sums.get("v"), sums.get("inc"), sums.get("layout")) if isinstance(sums, dict) else None
+        if got != want:
+            raise IntegrityError(
+                f"store key {key!r} holds checksums of another version, publisher incarnation or slot layout "
+                f"than version {rec.v} of publisher rank {r} (a record of a lost history put back?)"
+            )
+        if sums.get("algo") != ALGO:
+            raise IntegrityError(f"publisher rank {r} uses checksum {sums.get('algo')}, this subscriber {ALGO}")
+        known[r] = sums
+    return known
 
 
 def chunk_sums(buffers: Sequence[Any], chunk: int = CHUNK, edges: Sequence[Any] | None = None) -> dict:
@@ -101,7 +159,23 @@ def _starts(sums: dict, region: int) -> np.ndarray:
     return np.asarray(edges[region], dtype=np.int64)
 
 
-def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: str, repair: Any = None) -> int:
+def tensor_at(layout: Any) -> Any:
+    """``name_at(region, offset)`` for ``verify_reads``: the name of ``layout``'s tensor holding
+    that byte of a destination region (a ``RankLayout``)."""
+
+    def name_at(region: int, offset: int) -> str:  # (only for an error: the layout is scanned then)
+        for t in layout.tensors:
+            r, lo, hi, name = t.region, t.offset, t.offset + t.nbytes, t.name
+            if r == region and lo <= offset < hi:
+                return name
+        return f"region {region} offset {offset}"
+
+    return name_at
+
+
+def verify_reads(
+    batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: str, repair: Any = None, name_at: Any = None
+) -> int:
     """Verifies every byte ``batch`` read into ``dest`` against the source's chunk sums.
 
     The chunks the batch covers completely are gathered from the destination in source order
@@ -111,7 +185,7 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
     of the whole destination, nothing is read again). Raises ``IntegrityError``; with
     ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is instead
     written from the chunk read again (whose own hash must match); returns how many chunks were
-    repaired.
+    repaired. ``name_at(dst_region, dst_offset)`` (``tensor_at``) names the destination tensor in errors.
     """
     from ..errors import IntegrityError
 
@@ -185,11 +259,16 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
         at += size
         if h != expected[int(region_of[k])][int(index_in[k])]:
             bad.append(k)
+
+    def tensor(p: int) -> str:
+        return "" if name_at is None else f" (tensor {name_at(int(pdreg[p]), int(pdoff[p]))})"
+
     if bad and repair is None:
         k = bad[0]
         raise IntegrityError(
-            f"{where}: checksum mismatch in region {int(region_of[k])} bytes "
-            f"[{int(all_starts[k])}, {int(all_ends[k])}) (corrupted in flight?)"
+            f"{where}: checksum mismatch in chunk {int(index_in[k])} of region {int(region_of[k])}, bytes "
+            f"[{int(all_starts[k])}, {int(all_ends[k])}){tensor(int(np.flatnonzero(c == k)[0]))} "
+            "(corrupted in flight, or changed since?)"
         )
     todo = bad + ([] if fetch is None else np.setdiff1d(touched, whole).tolist())
     repaired = 0
@@ -204,8 +283,8 @@ def verify_reads(batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: s
             if not np.array_equal(host[dr][do : do + m], ref[a : a + m]):
                 if repair is None:
                     raise IntegrityError(
-                        f"{where}: bytes read from region {r} offset {lo_k + a} "
-                        f"(+{m}) differ from the publisher's (corrupted in flight?)"
+                        f"{where}: bytes read from region {r} offset {lo_k + a} (+{m}){tensor(p)} "
+                        "differ from the publisher's (corrupted in flight, or changed since?)"
                     )
                 repair(dr, do, ref[a : a + m])
                 fixed = True

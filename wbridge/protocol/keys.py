@@ -10,8 +10,11 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/e/<e>/r/<rank>/packed/<k>  slot layout of packing generation k of that rank
     wb/c/g/<g>/version              the newest committed version's record (v, epoch, slot, fence)
     wb/c/g/<g>/v/<v>/e/<e>/snap     how many publisher ranks of epoch e snapshotted v
-    wb/c/g/<g>/v/<v>/sum/<rank>     per-rank chunk checksums of v (when enabled)
-    wb/c/g/<g>/v/<v>/pack/<rank>    the packing generation of rank's slot holding v (staged modes)
+    wb/c/g/<g>/v/<v>/sum/<rank>     per-rank chunk checksums of v (when enabled), bound to v, the
+                                    rank's incarnation and its slot layout (``checksum``)
+    wb/c/g/<g>/v/<v>/rank/<rank>    rank's part of v: its incarnation, the packing generation and
+                                    layout hash of its slot; the committer seals them into the
+                                    version record (``version.RankPart``)
     wb/c/g/<g>/v/<v>/ready          written once v is committed: subscribers block on it appearing
     wb/c/g/<g>/v/<v>/acked          written once every live subscriber acked v or later
     wb/c/g/<g>/v/<v>/free           written once no live subscriber reads (an older version in)
@@ -108,7 +111,7 @@ class Keys:
     def version_keys(self, v: int, epoch: int, world_size: int, checksums: bool) -> list[str]:
         """Every per-version key of ``v`` (snap counters of this epoch and the one before)."""
         keys = [self.snap(v, epoch), self.ready(v), self.acked(v), self.free(v)]
-        keys += [self.packing(v, r) for r in range(world_size)]
+        keys += [self.part(v, r) for r in range(world_size)]
         if epoch > 1:
             keys.append(self.snap(v, epoch - 1))
         if checksums:
@@ -118,8 +121,8 @@ class Keys:
     def packed(self, epoch: int, rank: int, gen: int) -> str:
         return f"{self.rank(epoch, rank)}/packed/{gen}"
 
-    def packing(self, v: int, rank: int) -> str:
-        return f"{self.p}v/{v}/pack/{rank}"
+    def part(self, v: int, rank: int) -> str:
+        return f"{self.p}v/{v}/rank/{rank}"
 
     def reader_layout(self, h: str) -> str:
         return f"{self.p}layout/{h}"

@@ -2,9 +2,9 @@
 
 A subscriber announces its layout under a key named by the layout's hash (``Keys.reader_layout``);
 a publisher rank stores each packing generation's slot layout under ``Keys.packed(epoch, rank, gen)``
-and the generation each version was copied with under ``Keys.packing(v, rank)``, which the
-committing rank copies into the version record (``wbridge.publish.packing`` packs; ``wbridge.pull``
-plans against them)."""
+and the generation each version was copied with in its part of the version (``version.RankPart``),
+which the committing rank copies into the version record with the slot layout's hash
+(``wbridge.publish.packing`` packs; ``wbridge.pull`` plans against them and checks the hashes)."""
 
 from __future__ import annotations
 
@@ -33,16 +33,6 @@ def announce(chan: ChannelStore, layout: RankLayout) -> str:
     return h
 
 
-def packing_gens(chan: ChannelStore, v: int, world_size: int) -> tuple[int, ...]:
-    """The packing generation of every publisher rank's slot for version ``v`` (0 where a rank
-    recorded none), read by the rank that commits ``v`` into its version record."""
-    names = [chan.keys.packing(v, r) for r in range(world_size)]
-    gens = []
-    for key, raw in zip(names, chan.store.get_many(names)):
-        gens.append(int(chan.open(key, raw)["gen"]) if raw is not None else 0)
-    return tuple(gens)
-
-
 def packed_layout(chan: ChannelStore, epoch: int, rank: int, gen: int) -> RankLayout:
     """The slot layout of packing generation ``gen`` of publisher rank ``rank``."""
     d = chan.read(chan.keys.packed(epoch, rank, gen))
@@ -51,4 +41,4 @@ def packed_layout(chan: ChannelStore, epoch: int, rank: int, gen: int) -> RankLa
     return RankLayout.from_dict(d)
 
 
-__all__ = ["announce", "layout_hash", "packed_layout", "packing_gens"]
+__all__ = ["announce", "layout_hash", "packed_layout"]

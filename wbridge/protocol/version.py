@@ -1,8 +1,18 @@
-"""The version record: what ``wb/<channel>/version`` holds for the newest committed version."""
+"""The version record: what ``wb/<channel>/version`` holds for the newest committed version, and
+each publisher rank's part of it (``RankPart``, at ``v/<v>/rank/<rank>``).
+
+What a subscriber plans a version from is sealed, never defaulted: each rank writes its part (its
+incarnation, the packing generation and layout hash of the slot holding ``v``) before it counts its
+snapshot, and the committing rank copies every part into the version record. A part that is missing
+or of another version, epoch or incarnation is a ``StoreError`` naming its key: the version is not
+committed. Subscribers then check the rank records and slot layouts they plan from, and the
+checksum records they verify with, against the version record (``wbridge.pull.connect``,
+``protocol.checksum``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..errors import StoreError
 from .channel import ChannelStore
@@ -25,12 +35,23 @@ class VersionRecord:
     # A store that lost its history (wiped, restored from a backup, an old generation record put
     # back) can show a version number again for other bytes; never its nonce.
     nonce: str = ""
+    # per rank: the publisher's incarnation (drawn at each register) and the layout hash of the slot
+    # holding v (``protocol.packing.layout_hash``). A trainer restarted at the same epoch number (a
+    # store that lost its history) has other incarnations: nothing of the old one matches them.
+    incs: tuple[str, ...] = ()
+    layouts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "packing", tuple(int(g) for g in self.packing))
+            object.__setattr__(self, "incs", tuple(str(x) for x in self.incs))
+            object.__setattr__(self, "layouts", tuple(str(x) for x in self.layouts))
         except (TypeError, ValueError) as e:
-            raise StoreError(f"malformed version record: packing {self.packing!r}: {e}") from None
+            raise StoreError(f"malformed version record of version {self.v}: {e}") from None
+        if any(len(x) != self.world_size for x in (self.incs, self.layouts) if x) or (
+            self.packing and len(self.packing) != self.world_size
+        ):
+            raise StoreError(f"malformed version record of version {self.v}: per-rank fields of another world size")
 
     @property
     def identity(self) -> tuple[int, int, str]:
@@ -96,3 +117,44 @@ class VersionRecord:
         the record too and wakes the subscribers blocked on it."""
         chan.write(chan.keys.version, self.__dict__)
         chan.write(chan.keys.ready(self.v), self.__dict__)
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """One publisher rank's part of version ``v`` (``Keys.part``), sealed like every record.
+
+    - ``v``, ``epoch``: the version and the registration epoch it was published in.
+    - ``inc``: the rank's incarnation (a nonce drawn at each ``register()``).
+    - ``gen``: the packing generation of the slot holding ``v`` (0: the plain slot).
+    - ``layout``: the slot layout's hash (``protocol.packing.layout_hash``).
+    """
+
+    v: int
+    epoch: int
+    inc: str
+    gen: int
+    layout: str
+
+    def write(self, chan: ChannelStore, rank: int) -> None:
+        chan.write(chan.keys.part(self.v, rank), asdict(self))
+
+    @classmethod
+    def read_all(cls, chan: ChannelStore, v: int, epoch: int, world_size: int) -> list[RankPart]:
+        """Every rank's part of ``v`` (one batched read); ``StoreError`` naming the key of one
+        that is missing or not of ``v`` in ``epoch``: nothing is committed from a guess."""
+        keys = [chan.keys.part(v, r) for r in range(world_size)]
+        parts = []
+        for key, raw in zip(keys, chan.store.get_many(keys)):
+            if raw is None:
+                raise StoreError(f"store key {key!r} is missing: version {v} cannot be committed without it")
+            d = chan.open(key, raw)
+            try:
+                part = cls(int(d["v"]), int(d["epoch"]), str(d["inc"]), int(d["gen"]), str(d["layout"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise StoreError(f"malformed rank record of version {v} at {key!r}: {e}") from None
+            if (part.v, part.epoch) != (v, epoch):
+                raise StoreError(
+                    f"store key {key!r} holds the record of version {part.v} epoch {part.epoch}, not {v} epoch {epoch}"
+                )
+            parts.append(part)
+        return parts

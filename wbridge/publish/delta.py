@@ -7,8 +7,8 @@ the live tensors: the trainer's stall does not grow) as 2-byte words and writes 
 buffer ``v % k``, in ``v``'s slot byte order. Where ``v - 1`` was packed for other readers (another
 packing generation), its bytes are first moved to where ``v``'s packing holds them (``remap``):
 a new reader layout, a repack, a late joiner or a rejoin costs no subscriber its base. The chunk
-checksums of a delta publisher's slot are cut at its cells (``sums``), so a reader packed for
-verifies whole chunks only. Layout of one delta buffer (native byte order)::
+checksums of every staged slot are cut at its cells (``protocol.checksum.slot_sums``), so a reader
+packed for verifies whole chunks only. Layout of one delta buffer (native byte order)::
 
     header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen of v, nchunks, nentries
     table    uint32[nchunks + 1] at byte 64: entries of chunk c are [table[c], table[c + 1])
@@ -37,7 +37,6 @@ from transports._copy import CopyPlan
 
 from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
-from ..protocol.checksum import chunk_edges, chunk_sums, slot_edges
 from ..protocol.delta import (
     CHUNK_WORDS,
     DELTA_MAGIC,
@@ -88,15 +87,6 @@ class DeltaRing:
             dst = np.concatenate([s.dst_offset for s in ops]) + address(scratch)
             CopyPlan.of(dst, src, np.concatenate([s.nbytes for s in ops])).run()
         return scratch
-
-    def sums(self, slot: list[Any], layout: RankLayout) -> dict:
-        """The chunk checksums of ``slot`` (its buffers), its first region's chunks cut where
-        ``layout``'s tensors (a packed slot's cells) begin and end (``checksum.slot_edges``): a
-        delta pull verifies the ranges it reads without reading any chunk again."""
-        edges = [
-            slot_edges(layout, int(b.numel())) if i == 0 else chunk_edges(int(b.numel())) for i, b in enumerate(slot)
-        ]
-        return chunk_sums(slot, edges=edges)
 
     def header(self, i: int) -> np.ndarray:
         return self.buffers[i][:HEADER_BYTES].numpy().view(np.uint64)

@@ -5,8 +5,8 @@ by its hash (``Keys.reader_layout``) and the subscriber record carries only the 
 snapshot a staged publisher rank packs its slot for the distinct layouts of the live subscribers
 (``SlotPacker.choose``): a new set of layouts gets a new *packing generation*, whose slot layout is
 stored under ``Keys.packed(epoch, rank, gen)``; generation 0 is the plain slot. Each rank records
-the generation every version was copied with (``Keys.packing(v, rank)``) before it counts its
-snapshot, and the rank that commits ``v`` copies them into the version record, so a subscriber
+the generation every version was copied with in its part of the version (``RankPart``) before it
+counts its snapshot, and the rank that commits ``v`` copies them into the version record, so a subscriber
 reading version ``v`` plans against exactly the layouts of ``v``'s slots, and re-plans only when a
 generation changes. A subscriber that joins later is packed for
 from the next snapshot on; until then it plans ordinary reads against the current slot layout,
@@ -76,11 +76,6 @@ class SlotPacker:
                     break
         self._by_readers[key] = got
         return got
-
-    def record(self, v: int, rank: int, gen: int) -> None:
-        """Says which generation version ``v``'s slot of this rank holds (before it commits)."""
-        key = self.keys.packing(v, rank)
-        self.chan.write(key, {"gen": gen})
 
 
 class PackedCopy:

@@ -21,7 +21,6 @@ from planner.layout import Declaration, RankLayout
 from .._lifecycle import quietly
 from .._selection import publisher_capabilities
 from .._tensors import address, alloc_bytes, byte_view, describe
-from ..protocol import checksum as _checksum
 from ..protocol.records import b64
 from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_WRITING
 from .delta import release_ring
@@ -52,6 +51,9 @@ class Registration:
     cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
     transforms: dict[str, str] = field(default_factory=dict)  # register(transforms=): name -> transform
     delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge.publish.delta)
+    # this registration's incarnation, drawn afresh for each (``protocol.version.RankPart``)
+    inc: str = field(default_factory=lambda: os.urandom(8).hex())
+    layout_hashes: dict[int, str] = field(default_factory=dict)  # packing generation -> slot layout hash
 
 
 def staging_buffer(transports: Mapping[str, Any], size: int, device: str, pinned: bool = False) -> Any:
@@ -73,10 +75,10 @@ def staging_buffer(transports: Mapping[str, Any], size: int, device: str, pinned
     return buf
 
 
-def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: bool) -> list | None:
-    """Copies the live tensors into ``slot``; returns its checksums (None: not enabled). On
-    CUDA the copy waits for ``ready`` (the caller's writes) on its own stream, and returns only
-    when the bytes have landed: the stamp is about to say "stable"."""
+def snapshot(reg: Registration, slot: int, ready: Any, packed: Any) -> None:
+    """Copies the live tensors into ``slot`` (nothing for zero copy). On CUDA the copy waits for
+    ``ready`` (the caller's writes) on its own stream, and returns only when the bytes have landed:
+    the stamp is about to say "stable"."""
     if reg.device != "cpu":
         import torch
 
@@ -98,9 +100,6 @@ def snapshot(reg: Registration, slot: int, ready: Any, packed: Any, checksums: b
                 np.copyto(dst, src)  # a plain memcpy (releases the GIL); torch's uint8 copy_ is slower here
             else:
                 dst.copy_(src)  # a cast or transform (register(dtype=, transforms=)): vectorised per tensor
-    if not checksums:
-        return None
-    return _checksum.chunk_sums(reg.slots[0] if reg.zero_copy else reg.slots[slot])
 
 
 def packed_copy(reg: Registration, slot: int, packed: Any) -> PackedCopy:
@@ -232,6 +231,7 @@ def served_record(reg: Registration, transports: Mapping[str, Any], rank: int, w
         "rank": rank,
         "world_size": world_size,
         "epoch": reg.epoch,
+        "inc": reg.inc,
         "layout": reg.layout.to_dict(),
         "host": socket.gethostname(),
         "pid": os.getpid(),

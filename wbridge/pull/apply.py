@@ -41,15 +41,10 @@ log = logging.getLogger("wbridge")
 def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zone: ZoneReader | None) -> PullResult:
     """Reads ``rec`` into the destination (see the module docstring); ``zone``: the subscriber's
     zone reader, if it has a zone."""
-    if ctx.verify and not rec.checksums:
-        raise UsageError(
-            f"subscriber {ctx.name}: verify=True, but the publishers of channel {ctx.channel!r} keep no "
-            "checksums to verify against: publish with Staging(checksums=True) (or ZeroCopy(checksums=True)), "
-            "or pull with verify=False"
-        )
+    check_options(ctx, rec, zone)  # (the subscriber checks first: a refusal leaves the channel)
     session = ctx.session
     gens = rec.packing or (0,) * rec.world_size  # which packed layout each rank's slot holds
-    reused = session is not None and session.epoch == rec.epoch and session.gens == gens
+    reused = session is not None and (session.epoch, session.gens, session.incs) == (rec.epoch, gens, rec.incs)
     if not reused:
         session = setup(ctx, rec, gens, deadline)
     member = ctx.member
@@ -96,9 +91,29 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
             dst.copy_(src)
     ctx.hold(rec)
     member.acked = rec.v
-    ctx.held = Held(rec.v, rec.epoch, gens)
+    ctx.held = Held(rec.v, rec.epoch, gens, rec.incs)
     ctx.store.set(state_key, state_bytes(rec.v, 0))  # acked, and reading nothing
     return result
+
+
+def check_options(ctx: PullContext, rec: VersionRecord, zone: ZoneReader | None) -> None:
+    """``UsageError`` where what the subscriber asked for needs the publishers' checksums and they
+    opted out of them (``Staging(checksums=False)``): ``verify=True``, and a zone (relays are
+    peers, not authorities: their bytes are checked against the publishers' checksums)."""
+    if rec.checksums:
+        return
+    fix = "drop checksums=False from the publishers' Staging()/ZeroCopy() (checksums are on by default)"
+    if ctx.verify:
+        raise UsageError(
+            f"subscriber {ctx.name}: verify=True, but the publishers of channel {ctx.channel!r} keep no "
+            f"checksums to verify against: {fix}, or subscribe with verify=False"
+        )
+    if zone is not None:
+        raise UsageError(
+            f"subscriber {ctx.name}: zone {zone.zone!r} reads through relays, whose bytes are checked "
+            f"against the publishers' checksums, but the publishers of channel {ctx.channel!r} keep none: "
+            f"{fix}, or subscribe without zone="
+        )
 
 
 def _check(ctx: PullContext, session: Session, rec: VersionRecord, result: PullResult, deadline: float) -> None:
@@ -151,4 +166,4 @@ def _read(
     return session, PullResult(session.plan.total_bytes, 0, len(session.plan), reason=reason)
 
 
-__all__ = ["apply"]
+__all__ = ["apply", "check_options"]

@@ -18,8 +18,8 @@ from transports.base import ReadBatch
 from .._lifecycle import quietly
 from .._selection import candidates
 from .._tensors import commit_pairs
-from ..errors import StoreError, TransportError, WaitTimeout
-from ..protocol.packing import packed_layout
+from ..errors import IntegrityError, StoreError, TransportError, WaitTimeout
+from ..protocol.packing import layout_hash, packed_layout
 from ..protocol.version import VersionRecord
 from .context import MAX_SLOTS, PullContext
 from .session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
@@ -46,8 +46,28 @@ def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline:
         packed_layout(ctx.member.chan, rec.epoch, r, g) if g else RankLayout.from_dict(d["layout"])
         for r, (d, g) in enumerate(zip(records, gens))
     ]
+    _check_sealed(rec, records, layouts, keys)
     plan = build_plan(layouts, ctx.dest.layout)
-    return connect_all(ctx, Session(rec.epoch, rec.world_size, plan, [], layouts, records, gens=gens), deadline)
+    session = Session(rec.epoch, rec.world_size, plan, [], layouts, records, gens=gens, incs=rec.incs)
+    return connect_all(ctx, session, deadline)
+
+
+def _check_sealed(rec: VersionRecord, records: list[dict], layouts: list[RankLayout], keys: list[str]) -> None:
+    """What a plan is made from must be what the version record sealed: each rank record of the
+    incarnation that published ``rec`` (``StoreError``: a record of a lost history, or of a trainer
+    restarted at the same epoch number), each slot layout of the hash ``rec`` names
+    (``IntegrityError``: a plan against another packing would scatter the slot's bytes)."""
+    for r, (d, lay, key) in enumerate(zip(records, layouts, keys)):
+        if rec.incs and d.get("inc") != rec.incs[r]:
+            raise StoreError(
+                f"publisher rank {r}: its record at {key!r} is of another incarnation than the one that "
+                f"published version {rec.v} (a store that lost its history, or a record put back?)"
+            )
+        if rec.layouts and layout_hash(lay) != rec.layouts[r]:
+            raise IntegrityError(
+                f"publisher rank {r}: the slot layout of packing generation {rec.packing[r] if rec.packing else 0} "
+                f"read from the store is not the one version {rec.v} was copied with"
+            )
 
 
 def failover(ctx: PullContext, session: Session, failed: SourcesFailed, deadline: float) -> Session:
@@ -56,7 +76,9 @@ def failover(ctx: PullContext, session: Session, failed: SourcesFailed, deadline
     plan, dead = replan(session, ctx.dest.layout, failed)
     log.warning("subscriber %s: publisher ranks %s failed; reading from replicas", ctx.name, sorted(dead))
     ctx.drop_session()
-    new = Session(session.epoch, session.world_size, plan, [], session.layouts, session.records, dead, session.gens)
+    new = Session(
+        session.epoch, session.world_size, plan, [], session.layouts, session.records, dead, session.gens, session.incs
+    )
     return connect_all(ctx, new, deadline)
 
 

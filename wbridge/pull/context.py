@@ -36,11 +36,14 @@ MAX_SLOTS = 64  # fences read along with a version record: at most this many pub
 
 @dataclass(frozen=True)
 class Held:
-    """A version the destination holds whole: its number, publisher epoch and packing generations."""
+    """A version the destination holds whole: its number, publisher epoch, packing generations and
+    the publishers' incarnations (a delta is applied only onto a version of the same incarnations:
+    a trainer restarted at the same epoch number keeps other deltas)."""
 
     v: int
     epoch: int
     gens: tuple[int, ...]
+    incs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,10 +189,13 @@ class PullContext:
     session: Session | None = None  # planned for the current publisher epoch
     version: int | None = None  # the version the live tensors hold whole (None: none, or a mix)
     identity: tuple | None = None  # that version's ``VersionRecord.identity``
+    record: Any = None  # that version's ``VersionRecord`` (what ``Subscriber.verify()`` checks against)
     held: Held | None = None  # the version the destination buffers hold whole
     newest: int = 0  # the newest version number seen; records older than it are refused
     newest_epoch: int = 0  # that version's publisher epoch (epochs never go back in one history)
+    newest_incs: tuple[str, ...] = ()  # its publishers' incarnations (fixed within one epoch)
     losses: int = 0  # how often the store was found to have lost its history (``forget``)
+    forgotten: int = 0  # the newest version number of the histories forgotten (their floors are void)
     nslots: int = 1  # fences read along with the version record: slots 0 .. nslots - 1
     costs: dict[str, Any] = field(default_factory=dict)  # link -> what its pulls cost (``pull.delta.LinkCost``)
     _pool: ThreadPoolExecutor | None = None
@@ -245,14 +251,26 @@ class PullContext:
         """The live tensors now hold ``rec`` whole (None: no whole version)."""
         self.version = None if rec is None else rec.v
         self.identity = None if rec is None else rec.identity
+        self.record = rec
+
+    def see(self, rec: Any) -> None:
+        """Version record ``rec`` was read: the newest seen, if it is (``pull.version.lost_history``)."""
+        if rec.v >= self.newest:
+            self.newest, self.newest_epoch, self.newest_incs = rec.v, rec.epoch, rec.incs
 
     def forget(self) -> None:
         """The store lost its history (a new generation, or an old one put back): nothing known of
         it holds (counted in ``losses``)."""
         self.drop_session()
         self.hold(None)
-        self.newest, self.newest_epoch, self.held = 0, 0, None
+        self.forgotten = max(self.forgotten, self.newest)
+        self.newest, self.newest_epoch, self.newest_incs, self.held = 0, 0, (), None
         self.losses += 1
+
+    def floor(self, after: int) -> int:
+        """``after``, a version number a caller waits past, or 0 where it counted a history the store
+        lost: above every version seen since, at most the newest of the histories forgotten."""
+        return 0 if self.losses and self.newest < after <= self.forgotten else after
 
     def close(self) -> None:
         self.drop_session()

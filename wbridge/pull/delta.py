@@ -33,7 +33,6 @@ from transports.errors import TransportError
 
 from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
-from ..errors import IntegrityError, StaleVersionError
 from ..protocol import checksum as _checksum
 from ..protocol.delta import (
     CHUNK_BYTES,
@@ -158,7 +157,7 @@ def why_not(ctx: PullContext, session: Session, rec: Any, held: Held | None) -> 
     order of its own version's slot, which the session plans against."""
     if held is None or not 0 < rec.v - held.v:
         return "no-base"
-    if held.epoch != rec.epoch:
+    if (held.epoch, held.incs) != (rec.epoch, rec.incs):
         return "new-epoch"
     geo = _prepare(ctx, session)
     if not session.sources:
@@ -211,7 +210,7 @@ DELTA_REASONS = {
     "delta": "the pull applied deltas",
     "cost": "deltas were possible but estimated slower (or more bytes) than a full read on this link",
     "no-base": "the destination holds no whole version to apply deltas to (first pull, or one that failed)",
-    "new-epoch": "the publishers registered again since the version held",
+    "new-epoch": "the publishers registered again (or were restarted) since the version held",
     "too-far-behind": "more versions since the one held than the publishers keep deltas of",
     "publisher-no-delta": "the publishers keep no deltas (no Staging(delta=...)) over this transport",
     "no-delta": "a version since the one held has no delta (too many changes, or none to compare to)",
@@ -548,15 +547,11 @@ def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadlin
     repaired, bytes read, reads)."""
     import torch
 
-    sum_keys = [ctx.keys.sums(rec.v, src.rank) for src in sources]
+    known = _checksum.read_sums(ctx.chan, rec, [src.rank for src in sources])
     dest = ctx.dest.buffers
     repaired = nbytes = ops = 0
-    for src, key, raw in zip(sources, sum_keys, ctx.store.get_many(sum_keys)):
-        if raw is None:  # collected: the slot was reused since
-            raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
-        sums = ctx.chan.open(key, raw)
-        if sums.get("algo") != _checksum.ALGO:
-            raise IntegrityError(f"publisher rank {src.rank} uses checksum {sums.get('algo')}, not {_checksum.ALGO}")
+    for src in sources:
+        sums = known[src.rank]
         fetch = fetch_chunk(ctx.endpoints[src.transport], src, rec.slot, deadline)
         count = [0, 0]
 

@@ -1,7 +1,10 @@
 """A subscriber's place in a channel: the store generation it joined, its id there, its lease.
 
 Three things end a membership without the subscriber leaving. The store is lost and comes back
-empty, in a new generation (see ``_generation``): the subscriber joins that one. Its lease lapsed
+empty, in a new generation (see ``protocol.generation``): the subscriber joins that one, as the
+publishers do, whichever it is (an old generation record put back is followed too: what a
+subscriber plans and verifies from is sealed to each version's publishers, ``protocol.version``,
+so nothing of a lost history can pass for a version of the current one). Its lease lapsed
 (the process was frozen, say, longer than ``lease_ttl``): publishers then counted it dead for good
 and stopped waiting for it, so it joins again under a new id and they wait for it again. Or its
 record is gone: a publisher evicted it (``Publisher.evict``: someone reported it dead, wrongly
@@ -42,7 +45,6 @@ class Membership:
         self.relay = ""  # the store key of its relay record (``pull.relay``): collected with it
         self.id: int | None = None
         self.lease: Lease | None = None
-        self._left: set[str] = set()  # generations left behind: a replay of one is never followed
 
     def join(self, gen: str | None = None, acked: int = 0, record: bool = True) -> None:
         """Joins generation ``gen`` (default: the store's, created if it has none) under a new id,
@@ -66,8 +68,6 @@ class Membership:
         old, self.lease = self.lease, lease
         if old is not None:
             quietly(old.revoke)
-        if self.gen is not None and self.gen != gen:
-            self._left.add(self.gen)
         self.gen, self.chan, self.id = gen, chan, sub_id
 
     @property
@@ -98,7 +98,7 @@ class Membership:
         raw, *values = self.store.get_many([self.base.keys.generation, *mine, *also])
         record, values = values[: len(mine)], values[len(mine) :]
         gen = _generation.parse(self.base, raw)
-        if gen != self.gen and gen not in self._left:
+        if gen != self.gen:
             log.warning("subscriber %s: the channel's store was lost; joining its new generation", self.name)
             self.acked = 0  # nothing of the new generation is held
             self.join(gen)

@@ -13,7 +13,8 @@ import numpy as np
 
 from transports.base import ReadBatch
 
-from ..errors import StaleVersionError, TransportError, WaitTimeout
+from ..errors import IntegrityError, StaleVersionError, TransportError, UsageError, WaitTimeout
+from ..protocol.checksum import read_sums, tensor_at
 from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
 from .context import PullContext
 from .session import Source, failed_sources, fetch_chunk, verify_source
@@ -123,17 +124,44 @@ def verify_sources(
     sums read already, by rank (of this very version); those read here are added to it.
     ``partial=False``: chunks the reads cover only in part are left to a later check of the whole
     destination instead of being read again from the publisher."""
-    known = {} if known is None else known
-    todo = [src for src in sources if src.rank not in known]
-    sum_keys = [ctx.keys.sums(rec.v, src.rank) for src in todo]
-    for src, key, raw in zip(todo, sum_keys, ctx.store.get_many(sum_keys) if todo else []):
-        if raw is None:  # written before the commit: collected since, so the slot was reused
-            raise StaleVersionError(f"checksums of version {rec.v} were collected (a newer version replaced it)")
-        known[src.rank] = ctx.chan.open(key, raw)
+    known = read_sums(ctx.chan, rec, [src.rank for src in sources], known)
+    name_at = tensor_at(ctx.dest.layout)
     for src in sources:
         t = ctx.endpoints[src.transport]
         fetch = fetch_chunk(t, src, rec.slot, deadline) if partial else None
-        verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch)
+        verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch, name_at)
 
 
-__all__ = ["check_stamps", "prepare_sources", "read_sources", "verify_sources"]
+def verify_held(ctx: PullContext, deadline: float) -> int:
+    """Checks the bytes the destination holds (the live tensors; staged: the private buffer they
+    were committed from, and that they still equal it) against the publishers' checksums of the
+    version it holds, chunks the plan covers in part read again from the publishers; returns that
+    version. ``UsageError`` where it holds none, or the publishers keep no checksums;
+    ``StaleVersionError`` where that version's checksums were collected (newer versions replaced it);
+    ``IntegrityError`` naming the tensor and the chunk that differ."""
+    rec, session = ctx.record, ctx.session
+    if rec is None:
+        raise UsageError(f"subscriber {ctx.name}: verify() before a whole version is held (pull() first)")
+    if not rec.checksums:
+        raise UsageError(
+            f"subscriber {ctx.name}: verify(): the publishers of channel {ctx.channel!r} keep no checksums "
+            "(Staging(checksums=False)); drop checksums=False to make versions checkable"
+        )
+    gens = rec.packing or (0,) * rec.world_size
+    if session is None or (session.epoch, session.gens, session.incs) != (rec.epoch, gens, rec.incs):
+        raise UsageError(f"subscriber {ctx.name}: verify(): version {rec.v} is no longer planned for: pull() again")
+    verify_sources(ctx, session.sources, rec, deadline)
+    for live, private in ctx.dest.commit if ctx.dest.staged else []:
+        if not _equal(live, private):
+            raise IntegrityError(
+                f"subscriber {ctx.name}: a registered tensor differs from version {rec.v} as it was committed "
+                "(written to since the pull?)"
+            )
+    return rec.v
+
+
+def _equal(a: Any, b: Any) -> bool:
+    return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else bool(a.equal(b))
+
+
+__all__ = ["check_stamps", "prepare_sources", "read_sources", "verify_held", "verify_sources"]

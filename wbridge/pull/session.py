@@ -19,7 +19,6 @@ from transports.base import ReadBatch
 from transports.errors import AuthError, TransportError
 
 from .._tensors import address, alloc_bytes
-from ..errors import IntegrityError
 from ..protocol import checksum as _checksum
 from ..protocol.records import unb64
 from ..protocol.stamps import STAMP_BYTES
@@ -53,6 +52,7 @@ class Session:
     records: list[dict]  # the publisher ranks' records, by rank
     dead: frozenset[int] = frozenset()  # ranks that failed mid-read: planned around
     gens: tuple[int, ...] = ()  # packing generation of each rank's slot (``protocol.packing``)
+    incs: tuple[str, ...] = ()  # each rank's incarnation (``protocol.version.RankPart``)
     delta: dict[int, Any] | None = None  # each source's delta geometry (``pull.delta``), once computed
     closers: list[Callable[[], None]] = field(default_factory=list)  # run when the session is dropped
 
@@ -107,13 +107,12 @@ def fetch_chunk(t: Any, src: Source, slot: int, deadline: float) -> Any:
     return fetch
 
 
-def verify_source(src: Source, rec: Any, sums: dict, dest: list[Any], fetch: Any) -> None:
-    """Checks every chunk the plan read from ``src`` against its publisher rank's ``sums``."""
-    if sums.get("algo") != _checksum.ALGO:
-        raise IntegrityError(
-            f"publisher rank {src.rank} uses checksum {sums.get('algo')}, this subscriber {_checksum.ALGO}"
-        )
-    _checksum.verify_reads(src.batch, sums, dest, fetch, where=f"publisher rank {src.rank}, version {rec.v}")
+def verify_source(src: Source, rec: Any, sums: dict, dest: list[Any], fetch: Any, name_at: Any = None) -> None:
+    """Checks every chunk the plan read from ``src`` against its publisher rank's ``sums``
+    (``protocol.checksum.read_sums``: of this very version, incarnation and slot layout);
+    ``name_at`` names the destination tensor in errors (``protocol.checksum.tensor_at``)."""
+    where = f"publisher rank {src.rank}, version {rec.v}"
+    _checksum.verify_reads(src.batch, sums, dest, fetch, where=where, name_at=name_at)
 
 
 def connect_source(

@@ -29,6 +29,23 @@ log = logging.getLogger("wbridge")
 VERSION_WAIT_SLICE_S = 30.0
 
 
+def lost_history(ctx: PullContext, rec: VersionRecord | None) -> str:
+    """Why version record ``rec`` shows that the store lost the history the subscriber knows although
+    its generation record is the same (an old one put back, a backup restored), or "" where it does
+    not. Epochs never go back in one store history, and one epoch's publishers never change their
+    incarnations (registering again starts a new epoch): a record of an earlier epoch, or of the
+    epoch seen last with other incarnations (a trainer restarted at the same epoch number), comes
+    from a history that counts versions and epochs from 1 again."""
+    if rec is None:
+        return ""
+    known_epoch = max(ctx.newest_epoch, ctx.identity[1] if ctx.identity is not None else 0)
+    if rec.epoch < known_epoch:
+        return f"is at epoch {rec.epoch}, before the {known_epoch} of a version seen"
+    if rec.epoch == ctx.newest_epoch and ctx.newest_incs and rec.incs and rec.incs != ctx.newest_incs:
+        return f"has epoch {rec.epoch} published by other trainer incarnations than a version seen"
+    return ""
+
+
 class GenerationChanged(Exception):
     """Internal: the store was found in a new generation while waiting; wait again there."""
 
@@ -53,18 +70,13 @@ def next_version(
         else:
             rec, fence = VersionRecord.read_with_fence(ctx.member.chan, ctx.nslots, known)
         known = ready = None
-        known_epoch = max(ctx.newest_epoch, ctx.identity[1] if ctx.identity is not None else 0)
-        if rec is not None and rec.epoch < known_epoch:
-            # epochs never go back in one store history: this one lost its history although its
-            # generation record is the same (an old one put back, a backup restored) and counts
-            # versions and epochs from 1 again. What was known of the old history is void.
+        why = lost_history(ctx, rec)
+        if why:
             log.warning(
-                "subscriber %s: channel %r is at epoch %d, before the %d of a version seen: the store "
-                "lost its history; reading its versions afresh",
+                "subscriber %s: channel %r %s: the store lost its history; reading its versions afresh",
                 ctx.name,
                 ctx.channel,
-                rec.epoch,
-                known_epoch,
+                why,
             )
             ctx.forget()
             want = 1  # the caller's floor counted versions of the lost history
@@ -75,8 +87,7 @@ def next_version(
         if rec is not None and rec.v >= want:
             # zero-copy versions are readable only while their publish() runs
             if ctx.holds(rec) or not rec.zero_copy or fence == rec.fence:
-                if rec.v >= ctx.newest:
-                    ctx.newest, ctx.newest_epoch = rec.v, rec.epoch
+                ctx.see(rec)
                 return rec, fence
         elif rec is not None and rec.mode == "sync" and not ctx.holds(rec) and ctx.member.lease is not None:
             raise UsageError(
@@ -98,4 +109,4 @@ def next_version(
         ready = VersionRecord.parse_ready(ctx.member.chan, nxt, raw)
 
 
-__all__ = ["VERSION_WAIT_SLICE_S", "GenerationChanged", "next_version"]
+__all__ = ["VERSION_WAIT_SLICE_S", "GenerationChanged", "lost_history", "next_version"]

@@ -135,7 +135,6 @@ class ZoneReader:
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="wbridge-zone")
         self.distrusted: dict[str, float] = {}  # relay record key -> until when it is not read
         self.sums: tuple[Any, dict] = (None, {})  # (version identity, publisher sums by rank) read
-        self.unchecked = False  # warned that the publishers keep no checksums to check relays with
         self.clipped: tuple | None = None  # (session, own range, widened, clipped session): ``_delta_plan``
 
     # -- the zone's relays ---------------------------------------------------------------------
@@ -208,17 +207,6 @@ class ZoneReader:
         start = time.monotonic()
         if self.relay is not None:
             self.relay.begin(rec.identity)
-        if not rec.checksums:  # relays are peers, not authorities: nothing to check their bytes with
-            if not self.unchecked:
-                self.unchecked = True
-                log.warning(
-                    "subscriber %s: zone %s relays are not read: the publishers keep no checksums to check "
-                    "their bytes with (publish with Staging(checksums=True))",
-                    self.ctx.name,
-                    self.zone,
-                )
-            session, n = self._from_publishers(session, rec, None, deadline)
-            return session, PullResult(n, 0, len(session.plan))
         everyone = self.scan()
         peers = [p for p in everyone if p.layout == self.layout and int(p.record.get("size", -1)) == self.size]
         if self.relay is None and not peers:  # no relay with this layout: plan over full relays
@@ -384,7 +372,7 @@ class ZoneReader:
         """``(ranges, clipped session)``: ``mine`` widened to whole checksum chunks and the session's
         reads clipped to them, where ``rec`` can be pulled as deltas onto ``held``; else None.
         Kept while the session and ``mine`` are (its delta geometry is computed once)."""
-        if held is None or held.epoch != rec.epoch or not 0 < rec.v - held.v:
+        if held is None or (held.epoch, held.incs) != (rec.epoch, rec.incs) or not 0 < rec.v - held.v:
             return None
         kept = self.clipped
         if kept is None or kept[0] is not session or kept[1] != mine:
