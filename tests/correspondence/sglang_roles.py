@@ -45,7 +45,7 @@ def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
     # a delta publisher encodes a version only where few bf16 words change: small steps then
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5 if delta else 1e-2)
     store = f"tcp://127.0.0.1:{port}"
-    staging = Staging(delta=Delta()) if delta else Staging(checksums=True)
+    staging = Staging(delta=Delta()) if delta else Staging()
     with Publisher(CHANNEL, store, host_store=True, token=TOKEN, mode=Async(4), staging=staging) as pub:
         pub.register(entries(model), dtype=torch.bfloat16)
         open(os.path.join(out, "store_up"), "w").close()

@@ -42,10 +42,12 @@ def faults(tmp_path_factory) -> tuple[dict, str]:
     logs = {n: str(tmp / f"{n}.log") for n in ("make", "engine")}
     with open(logs["make"], "w") as f:
         _wait([_spawn("make", ckpt, log=f, script=ROLES)], 180, {"make": logs["make"]})
-    with open(logs["engine"], "w") as f:
-        _wait([_spawn("engine", ckpt, out, log=f, script=ROLES)], 540, {"engine": logs["engine"]})
-    res = json.load(open(out / "faults.json"))
-    print("\n" + json.dumps({k: v for k, v in res.items() if not k.startswith("digests")}, indent=1)[:6000])
+    try:
+        with open(logs["engine"], "w") as f:
+            _wait([_spawn("engine", ckpt, out, log=f, script=ROLES)], 540, {"engine": logs["engine"]})
+    finally:  # what the role saw, also when it failed
+        res = json.load(open(out / "faults.json")) if (out / "faults.json").exists() else {}
+        print("\n" + json.dumps({k: v for k, v in res.items() if not k.startswith("digests")}, indent=1)[:12000])
     return res, open(logs["engine"], errors="replace").read()
 
 

@@ -89,7 +89,7 @@ class Trainer:
 
     def start(self, dtype: Any) -> None:
         """(Re)registers the model, cast to ``dtype`` (None: published as fp32)."""
-        from wbridge import Async, Publisher, Staging
+        from wbridge import Async, Publisher
         from wbridge.integrations.dtensor import from_module
 
         if self.pub is None:
@@ -102,7 +102,6 @@ class Trainer:
                 token=TOKEN,
                 transport="tcp",
                 mode=Async(max_staleness=100),
-                staging=Staging(checksums=True),
             )
         self.pub.register(from_module(self.model), dtype=dtype)
 
@@ -179,7 +178,7 @@ def engine(ckpt: str, out: str) -> None:
         trainer.start(None)  # fp32 now: a new epoch the engine cannot plan
         v = trainer.publish()
         t0 = time.monotonic()
-        res["dtype"] = attempt(lambda: up.update(wait=True, min_version=v), 60)
+        res["dtype"] = attempt(lambda: up.update(wait=True, min_version=v), 80)  # (its timeout: 60 s)
         res["dtype"]["since_publish"] = time.monotonic() - t0
         res["dtype_generate"] = attempt(lambda: up.generate(prompts, sp), 20)
         res["dtype_staged"] = llm.collective_rpc("wbridge_staged")
@@ -245,7 +244,11 @@ def engine(ckpt: str, out: str) -> None:
     finally:
         save()
         if trainer.pub is not None:
-            trainer.pub.close()
+            try:
+                trainer.pub.close()
+            except Exception as e:  # noqa: BLE001 - recorded: the results are written already
+                res.setdefault("crashed", {})["close"] = f"{type(e).__name__}: {e}"
+                save()
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ import time
 from typing import Any
 
 from ...errors import LayoutError, UsageError, WaitTimeout, WBridgeError
-from .._verify_shim import verify_subscriber  # TEMPORARY: Subscriber.verify, landing in main
 from ..follow import Watcher
 from ..remote import describe, tag
 from ..trace import TraceResult, trace_load_weights, traced
@@ -319,7 +318,7 @@ class Runtime:
         if not self._lock.acquire(timeout=timeout):
             raise WaitTimeout(f"wbridge SGLang rank {self.rank}: verify: a pull ran past {timeout:.1f}s")
         try:
-            staged = None if self.sub.version is None else verify_subscriber(self.sub, timeout)
+            staged = None if self.sub.version is None else self.sub.verify(timeout=timeout)
             tensors: dict[str, str] = {}
             with torch.no_grad():
                 for name, live, stage in zip(self.staging, self._params, self._staged):

@@ -270,6 +270,14 @@ class _NothingLoaded(logging.Filter):
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
+def _original_loader(loader: Any) -> Any:
+    """``loader`` without vLLM's layerwise wrappers (``online_process_loader``, which
+    ``functools.wraps`` its original: ``__wrapped__``)."""
+    import inspect
+
+    return inspect.unwrap(loader, stop=lambda f: getattr(f, "__name__", "") != "online_process_loader")
+
+
 class Reload:
     """vLLM's layerwise reload of ``model`` (a model or one of its modules); inside it every layer
     holds its checkpoint-format parameters (restored on the meta device) and processing runs when
@@ -292,30 +300,22 @@ class Reload:
 
     def unwrapped(self) -> None:
         """Puts the original weight loaders back (for tracing, which must not trigger processing)."""
-        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
-
         for p in self.model.parameters():
             if hasattr(p, "weight_loader"):
-                p.weight_loader = _get_original_loader(p)
+                p.weight_loader = _original_loader(p.weight_loader)
 
     def copy_loaders(self) -> None:
         """Makes every parameter load a checkpoint-format tensor by plain copy, still deferred
         through vLLM's layerwise wrappers (so processing runs once a layer is complete)."""
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _get_original_loader,
-            _wrap_parameters_weight_loader,
-        )
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
         from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         for layer in self.model.modules():
-            tensors = get_layer_tensors(layer)
-            for name, t in tensors.items():
-                if name in SKIP_LOAD_TENSORS:
-                    continue
-                _get_original_loader(t)  # raises early on an odd loader chain
-                t.weight_loader = _copy_loader
-            _wrap_parameters_weight_loader(layer)
+            for name, t in get_layer_tensors(layer).items():
+                if name not in SKIP_LOAD_TENSORS:
+                    t.weight_loader = _copy_loader
+            initialize_online_processing(layer)  # wraps them again (and counts what the layer loads)
 
     def __exit__(self, *exc: Any) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -44,7 +44,6 @@ from typing import Any, TypeVar
 
 from ... import _validate
 from ...errors import LayoutError, PlanError, UsageError, WaitTimeout, WBridgeError
-from .._verify_shim import verify_subscriber  # TEMPORARY: Subscriber.verify, landing in main
 from ..follow import Watcher
 from ..remote import describe, tag
 from ..trace import TraceResult, trace_load_weights, traced
@@ -500,7 +499,7 @@ class WBridgeWorkerExtension:
                 why = "staging holds no whole version (no pull yet, or the last one failed)"
                 tensors = dict.fromkeys(state.staging, why)
                 return {"version": state.version, "staged": None, "tensors": tensors, "ok": False}
-            staged = verify_subscriber(state.sub, max(0.1, deadline - time.monotonic()))
+            staged = state.sub.verify(timeout=max(0.1, deadline - time.monotonic()))
             tensors = check(self._wbridge_model(), state.plan, state.staging)
         finally:
             state.verifying = False
