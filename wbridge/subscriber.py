@@ -42,6 +42,7 @@ from ._tensors import alloc_bytes, build_layout, byte_view
 from .errors import StaleVersionError, StoreError, UsageError, WaitTimeout
 from .options import Zone
 from .protocol import generation as _generation
+from .protocol import meta as _meta
 from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.packing import layout_hash
@@ -201,14 +202,45 @@ class Subscriber(Closeable):
     def _read_version(self) -> tuple[Keys | None, VersionRecord | None]:
         """The keys and version record of the generation joined, or for a watcher (never
         registered) of the store's current generation (``(None, None)``: the store has none)."""
+        chan = self._channel()
+        return (None, None) if chan is None else (chan.keys, VersionRecord.read(chan))
+
+    def _channel(self) -> ChannelStore | None:
+        """The channel's store in the generation joined, or for a watcher the store's current one
+        (None: the store has none yet)."""
         member = self._ctx.member
-        chan = member.chan
-        if member.gen is None:
-            gen = _generation.current(member.base)
-            if gen is None:
-                return None, None
-            chan = member.base.at(gen)
-        return chan.keys, VersionRecord.read(chan)
+        if member.gen is not None:
+            return member.chan
+        gen = _generation.current(member.base)
+        return None if gen is None else member.base.at(gen)
+
+    def metadata(self, timeout: float = 60.0) -> dict:
+        """The channel's metadata: what publisher rank 0 registered with ``metadata=`` last
+        (``{}``: none), waiting at most ``timeout`` for a first registration. Needs no
+        ``register()``: an engine learns from it what to allocate and pull (a LoRA adapter's
+        config, ``wbridge.integrations.lora``), even before a first version is published."""
+        self._check_open()
+        timeout = _validate.timeout(timeout, "metadata() timeout")
+        deadline = time.monotonic() + timeout
+        with self._store.deadline(deadline):
+            while True:
+                chan = self._channel()
+                raw = None if chan is None else self._store.get(chan.keys.meta)
+                if raw is not None:
+                    return _meta.parse(chan, raw)[1]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeout(
+                        f"subscriber {self.name}: no publisher registered on channel {self.channel!r} "
+                        f"within {timeout:.1f}s"
+                    )
+                if chan is None:  # no generation in the store yet: nothing to block on
+                    time.sleep(min(left, 0.05))
+                    continue
+                try:
+                    self._store.wait(chan.keys.meta, min(left, VERSION_WAIT_SLICE_S))
+                except (WaitTimeout, StoreError):
+                    pass  # timed out (re-checked above) or a store hiccup: read again
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.
