@@ -31,6 +31,16 @@ pytestmark = [
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def run_engine_and_trainer(engine, trainer, out, logs, timeout=500):
+    """Waits for the engine, then stops the trainer (it exits once ``OUT/stop`` exists, which the
+    engine writes when it is done, or here if it died first) and waits for it too."""
+    try:
+        _wait([engine], timeout, {"engine": logs["engine"]})
+    finally:
+        (out / "stop").touch()
+        _wait([trainer], 60, {"trainer": logs["trainer"]})
+
+
 def _trainer(base, out, port, log):
     import subprocess
 
@@ -58,11 +68,9 @@ def run(tmp_path_factory):
     os.environ.update(TMPDIR=str(tmpdir), VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     try:
         with open(logs["trainer"], "w") as ft, open(logs["engine"], "w") as fe:
-            procs = [
-                _trainer(base, out, port, ft),
-                _spawn("engine", base, out, port, log=fe, script="vllm_lora_roles.py"),
-            ]
-            _wait(procs[::-1], 500, {"engine": logs["engine"], "trainer": logs["trainer"]})
+            trainer = _trainer(base, out, port, ft)
+            engine = _spawn("engine", base, out, port, log=fe, script="vllm_lora_roles.py")
+            run_engine_and_trainer(engine, trainer, out, logs)
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

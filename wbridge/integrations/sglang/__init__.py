@@ -14,7 +14,8 @@ Usage (offline engine; the HTTP server takes the same arguments in its ``ServerA
 Each scheduler process subscribes at start, right after loading its checkpoint; a background
 thread pulls every newly published version into staging while the engine keeps generating, and
 the scheduler commits it between two steps (``runtime``). A restarted engine joins again and
-pulls the newest version. See docs/sglang.md. ``server_stats`` and ``wait_version`` also work
+pulls the newest version. See docs/sglang.md. ``SGLangLoRAUpdater`` (``lora``) keeps a LoRA adapter
+channel's newest version loaded in an engine, from memory (docs/lora.md). ``server_stats`` and ``wait_version`` also work
 without SGLang installed, on an HTTP server's URL (a trainer host polling its rollouts).
 """
 
@@ -24,9 +25,10 @@ from typing import Any
 
 from ...errors import MissingExtraError, UsageError
 from .client import server_stats, wait_version
+from .lora import SGLangLoRAUpdater
 from .options import SGLangOptions
 
-__all__ = ["SGLangOptions", "engine_args", "server_stats", "wait_version"]
+__all__ = ["SGLangLoRAUpdater", "SGLangOptions", "engine_args", "server_stats", "wait_version"]
 
 
 def engine_args(options: SGLangOptions, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:

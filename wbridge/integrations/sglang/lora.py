@@ -62,8 +62,8 @@ def check_engine(engine: Any, adapter: LoRAAdapter, who: str) -> None:
     if loaded is not None and loaded < 2:
         raise UsageError(f"{who}: max_loaded_loras={loaded}; wbridge keeps two versions of each adapter loaded")
     allowed = get_normalized_target_modules(SUPPORTED_LORA_TARGET_MODULES if targets is None else targets)
-    leaves = {m.rsplit(".", 1)[-1] for m in adapter.modules}
-    supported = {leaf for leaf in leaves if get_normalized_target_modules([leaf]) <= allowed}
+    names = set(SUPPORTED_LORA_TARGET_MODULES) | {m.rsplit(".", 1)[-1] for m in adapter.modules}
+    supported = {n for n in names if get_normalized_target_modules([n]) <= allowed}
     base = config_shapes(AutoConfig.from_pretrained(engine.server_args.model_path))
     adapter.check_base(base, supported, max_rank, who)
 
