@@ -14,9 +14,10 @@ Usage (offline engine; the HTTP server takes the same arguments in its ``ServerA
 Each scheduler process subscribes at start, right after loading its checkpoint; a background
 thread pulls every newly published version into staging while the engine keeps generating, and
 the scheduler commits it between two steps (``runtime``). A restarted engine joins again and
-pulls the newest version. See docs/sglang.md. ``SGLangLoRAUpdater`` (``lora``) keeps a LoRA adapter
-channel's newest version loaded in an engine, from memory (docs/lora.md). ``server_stats`` and ``wait_version`` also work
+pulls the newest version. See docs/sglang.md. ``server_stats`` and ``wait_version`` also work
 without SGLang installed, on an HTTP server's URL (a trainer host polling its rollouts).
+``SGLangLoRAUpdater`` (``lora``) keeps a LoRA adapter channel's newest version loaded in an
+engine, from memory (docs/lora.md).
 """
 
 from __future__ import annotations
