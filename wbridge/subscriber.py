@@ -222,25 +222,29 @@ class Subscriber(Closeable):
         self._check_open()
         timeout = _validate.timeout(timeout, "metadata() timeout")
         deadline = time.monotonic() + timeout
-        with self._store.deadline(deadline):
-            while True:
-                chan = self._channel()
-                raw = None if chan is None else self._store.get(chan.keys.meta)
-                if raw is not None:
-                    return _meta.parse(chan, raw)[1]
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WaitTimeout(
-                        f"subscriber {self.name}: no publisher registered on channel {self.channel!r} "
-                        f"within {timeout:.1f}s"
-                    )
-                if chan is None:  # no generation in the store yet: nothing to block on
-                    time.sleep(min(left, 0.05))
-                    continue
-                try:
-                    self._store.wait(chan.keys.meta, min(left, VERSION_WAIT_SLICE_S))
-                except (WaitTimeout, StoreError):
-                    pass  # timed out (re-checked above) or a store hiccup: read again
+        try:
+            with self._store.deadline(deadline):
+                while True:
+                    chan = self._channel()
+                    raw = None if chan is None else self._store.get(chan.keys.meta)
+                    if raw is not None:
+                        return _meta.parse(chan, raw)[1]
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WaitTimeout("no metadata")
+                    if chan is None:  # no generation in the store yet: nothing to block on
+                        time.sleep(min(left, 0.05))
+                        continue
+                    try:
+                        self._store.wait(chan.keys.meta, min(left, VERSION_WAIT_SLICE_S))
+                    except StoreError:
+                        pass  # a store hiccup: read again
+                    except WaitTimeout:
+                        pass  # (re-checked above)
+        except WaitTimeout:
+            raise WaitTimeout(
+                f"subscriber {self.name}: no publisher registered on channel {self.channel!r} within {timeout:.1f}s"
+            ) from None
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.
