@@ -102,6 +102,7 @@ def run(updates: int, tmp: str) -> dict:
         trained = {k: _digest(t) for k, t in full_adapter(model).items()}
     model.save_pretrained(os.path.join(tmp, "adapter"))  # the disk reference, after the run
     disk = _greedy(llm, LoRARequest("from-disk", 1, os.path.join(tmp, "adapter")))
+    llm.llm_engine.engine_core.shutdown()  # before the store (this process hosts it) goes
     pub.close()
     for r in rows:
         r.update({k: stats[r["version"]][k] for k in ("nbytes", "pull_s", "build_s", "install_s", "delta")})
