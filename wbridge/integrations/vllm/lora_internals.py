@@ -20,7 +20,8 @@ that moves one fails there, by name, not in a user's engine.
 - ``LoRAModel.clone``: the same adapter under another id (the id is chosen at install time).
 - ``remove_adapter``, ``add_adapter``, ``_pin_lora_in_cpu_cache``: replace an adapter id's weights
   (``add_adapter`` merges packed modules, ``remove_adapter`` frees the slot it held) and keep it
-  from LRU eviction (it has no file to be loaded again from).
+  from LRU eviction (it has no file to be loaded again from); ``remove_oldest_adapter`` makes room
+  as vLLM does for a file-loaded adapter (the least recently used unpinned one goes).
 
 A request then names the id in a ``LoRARequest``: the scheduler's ``set_active_loras`` finds it
 loaded (``LRUCacheWorkerLoRAManager.add_adapter`` loads from the path only ids it lacks) and
@@ -53,6 +54,7 @@ INTERNALS = (
     "vllm.lora.model_manager:LRUCacheLoRAModelManager.add_adapter",
     "vllm.lora.model_manager:LRUCacheLoRAModelManager.remove_adapter",
     "vllm.lora.model_manager:LRUCacheLoRAModelManager.list_adapters",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager.remove_oldest_adapter",
     "vllm.lora.model_manager:LRUCacheLoRAModelManager._pin_lora_in_cpu_cache",
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.lora_manager",
 )
@@ -131,11 +133,14 @@ def install(worker: Any, lora: Any, lora_id: int) -> None:
     if lora.id != lora_id:
         lora = lora.clone(lora_id)
     mm.remove_adapter(lora.id)
-    if len(mm.list_adapters()) >= mm.capacity:
-        raise UsageError(
-            f"wbridge LoRA: the engine holds {len(mm.list_adapters())} adapters, its max_cpu_loras; "
-            "raise max_cpu_loras (wbridge keeps two per adapter channel)"
-        )
+    if len(mm.list_adapters()) >= mm.capacity:  # as vLLM makes room: the least recently used unpinned one
+        try:
+            mm.remove_oldest_adapter()
+        except RuntimeError:  # every one pinned
+            raise UsageError(
+                f"wbridge LoRA: the engine holds {len(mm.list_adapters())} pinned adapters, its max_cpu_loras; "
+                "raise max_cpu_loras (wbridge keeps two per adapter channel)"
+            ) from None
     mm.add_adapter(lora)
     mm._pin_lora_in_cpu_cache(lora.id)
 
