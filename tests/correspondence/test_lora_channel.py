@@ -88,6 +88,9 @@ def test_plain_adapter_pulls_bit_exact_and_reads_the_adapters_bytes() -> None:
                 assert sub.stats.last.nbytes == got.nbytes == a.nbytes
 
 
+@pytest.mark.slow
+@pytest.mark.heavy  # two gloo trainer processes train for a while
+@pytest.mark.timeout(300)
 def test_fsdp2_trainer_ranks_publish_their_shards_deltas_and_checksums(tmp_path) -> None:
     world, steps = 2, 4
     port, store_port = free_port(), free_port()

@@ -23,6 +23,7 @@ from .test_vllm_lora import HERE, _trainer, free_port, run_engine_and_trainer
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.heavy,
+    pytest.mark.timeout(600),  # the first test runs the module's engine
     pytest.mark.skipif(
         not os.path.exists(SGLANG_PY), reason=f"no SGLang venv at {SGLANG_PY} (scripts/setup.sh makes it)"
     ),

@@ -26,6 +26,7 @@ from .test_vllm_engine import VLLM_PY, _spawn, _wait, os
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.heavy,
+    pytest.mark.timeout(600),  # the first test runs the module's engine
     pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"),
 ]
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -21,7 +21,9 @@ it finish there), older ones are unloaded. Several updaters (channels) may share
 The engine needs ``enable_lora=True``, ``max_lora_rank`` at least the adapter's rank,
 ``lora_target_modules`` covering the adapter's modules (or ``["all"]``) and ``max_loaded_loras``
 None or at least two per adapter channel; an adapter that does not fit (or targets a module the
-engine lacks) is a ``UsageError`` naming the module, raised at construction.
+engine lacks) is a ``UsageError`` naming the module, raised at construction. That check reads the
+engine's ``server_args`` and two SGLang names: ``sglang.srt.lora.utils.get_normalized_target_modules``
+and ``sglang.srt.utils.common.SUPPORTED_LORA_TARGET_MODULES``.
 """
 
 from __future__ import annotations
