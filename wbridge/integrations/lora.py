@@ -200,6 +200,13 @@ class PeftAdapter:
         """``publisher.register(entries, dtype=cast, metadata=metadata)``; returns the epoch."""
         return publisher.register(self.entries, dtype=self.cast, metadata=self.metadata)
 
+    def __repr__(self) -> str:
+        a = self.adapter
+        return (
+            f"PeftAdapter(rank={a.rank}, alpha={a.alpha}, targets={list(a.target_modules)}, dtype={a.dtype}, "
+            f"modules={len(a.modules)}, local_tensors={len(self.entries)}, cast={self.cast})"
+        )
+
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")

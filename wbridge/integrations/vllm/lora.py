@@ -141,6 +141,12 @@ class _Channel:
         self.watcher.poke()
         return {"version": v, "id": target}
 
+    def __repr__(self) -> str:
+        return (
+            f"_Channel({self.channel!r}, ids={self.ids}, installed={self.installed}, "
+            f"staged={None if self.staged is None else self.staged[0]}, error={self.error!r})"
+        )
+
     def close(self) -> None:
         """Stops the watcher, leaves the channel and drops this channel's adapters from the engine."""
         self.watcher.close()
@@ -164,6 +170,9 @@ class LoRAState:
     def __init__(self) -> None:
         self.channels: dict[str, _Channel] = {}
         self.next_slot = 0
+
+    def __repr__(self) -> str:
+        return f"LoRAState(channels={list(self.channels.values())}, next_slot={self.next_slot})"
 
 
 class LoRAWorkerMixin:
