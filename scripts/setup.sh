@@ -34,7 +34,7 @@ stamp() { echo "$want" > "$1/.wbridge-setup"; }
 
 if stale .venv; then
   # every extra of pyproject.toml but ray (it goes into .venv-vllm, next to vLLM, below)
-  .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity,transformers,docs]"
+  .venv/bin/pip install -q -e ".[test,bench,etcd,mooncake,nixl,integrity,transformers,docs,lora]"
   stamp .venv
 fi
 
@@ -46,6 +46,11 @@ if [ "${WBRIDGE_SKIP_VLLM:-0}" != 1 ] && stale .venv-vllm; then
   # ray: the Ray example and test run trainer and vLLM rollout actors from this venv
   .venv-vllm/bin/pip install -q ray==2.60.0
   .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # peft: the LoRA tests, example and benchmark train adapters here (pinned: it must keep vLLM's torch)
+  pin=$(mktemp)
+  .venv-vllm/bin/pip freeze | grep -E "^(torch|numpy|transformers)==" > "$pin"
+  .venv-vllm/bin/pip install -q -c "$pin" peft==0.21.2
+  rm -f "$pin"
   stamp .venv-vllm
 fi
 
@@ -65,6 +70,8 @@ if [ "${WBRIDGE_SKIP_SGLANG:-0}" != 1 ] && stale .venv-sglang; then
     dill fastapi orjson msgspec pydantic psutil setproctitle einops interegular partial_json_parser \
     pybase64 xxhash python-multipart tiktoken pillow scipy gguf anthropic zstandard aiohttp requests \
     uvloop watchfiles regex tqdm packaging numpy distro easydict IPython jsonschema
+  # peft (and its accelerate): the SGLang LoRA tests' trainer side
+  .venv-sglang/bin/pip install -q -c "$pin" peft==0.21.2
   rm -f "$pin"
   stamp .venv-sglang
 fi

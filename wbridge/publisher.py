@@ -54,6 +54,7 @@ from ._tensors import FLOATING, build_layout, dtype_name
 from .errors import StoreError, UsageError, WaitTimeout, WBridgeError
 from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
+from .protocol import meta as _meta
 from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.version import VersionRecord
@@ -189,7 +190,11 @@ class Publisher(Closeable):
         return self._next_version - 1 if self._next_version else 0
 
     def register(
-        self, tensors: Mapping[str, tuple[Any, Declaration]], dtype: Any = None, transforms: Any = None
+        self,
+        tensors: Mapping[str, tuple[Any, Declaration]],
+        dtype: Any = None,
+        transforms: Any = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> int:
         """Registers this rank's live tensors with their declarations; returns the epoch.
 
@@ -201,12 +206,18 @@ class Publisher(Closeable):
         as ``name`` in ``float8_e4m3fn`` plus ``name + "_scale_inv"`` (float32, one inverse scale per
         128x128 block: DeepSeek-V3's format, defined in ``wbridge.publish.transforms``); staged modes only.
 
+        ``metadata``: a small JSON object (at most 64 KiB encoded) that subscribers read with
+        ``Subscriber.metadata()``, even before a first version, e.g. a LoRA adapter's config
+        (``wbridge.integrations.lora``); rank 0's is the channel's, signed like every record
+        (``wbridge.protocol.meta``).
+
         Collective: every rank registers before any rank's ``publish()`` can commit, and all ranks
         register again together (a new epoch) when a layout changes or a rank was restarted.
         """
         self._check_open()
         _validate.tensors(tensors, f"publisher rank {self.rank}")
         transforms = _transforms.check(transforms, tensors, f"publisher rank {self.rank}", self.zero_copy)
+        meta = _meta.check(metadata, f"publisher rank {self.rank}")
         cast = None if dtype is None else dtype_name(dtype)
         if cast is not None:
             if cast not in FLOATING:
@@ -219,16 +230,18 @@ class Publisher(Closeable):
                 )
         with self._start_lock:
             self._settle(self._inflight_deadline + self._connect_timeout, "register()")
-            return self._register(tensors, cast, transforms)
+            return self._register(tensors, cast, transforms, meta)
 
-    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None, transforms: Any) -> int:
+    def _register(
+        self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None, transforms: Any, meta: dict | None
+    ) -> int:
         """Builds the new registration whole (buffers, regions, store records) before it replaces
         the old one, which stays intact if anything fails; buffers of the same size are reused."""
         who, pack = f"publisher rank {self.rank}", not self.zero_copy
         layout, live, device = build_layout(self.rank, tensors, pack=pack, who=who, cast=cast, transforms=transforms)
         old = self._reg
         reg = self._build(layout, live, dict(tensors), device, old, transforms)
-        reg.cast = cast
+        reg.cast, reg.meta = cast, meta
         try:
             gen = _generation.join(self._base)
             chan = self._base.at(gen)
@@ -244,6 +257,8 @@ class Publisher(Closeable):
                 self._pending_epoch = (gen, reg.epoch)
             latest = VersionRecord.read(chan)
             chan.write(chan.keys.rank(reg.epoch, self.rank), self._record(reg))
+            if self.rank == 0:
+                _meta.write(chan, reg.epoch, meta)
         except BaseException:
             self._release_regions(reg)
             raise
@@ -380,7 +395,7 @@ class Publisher(Closeable):
         if _generation.current(self._base) != self._gen:
             # The store was lost (its host restarted, etcd wiped): what it counted is gone, so
             # register again in its new generation; versions count from its newest again.
-            self._register(reg.decls, reg.cast, reg.transforms)
+            self._register(reg.decls, reg.cast, reg.transforms, reg.meta)
             reg = self._reg
         t0 = time.perf_counter()
         v = self._next_version

@@ -44,6 +44,7 @@ from ._tensors import alloc_bytes, build_layout, byte_view
 from .errors import StaleVersionError, StoreError, UsageError, WaitTimeout
 from .options import Zone
 from .protocol import generation as _generation
+from .protocol import meta as _meta
 from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.packing import layout_hash
@@ -246,6 +247,47 @@ class Subscriber(Closeable):
         if rec is not None:
             ctx.see(rec)
         return chan.keys, rec
+
+    def _channel(self) -> ChannelStore | None:
+        """The channel's store in the generation joined, or for a watcher the store's current one
+        (None: the store has none yet)."""
+        member = self._ctx.member
+        if member.gen is not None:
+            return member.chan
+        gen = _generation.current(member.base)
+        return None if gen is None else member.base.at(gen)
+
+    def metadata(self, timeout: float = 60.0) -> dict:
+        """The channel's metadata: what publisher rank 0 registered with ``metadata=`` last
+        (``{}``: none), waiting at most ``timeout`` for a first registration. Needs no
+        ``register()``: an engine learns from it what to allocate and pull (a LoRA adapter's
+        config, ``wbridge.integrations.lora``), even before a first version is published."""
+        self._check_open()
+        timeout = _validate.timeout(timeout, "metadata() timeout")
+        deadline = time.monotonic() + timeout
+        try:
+            with self._store.deadline(deadline):
+                while True:
+                    chan = self._channel()
+                    raw = None if chan is None else self._store.get(chan.keys.meta)
+                    if raw is not None:
+                        return _meta.parse(chan, raw)[1]
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WaitTimeout("no metadata")
+                    if chan is None:  # no generation in the store yet: nothing to block on
+                        time.sleep(min(left, 0.05))
+                        continue
+                    try:
+                        self._store.wait(chan.keys.meta, min(left, FOLLOW_SLICE_S))
+                    except StoreError:
+                        pass  # a store hiccup: read again
+                    except WaitTimeout:
+                        pass  # (re-checked above)
+        except WaitTimeout:
+            raise WaitTimeout(
+                f"subscriber {self.name}: no publisher registered on channel {self.channel!r} within {timeout:.1f}s"
+            ) from None
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.

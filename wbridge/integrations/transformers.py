@@ -28,6 +28,17 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, sd).items()}
 
 
+def config_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Canonical (checkpoint) names and shapes for a Hugging Face config, from transformers'
+    model class built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return checkpoint_shapes(model)
+
+
 def load_weights(model: Any) -> Callable[[Iterable[tuple[str, Any]]], None]:
     """transformers' own checkpoint loading (with its weight conversions) as a
     ``load_weights(iter[(name, full_tensor)])`` callable."""

@@ -7,6 +7,8 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
                                     find the store without one (a fresh or wiped store)
     wb/c/g/<g>/reg                  registration counter; epoch = (count - 1) // world_size + 1
     wb/c/g/<g>/e/<e>/r/<rank>       publisher rank record: layout, world size, host, transports
+    wb/c/g/<g>/meta                 the channel metadata of the newest registration and its epoch,
+                                    written by publisher rank 0 at each register (``meta``)
     wb/c/g/<g>/e/<e>/r/<rank>/packed/<k>  slot layout of packing generation k of that rank
     wb/c/g/<g>/version              the newest committed version's record (v, epoch, slot, fence)
     wb/c/g/<g>/v/<v>/e/<e>/snap     how many publisher ranks of epoch e snapshotted v
@@ -80,6 +82,7 @@ class Keys:
     generation = property(lambda self: self.base + "gen")
     reg = property(lambda self: self.p + "reg")
     version = property(lambda self: self.p + "version")
+    meta = property(lambda self: self.p + "meta")
     subs = property(lambda self: self.p + "subs")
     readers = property(lambda self: self.p + "readers")
     aggregating = property(lambda self: self.p + "aggregating")

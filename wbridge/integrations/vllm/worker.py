@@ -42,6 +42,7 @@ from typing import Any
 from ...errors import LayoutError, UsageError, WaitTimeout, WBridgeError
 from ..trace import TraceResult, trace_load_weights, traced
 from .commit import Reload, allocate_staging, commit, plan_commit, prepare
+from .lora import LoRAWorkerMixin
 from .watch import Watcher
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
@@ -50,14 +51,9 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "trac
 def hf_checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """Canonical (checkpoint) names and shapes for a Hugging Face config, from transformers'
     model class built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from ..transformers import config_shapes
 
-    from ..transformers import checkpoint_shapes
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return checkpoint_shapes(model)
+    return config_shapes(hf_config)
 
 
 def _portable(t: Any) -> tuple[str, list[int], bytes]:
@@ -102,9 +98,10 @@ class _Background:
             self.error = e
 
 
-class WBridgeWorkerExtension:
+class WBridgeWorkerExtension(LoRAWorkerMixin):
     """Mixed into vLLM's worker (``worker_extension_cls``); methods are called through
-    ``LLM.collective_rpc`` on every rank.
+    ``LLM.collective_rpc`` on every rank. Its LoRA adapter channels' RPCs (``wbridge_lora_*``)
+    come from ``lora.LoRAWorkerMixin``.
 
     ``wbridge_subscribe(channel, store, token=None, transport="auto")`` traces the layout, allocates
     the checkpoint-format destination tensors and joins the channel. ``wbridge_pull(timeout)``
