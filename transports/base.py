@@ -384,6 +384,15 @@ def check_options(kind: str, schema: Mapping[str, OptionSpec], options: object) 
     return dict(options)
 
 
+def _check_all(
+    cls: type[Transport], kind: str, schema: Mapping[str, OptionSpec], given: object, token: object
+) -> dict[str, Any]:
+    """``given`` checked option by option, then as a whole (defaults filled in) with ``token``."""
+    options = check_options(kind, schema, given)
+    cls.check_combination({**{k: spec.default for k, spec in schema.items()}, **options}, token)
+    return options
+
+
 _Init = TypeVar("_Init", bound=Callable[..., None])
 
 
@@ -395,11 +404,12 @@ def checked_options(init: _Init) -> _Init:
 
     @functools.wraps(init)
     def wrapper(self: Transport, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
         kind = getattr(type(self), "name", type(self).__name__)
-        if "host" in bound:
-            check_host(bound["host"], kind)
-        check_options(kind, option_schema(init), {k: v for k, v in bound.items() if k not in NOT_OPTIONS})
+        check_host(bound.arguments.get("host"), kind)
+        given = {k: v for k, v in bound.arguments.items() if k not in NOT_OPTIONS}
+        _check_all(type(self), kind, option_schema(init), given, bound.arguments.get("token"))
         init(self, *args, **kwargs)
 
     return typing.cast(_Init, wrapper)
@@ -427,11 +437,18 @@ class Transport(ABC):
         self._lock = threading.Lock()
 
     @classmethod
-    def check_options(cls, options: object) -> dict[str, Any]:
+    def check_options(cls, options: object, token: object = None) -> dict[str, Any]:
         """``options`` (constructor keywords, as ``transport_options`` carries them) checked against
-        this transport's constructor signature without building anything: an unknown keyword, a
-        value of the wrong type or out of bounds raises ``TransportError`` naming it."""
-        return check_options(cls.name, option_schema(cls.__init__), options)
+        this transport's constructor signature, then as a whole with ``token``
+        (``check_combination``), without building anything: an unknown keyword, a value of the
+        wrong type or out of bounds, or options that cannot work together raise ``TransportError``
+        naming them. Returns the options given."""
+        return _check_all(cls, cls.name, option_schema(cls.__init__), options, token)
+
+    @classmethod
+    def check_combination(cls, options: Mapping[str, Any], token: object) -> None:
+        """Refuses options that cannot work together or with ``token`` (each alone already checked;
+        ``options`` holds every option, defaults filled in). Default: every combination works."""
 
     # -- serving and registration ------------------------------------------------------------
     @abstractmethod

@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -351,6 +351,11 @@ class TcpTransport(Transport):
         self._server: _Server | None = None
         self._peers: set[TcpPeer] = set()
 
+    @classmethod
+    def check_combination(cls, options: Mapping[str, Any], token: object) -> None:
+        if options.get("bind_all") and not token:
+            raise TransportError("tcp: bind_all=True listens on every interface: it needs a token")
+
     # -- serving -----------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, *, device: str = "cpu") -> Region:
         check_host_memory("tcp", addr, nbytes, device)
@@ -373,9 +378,8 @@ class TcpTransport(Transport):
         with self._lock:
             self._check_open()
             if self._server is None:
-                if self._key == b"" and (self.bind_all or not _is_loopback(self.host)):
-                    where = "every interface (bind_all)" if self.bind_all else self.host
-                    raise TransportError(f"tcp: refusing to serve on {where} without a token; pass token=...")
+                if self._key == b"" and not _is_loopback(self.host):
+                    raise TransportError(f"tcp: refusing to serve on {self.host} without a token; pass token=...")
                 cfg = ServerConfig(self._key, self._instance, self._table, self.handshake_timeout, self.frame_timeout)
                 wildcard = ("::" if ":" in self.host else "0.0.0.0") if self.bind_all else None
                 self._server = _Server(self.host, self.port, cfg, self.max_connections, bind=wildcard)
@@ -549,6 +553,7 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         where = f"{self._server.host}:{self._server.port}" if self._server else "not serving"
+        where += ", bind_all" if self.bind_all else ""
         return (
             f"TcpTransport({where}, streams={self.streams}, regions={len(self._regions)}, "
             f"peers={len(self._peers)}, closed={self._closed})"
