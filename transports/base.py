@@ -404,9 +404,12 @@ def checked_options(init: _Init) -> _Init:
 
     @functools.wraps(init)
     def wrapper(self: Transport, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
         kind = getattr(type(self), "name", type(self).__name__)
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+        except TypeError as e:  # an unknown keyword, say
+            raise TransportError(f"{kind}: {e}; options: {sorted(option_schema(init))}") from None
+        bound.apply_defaults()
         check_host(bound.arguments.get("host"), kind)
         given = {k: v for k, v in bound.arguments.items() if k not in NOT_OPTIONS}
         _check_all(type(self), kind, option_schema(init), given, bound.arguments.get("token"))

@@ -346,6 +346,22 @@ def test_hostile_batch_in_a_reader_process(variant, server):
     assert server.proc.poll() is None, "the serving process died"
 
 
+def test_constructor_checks_its_options_and_host(variant):
+    """Every transport checks its options against its own constructor's signature (the schema
+    wbridge checks ``transport_options`` with) and refuses a wildcard host, before it starts."""
+    name, opts = variant
+    cls = transports.get(name)
+    assert cls.check_options(opts) == opts
+    for bad in ({"bogus_option": 1}, {"token": "t"}, {"host": "127.0.0.1"}, 5):
+        with pytest.raises(TransportError):
+            cls.check_options(bad)
+    with pytest.raises(TransportError, match="bogus_option"):
+        cls(token=TOKEN.encode(), bogus_option=1, **opts)
+    for host in ("", "0.0.0.0", "::", 5):
+        with pytest.raises(TransportError, match="host"):
+            cls(token=TOKEN.encode(), host=host, **opts)
+
+
 def _forge(descriptor: bytes, nbytes: int) -> bytes:
     try:
         d = json.loads(descriptor)
