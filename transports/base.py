@@ -51,6 +51,7 @@ import inspect
 import ipaddress
 import json
 import math
+import numbers
 import socket
 import threading
 import types
@@ -324,11 +325,11 @@ class OptionSpec:
         """Why ``value`` is refused, or None."""
         if value is None:
             return None if self.optional else "must not be None"
-        if isinstance(value, bool):
+        if isinstance(value, (bool, np.bool_)):
             ok = bool in self.types
-        elif isinstance(value, int):
+        elif isinstance(value, numbers.Integral):  # numpy's integers too
             ok = int in self.types or float in self.types
-        elif isinstance(value, float):
+        elif isinstance(value, numbers.Real):
             ok = float in self.types and math.isfinite(value)
         else:
             ok = isinstance(value, tuple(t for t in self.types if t not in (bool, int, float)))
