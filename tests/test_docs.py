@@ -97,3 +97,18 @@ def test_built_site_shows_every_public_name_with_its_docstring(tmp_path) -> None
             first = re.sub(r"``?", "", doc.splitlines()[0]).strip()
             words = " ".join(first.split()[:6])
             assert words in text, f"{name}: its docstring is not on the page ({words!r})"
+
+
+def test_transport_options_table_names_each_constructors_options() -> None:
+    """docs/transports.md lists, per transport, exactly the options its constructor takes (the
+    schema ``Transport.check_options`` checks against), so the page cannot drift from the code."""
+    import transports
+    from transports.base import option_schema
+
+    with open(os.path.join(ROOT, "docs", "transports.md")) as f:
+        text = f.read()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (`.*) \|$", text.split("## Options", 1)[1].split("\n## ", 1)[0], re.M))
+    assert set(rows) == set(transports.REGISTRY), rows
+    for name in transports.available():
+        listed = {item.strip().strip("`") for item in re.sub(r"\([^)]*\)", "", rows[name]).split(",")}
+        assert listed == set(option_schema(transports.get(name).__init__)), (name, listed)

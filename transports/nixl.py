@@ -41,13 +41,23 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 
 from ._host import rdma_ports
 from ._util import int_field, str_field
-from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import (
+    PreparedBatch,
+    Range,
+    ReadBatch,
+    Region,
+    Transport,
+    check_batch_bounds,
+    checked_options,
+    decode_descriptor,
+    encode_descriptor,
+)
 from .errors import TransportError
 
 # The nixl-cu12 wheel bundles UCX with its own libibverbs/libnl but not libefa. Where the system has
@@ -171,8 +181,14 @@ class NixlTransport(Transport):
         }
     )
 
+    @checked_options
     def __init__(
-        self, token: bytes | str | None = None, host: str = "127.0.0.1", *, backend: str = "UCX", poll_max: float = 1e-3
+        self,
+        token: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        backend: str = "UCX",
+        poll_max: Annotated[float, Range(0.0, 1.0, open_low=True)] = 1e-3,
     ) -> None:
         super().__init__(token=token, host=host)
         self.backend = backend

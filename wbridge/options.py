@@ -131,7 +131,7 @@ class Zone:
     relay: bool = False
 
     def __post_init__(self) -> None:
-        _validate.zone(self.name, "Zone(name)")
+        _validate.zone_name(self.name, "Zone(name)")
         _validate.boolean(self.relay, "Zone(relay)")
 
 

@@ -97,9 +97,11 @@ class Publisher(Closeable):
       the acks of the version before), or ``Async(max_staleness=k)`` (``wbridge.options``).
     - ``staging``: ``Staging(slots=2, checksums=True, delta=None)`` (copies into rotating slots;
       ``delta=Delta(history=k)`` also publishes deltas) or ``ZeroCopy()`` (serves the live tensors).
-    - ``host``: the address transports bind and advertise (loopback by default).
+    - ``host``: the address transports bind and advertise (loopback by default); never a wildcard
+      (``""``, ``0.0.0.0``, ``::``): to listen on every interface, ``transport_options={"tcp": {"bind_all": True}}``.
     - ``connect_timeout``: seconds to wait for the store when opening it.
-    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``, checked against each
+      transport's constructor (``Transport.check_options``); only for transports it serves.
     - ``zone``: the zone (cluster) it runs in, recorded for tools; subscribers read publishers
       whatever the zones (a zone selects only which relays a subscriber reads, ``wbridge.pull.zone``).
 
@@ -135,6 +137,13 @@ class Publisher(Closeable):
             raise UsageError(f"rank {rank} outside world_size {world_size}")
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         token = _validate.token(token)
+        host = _validate.host(host, f"publisher rank {rank}")
+        transport = _validate.transport_names(transport, "transport")
+        names = served_transports(transport)
+        classes = {name: _transports.get(name) for name in names}  # a missing extra: refused now
+        opts = _validate.transport_options(
+            transport_options, "transport_options", None if transport == "auto" else names, token
+        )
         self.channel, self.rank, self.world_size = channel, rank, world_size
         self.mode, self.max_staleness, self.staging = mode, max_staleness, staging
         self.slots, self.zero_copy = staging.slots, isinstance(staging, ZeroCopy)
@@ -164,14 +173,11 @@ class Publisher(Closeable):
         # rank 0 aggregates subscriber progress for every rank (see publish.tracker)
         self._tracker = SubscriberTracker(self._chan, aggregator=rank == 0, others=world_size > 1)
         self._next_version = 0
-        names = served_transports(transport)
         self._auto = transport == "auto"  # device tensors: served by what reaches them, where any does
-        opts = transport_options or {}
         self._transports: dict[str, _transports.Transport] = {}
         try:
-            for name in names:
-                cls = _transports.get(name)
-                self._transports[name] = cls(token=self.token, host=host, **dict(opts.get(name, {})))
+            for name, cls in classes.items():
+                self._transports[name] = cls(token=self.token, host=host, **opts.get(name, {}))
         except BaseException:
             self.close()
             raise

@@ -11,7 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ..errors import StoreError, WaitTimeout
+from .. import _validate
+from ..errors import StoreError, UsageError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 
 # A value no caller writes: TcpStore.get's marker for "absent".
@@ -175,7 +176,16 @@ class TcpStore(Store):
     ) -> None:
         import torch.distributed as dist
 
-        self.host, self.port, self.is_host = host, int(port), is_host
+        _validate.boolean(is_host, "TcpStore(is_host)")
+        if not isinstance(host, str) or not host:
+            raise UsageError(f"TcpStore(host) must be an address or host name, got {host!r:.80}")
+        if is_host:
+            _validate.host(host, "TcpStore (hosted here)")
+        port = _validate.integer(port, "TcpStore(port)")
+        if port > 65535:
+            raise UsageError(f"TcpStore(port) must be in 0..65535, got {port}")
+        connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
+        self.host, self.port, self.is_host = host, port, is_host
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[bytes | None, float]] = {}
         self._closed = False
