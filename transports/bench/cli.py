@@ -322,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": args.device,
     }
     if args.plot:
-        res["plot"] = plot(res, args.plot, f"{where}, {res['size']} byte region, {args.streams} stream(s)")
+        depth = args.depth or "16 (at most 64MiB a post)"
+        title = f"{where}\n{human(res['size'])} region, {args.streams} stream(s), depth {depth}"
+        res["plot"] = plot(res, args.plot, title)
     if args.json:
         print(json.dumps(res))
     else:

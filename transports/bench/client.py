@@ -66,8 +66,8 @@ def run_client(
     progress: Callable[[SizeResult], None] | None = None,
 ) -> dict:
     """Measures ``plan`` against the bench server at ``host:port``; returns ``{"server", "rows"}``
-    (rows: ``SizeResult.as_dict()`` plus ``engine``: ``wbridge`` or ``raw``, and ``vs_raw`` on
-    wbridge rows where a raw row of the same size exists)."""
+    (rows: ``SizeResult.as_dict()`` plus ``transport``, ``engine`` (``wbridge`` or ``raw``: the engine
+    under that transport), and ``vs_raw`` on wbridge rows where a raw row of the same size exists)."""
     local_host = local_host or local_address(host, port)
     ch = control.dial(host, port, token, timeout)
     try:
@@ -124,7 +124,7 @@ def _one_transport(
         for op in plan.sizes:
             pattern = replace(plan.pattern, op_size=op)
             res = measure(wbridge_reader, dest, pattern, hello["seed"], span=span)
-            row = {"engine": "wbridge", **res.as_dict()}
+            row = {"engine": "wbridge", "transport": name, **res.as_dict()}
             rows.append(row)
             if progress:
                 progress(res)
@@ -157,7 +157,7 @@ def _one_transport(
                     round_seconds=[],
                 )
             if raw is not None:
-                rows.append({"engine": "raw", **raw.as_dict()})
+                rows.append({"engine": "raw", "transport": name, **raw.as_dict()})
                 row["vs_raw"] = res.gbps / raw.gbps if raw.gbps > 0 else None
                 if progress:
                     progress(raw)

@@ -54,7 +54,7 @@ def plot_available() -> str | None:
 
 
 def plot(result: dict, path: str, title: str) -> str:
-    """``path``: average GB/s against op size, one line per transport (raw engines dashed)."""
+    """``path``: average GB/s against op size, one line per transport (its raw engine dashed, same color)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,16 +62,19 @@ def plot(result: dict, path: str, title: str) -> str:
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label in dict.fromkeys(r["label"] for r in rows):
-        mine = [r for r in rows if r["label"] == label]
-        raw = mine[0]["engine"] == "raw"
-        ax.plot(
-            [r["op_size"] for r in mine],
-            [r["gbps"] for r in mine],
-            marker="o",
-            linestyle="--" if raw else "-",
-            label=label + (" (raw)" if raw and label != "iperf3" and "raw" not in label else ""),
-        )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, name in enumerate(dict.fromkeys(r["transport"] for r in rows)):
+        for engine in ("wbridge", "raw"):
+            mine = [r for r in rows if r["transport"] == name and r["engine"] == engine]
+            if mine:
+                ax.plot(
+                    [r["op_size"] for r in mine],
+                    [r["gbps"] for r in mine],
+                    marker="o" if engine == "wbridge" else "x",
+                    linestyle="-" if engine == "wbridge" else "--",
+                    color=colors[i % len(colors)],
+                    label=name if engine == "wbridge" else f"{name}: raw {mine[0]['label'].replace('-raw', '')}",
+                )
     sizes = sorted({r["op_size"] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [human(s).replace("iB", "") for s in sizes], rotation=45 if len(sizes) > 8 else 0)

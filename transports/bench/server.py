@@ -27,6 +27,7 @@ from ..errors import TransportError
 from . import control
 from .memory import Buffer
 from .raw import RawServed, iperf3_server, serve_raw
+from .units import human
 
 HANDSHAKE_TIMEOUT = 10.0
 SESSION_IDLE = 600.0  # a client silent this long is dropped
@@ -233,7 +234,7 @@ def announce(server: BenchServer, token_env: str, as_json: bool, out: TextIO) ->
         print(json.dumps(line), file=out, flush=True)
     else:
         print(
-            f"wbridge bench transport: serving {server.size} bytes ({server.buffer.device}) on "
+            f"wbridge bench transport: serving {human(server.size)} ({server.buffer.device}) on "
             f"{','.join(server.options)} at {server.address}; on the client: "
             f"{token_env}=<the same token> {connect}{env}",
             file=out,
