@@ -42,6 +42,13 @@ def _wbridge(host: Host, args: list[str], env: dict, timeout: float) -> subproce
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _listening(host: Host) -> list[str]:
+    """Local addresses of every listening TCP socket in the host's namespace (from the kernel: ``ss``)."""
+    out = host.run(["ss", "-Hltn"])
+    assert out.returncode == 0, out.stderr
+    return [line.split()[3] for line in out.stdout.splitlines() if line.strip()]
+
+
 def _wait_for(text: str, proc, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while text not in proc.stderr() and time.monotonic() < deadline:
@@ -60,6 +67,10 @@ def test_transport_bench_between_two_hosts_reads_at_the_shaped_rate(network, tmp
     )  # fmt: skip
     line = server.recv(120)
     assert line["serving"] == f"{a.addr}:29800" and line["transports"] == names, line
+    # bound to the address given: the control port, tcp, NIXL's UCX; only Mooncake's two listeners
+    # take every interface whatever it is told (docs/security.md)
+    elsewhere = [x for x in _listening(a) if not x.startswith(a.addr + ":")]
+    assert f"{a.addr}:29800" in _listening(a) and len(elsewhere) == 2 * ("mooncake" in names), elsewhere
 
     wrong = _wbridge(b, ["transport", "--connect", f"{a.addr}:29800"], dict(env, WBRIDGE_TOKEN="wrong"), 120)
     assert wrong.returncode == 1 and "wrong token" in wrong.stderr, wrong
@@ -93,6 +104,8 @@ def test_update_bench_between_two_hosts_pulls_at_the_shaped_rate(network) -> Non
     )  # fmt: skip
     info = server.recv(240)
     assert info["serving"] == f"{a.addr}:29810" and info["ranks"] == 2, info
+    listening = _listening(a)  # the store, the publishers' and the bench server's: A's address only
+    assert f"{a.addr}:29810" in listening and all(x.startswith(a.addr + ":") for x in listening), listening
 
     run = _wbridge(b, ["update", "--connect", f"{a.addr}:29810", "--tp", "2", "--json"], env, 330)
     assert run.returncode == 0, run.stderr[-3000:]

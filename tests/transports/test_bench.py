@@ -24,13 +24,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOKEN = "bench-test-token"
 
 
-def _bench(*args: str, token: str | None = TOKEN, timeout: float = 150) -> subprocess.CompletedProcess:
+def _bench(*args: str, token: str | None = TOKEN, timeout: float = 150, entry: str = "transports.bench"):
+    """The command in a process of its own: ``python -m transports.bench`` (what ``wbridge bench
+    transport`` runs, without importing torch), or ``entry="wbridge"`` for the ``wbridge`` command."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("WBRIDGE_TOKEN", None)
     if token is not None:
         env["WBRIDGE_TOKEN"] = token
-    argv = [sys.executable, "-m", "wbridge.cli", "bench", "transport", *args]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    argv = ["wbridge.cli", "bench", "transport"] if entry == "wbridge" else [entry]
+    return subprocess.run([sys.executable, "-m", *argv, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
 
 
 def test_help_documents_every_option() -> None:
@@ -41,7 +44,7 @@ def test_help_documents_every_option() -> None:
     }  # fmt: skip
     undocumented = [a.option_strings[0] for a in actions if not a.help or a.help == argparse.SUPPRESS]
     assert not undocumented, undocumented
-    out = _bench("--help", token=None)
+    out = _bench("--help", token=None, entry="wbridge")
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     for a in actions:
@@ -79,6 +82,7 @@ def test_no_token_is_refused_naming_the_variable() -> None:
         assert out.returncode == 2 and "WBB_NO_SUCH_VAR" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_one_host_sweep_reads_every_size_bit_exact_and_plots(tmp_path) -> None:
     png = tmp_path / "sweep.png"
     out = _bench(
@@ -131,7 +135,7 @@ def test_a_corrupted_region_fails_the_check(server) -> None:
 
 def test_the_server_listens_on_loopback_only_by_default() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, WBRIDGE_TOKEN=TOKEN)
-    argv = [sys.executable, "-m", "wbridge.cli", "bench", "transport", "--serve", "--port", "0", "--size", "4MiB"]
+    argv = [sys.executable, "-m", "transports.bench", "--serve", "--port", "0", "--size", "4MiB"]
     proc = subprocess.Popen([*argv, "--json"], env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         line = json.loads(proc.stdout.readline())
