@@ -103,3 +103,11 @@ def test_the_fp8_check_catches_one_wrong_byte() -> None:
         bits[-1] ^= 1
         assert update_bench.fp8_mismatches(cfg, tensors, 3, 10) == [name]
         bits[-1] ^= 1
+
+
+def test_fp8_on_shards_that_split_blocks_is_refused_before_anything_starts(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WBRIDGE_TOKEN", "t")
+    port = free_port()  # nothing may listen there afterwards: the store is not hosted
+    assert update_bench.main(["--serve", "--port", str(port), "--model", "tiny", "--ranks", "2", "--fp8"]) == 1
+    err = capsys.readouterr().err
+    assert "--fp8 with --ranks 2" in err and "q_proj.weight" in err and "128x128 blocks" in err, err

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import transports
 
 from ..errors import TransportError
-from .client import ClientPlan, check_device, run_client
+from .client import ClientPlan, device_refusal, run_client
 from .loopback import memcpy_ceiling, run_loopback
-from .memory import check_device as device_name
+from .memory import check_device
 from .raw import iperf3_loopback
 from .reads import Pattern, SizeResult
 from .report import plot, plot_available, table
@@ -209,7 +209,7 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.plot and plot_available():
         ap.error(plot_available())
     try:
-        args.device = device_name(args.device)
+        args.device = check_device(args.device)
     except ValueError as e:
         ap.error(f"--device: {e}")
     names = [n for n in (args.transport or "").split(",") if n]
@@ -220,7 +220,7 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         names = names or ["tcp"]
     if names:
         try:
-            why = check_device(names, args.device)
+            why = device_refusal(names, args.device)
         except TransportError as e:
             ap.error(f"--transport: {e}")
         if why:

@@ -167,7 +167,7 @@ def _one_transport(
     return rows
 
 
-def check_device(transports: Sequence[str], device: str) -> str | None:
+def device_refusal(transports: Sequence[str], device: str) -> str | None:
     """Why ``device`` cannot be used with ``transports`` (None: it can)."""
     if device == "cpu":
         return None

@@ -273,9 +273,11 @@ def measure(
             pass
         for t in threads:
             t.join()
-        for s in streams:
-            if s.error is not None:
-                raise TransportError(f"bench: stream {s.index} of {label}: {s.error}") from s.error
+        failed = [s for s in streams if s.error is not None]
+        first = [s for s in failed if not isinstance(s.error, threading.BrokenBarrierError)] or failed
+        if first:  # the stream that failed, not one that stopped because another did
+            s = first[0]
+            raise TransportError(f"bench: stream {s.index} of {label}: {s.error}") from s.error
     finally:
         for s in streams:
             if s.reader is not None:

@@ -46,8 +46,18 @@ from ..errors import WBridgeError
 from ..options import Delta, Staging
 from ..protocol.records import open_sealed, seal
 from ..store import open_store
-from .synthetic import MODELS, ModelConfig, bits_view, fill_pieces, make_tensors, mismatches, set_version, version_bits
-from .workers import Worker, call_all
+from .synthetic import (
+    MODELS,
+    ModelConfig,
+    bits_view,
+    fill_pieces,
+    layout_decls,
+    make_tensors,
+    mismatches,
+    set_version,
+    version_bits,
+)
+from .workers import Worker, WorkerError, call_all
 
 CHANNEL = "wbridge-bench"
 KEYS = "wbridge-bench/update/"
@@ -141,6 +151,17 @@ class TrainerRank:
 
     def close(self) -> None:
         self.pub.close()
+
+
+def check_fp8(cfg: ModelConfig, ranks: int) -> None:
+    """``UsageError`` naming the first weight whose shard on one of ``ranks`` trainer ranks does not
+    cover whole 128x128 blocks (what ``--fp8`` needs), before any process starts."""
+    from ..publish.transforms import fp8_block128_layout
+
+    for r in range(ranks):
+        for name, (shape, decl) in layout_decls(cfg, ranks, r, fused=False).items():
+            if _fp8_name(name):
+                fp8_block128_layout(name, shape, decl, f"--fp8 with --ranks {ranks}, rank {r}")
 
 
 def rollout_tensors(cfg: ModelConfig, tp: int, rank: int, *, fused: bool, fp8: bool) -> dict[str, tuple[Any, Any]]:
@@ -305,6 +326,8 @@ def _say(msg: str) -> None:
 def serve(args: argparse.Namespace, token: bytes) -> int:
     cfg = ModelConfig.from_params(args.params) if args.params else ModelConfig.named(args.model)
     period = _period(args.delta)
+    if args.fp8:
+        check_fp8(cfg, args.ranks)
     host, port = args.host or "127.0.0.1", DEFAULT_PORT if args.port is None else args.port
     url = f"tcp://{host}:{port}"
     store = open_store(url, host_store=True)
@@ -523,6 +546,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"set the shared token in the environment variable {args.token_env} (the same on both hosts)")
     try:
         return serve(args, token.encode()) if args.serve else connect(args, token.encode())
+    except WorkerError as e:  # a rank failed: its exception's last line says why (the rest went to stderr)
+        print(f"wbridge bench update: error: {e.args[0].splitlines()[0]} {e.args[0].strip().splitlines()[-1]}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     except (WBridgeError, TimeoutError, OSError, ValueError) as e:
         print(f"wbridge bench update: error: {e}", file=sys.stderr)
         return 1
