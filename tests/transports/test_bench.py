@@ -148,3 +148,19 @@ def test_the_server_listens_on_loopback_only_by_default() -> None:
         proc.terminate()
         assert proc.wait(30) == 0
         proc.stdout.close()
+
+
+@pytest.mark.gpu
+def test_a_region_on_a_gpu_holds_the_pattern_and_its_check_sees_one_byte() -> None:
+    """``--device cuda:N``: the region (or destination) in device memory, filled and checked in
+    chunks through host copies."""
+    from transports.bench.memory import CHUNK, Buffer
+
+    buf = Buffer(2 * CHUNK + 12345, "cuda:0")
+    try:
+        buf.fill_pattern(7)
+        assert buf.check(7) and buf.check(7, 99, CHUNK + 5) and not buf.check(8, 0, 4096)
+        buf.fill_byte(0xA5, CHUNK + 3, CHUNK + 4)
+        assert not buf.check(7) and buf.check(7, 0, CHUNK + 3) and buf.check(7, CHUNK + 4)
+    finally:
+        buf.close()
