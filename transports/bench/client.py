@@ -149,9 +149,9 @@ def _one_transport(
                     bytes=got["bytes"],
                     seconds=got["seconds"],
                     gbps=got["gbps"],
-                    gbps_peak=float("nan"),
-                    lat_p50_us=float("nan"),
-                    lat_p99_us=float("nan"),
+                    gbps_peak=None,  # iperf3 reports no peak nor latency (None: JSON's null)
+                    lat_p50_us=None,
+                    lat_p99_us=None,
                     checked_bytes=0,
                     verified=None,
                     round_seconds=[],

@@ -159,9 +159,9 @@ class SizeResult:
     bytes: int
     seconds: float
     gbps: float
-    gbps_peak: float
-    lat_p50_us: float
-    lat_p99_us: float
+    gbps_peak: float | None  # None: not measured (iperf3)
+    lat_p50_us: float | None
+    lat_p99_us: float | None
     checked_bytes: int
     verified: bool | None  # None: not checked
     round_seconds: list[float] = field(default_factory=list)  # with ``repeat``: each time round the rings

@@ -3,7 +3,6 @@ one JSON object (``--json``), and a chart of bandwidth against op size (``--plot
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ COLUMNS = ("transport", "bytes", "reads", "avg GB/s", "peak GB/s", "p50 us", "p9
 
 
 def _num(x: Any, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+    return "-" if x is None else format(x, fmt)
 
 
 def row_cells(r: dict) -> list[str]:
