@@ -71,6 +71,7 @@ def test_fp8_deltas_reach_a_tp2_rollout_bit_exact_and_a_wrong_token_is_refused()
         (["--connect", "h:1", "--port", "3"], "--port is the server's"),
         (["--serve", "--delta", "0.9"], "--delta"),
         (["--serve", "--transport", "local"], "crosses hosts"),
+        (["--serve", "--host", "::"], "rollouts are told this address"),
         (["--serve", "--params", "lots"], "not a parameter count"),
     ],
 )

@@ -59,6 +59,7 @@ def test_help_documents_every_option() -> None:
         (["--connect", "h:1", "--port", "5"], "--port is the server's"),
         (["--connect", "h:1", "--ceiling"], "--against raw"),
         (["--host", "10.0.0.1"], "one host runs on loopback"),
+        (["--serve", "--host", "0.0.0.0"], "clients are told this address"),
         (["--device", "cuda:0", "--transport", "tcp"], "tcp move host memory only"),
         (["--device", "gpu"], "cpu or cuda:N"),
         (["--transport", "rdma"], "unknown ['rdma']"),

@@ -18,7 +18,7 @@ from .memory import check_device
 from .raw import iperf3_loopback
 from .reads import Pattern, SizeResult
 from .report import plot, plot_available, table
-from .server import BenchServer, announce
+from .server import BenchServer, announce, unspecified
 from .units import human, parse_size, parse_sweep
 
 DEFAULT_PORT = 29800
@@ -79,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--host",
         help="--serve: the address to bind and advertise (default 127.0.0.1: give this host's address on "
-        "the network to serve others; nothing binds all interfaces unless you name 0.0.0.0); --connect: "
-        "this host's address for the transports (default: its address on the route to the server)",
+        "the network to serve others; never all interfaces); --connect: this host's address for the "
+        "transports (default: its address on the route to the server)",
     )
     where.add_argument(
         "--port", type=int, help=f"--serve: the control port the client connects to (default {DEFAULT_PORT}; 0: any)"
@@ -195,6 +195,8 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--port is the server's (--serve); a client names it in --connect HOST:PORT")
     if not args.serve and not args.connect and args.host is not None:
         ap.error("--host is for --serve or --connect; one host runs on loopback")
+    if args.serve and args.host and unspecified(args.host):
+        ap.error(f"--host {args.host}: clients are told this address; give this host's address on their network")
     if args.connect and args.ceiling:
         ap.error("--ceiling measures this host alone; between hosts use --against raw")
     for k, v in READING.items():

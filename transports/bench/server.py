@@ -13,6 +13,7 @@ logged, and the server goes on.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -32,6 +33,14 @@ from .units import human
 HANDSHAKE_TIMEOUT = 10.0
 SESSION_IDLE = 600.0  # a client silent this long is dropped
 SEED = 20250  # the region's pattern
+
+
+def unspecified(host: str) -> bool:
+    """Whether ``host`` is an all-interfaces address (``0.0.0.0``, ``::``), which peers cannot dial."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 class BenchServer:
@@ -61,6 +70,8 @@ class BenchServer:
     ) -> None:
         if not token:
             raise TransportError("bench server: a token is required (clients prove it before they learn anything)")
+        if unspecified(host):
+            raise TransportError(f"bench server: clients are told its host; {host} is no address to dial")
         self.host, self.key, self.size, self.log = host, token_key(token), size, log or sys.stderr
         self.options = {name: dict((options or {}).get(name, {})) for name in transports}
         self._transports: dict[str, Any] = {}

@@ -40,7 +40,7 @@ import numpy as np
 from planner.layout import Shard
 from transports.bench.client import ClientPlan, local_address, run_client
 from transports.bench.reads import Pattern
-from transports.bench.server import BenchServer
+from transports.bench.server import BenchServer, unspecified
 
 from ..errors import WBridgeError
 from ..options import Delta, Staging
@@ -533,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--ranks and --versions must be at least 1")
         if args.delta is not None and not 0 < args.delta <= 0.5:
             ap.error("--delta is the fraction of elements changed per version, in (0, 0.5]")
+        if args.host and unspecified(args.host):
+            ap.error(f"--host {args.host}: rollouts are told this address; give this host's address on their network")
         if args.transport in ("auto", "local"):
             ap.error(f"--transport {args.transport}: name a transport that crosses hosts (tcp, nixl, mooncake, nccl)")
     elif args.tp < 1:
