@@ -111,6 +111,28 @@ def _net_devices(host: str) -> str | None:
     return ",".join([iface, *rdma_ports()])
 
 
+def new_agent(name: str, host: str, backend: str = "UCX") -> tuple[Any, str | None]:
+    """A NIXL agent called ``name`` with ``backend`` started, its network devices limited to the
+    interface of ``host`` plus the RDMA ports (see the module docstring), and the ``UCX_NET_DEVICES``
+    value it started with (None: UCX's default). ``TransportError`` if the backend does not start."""
+    agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[]))
+    devices = os.environ.get("UCX_NET_DEVICES") or _net_devices(host)
+    with _env_lock:  # UCX takes its configuration from the environment only, when the backend starts
+        saved = os.environ.get("UCX_NET_DEVICES")
+        if devices:
+            os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            agent.create_backend(backend, {})
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise TransportError(f"nixl: cannot start the {backend} backend: {e!r}") from e
+        finally:
+            if saved is None:
+                os.environ.pop("UCX_NET_DEVICES", None)
+            else:
+                os.environ["UCX_NET_DEVICES"] = saved
+    return agent, devices
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -194,22 +216,7 @@ class NixlTransport(Transport):
         self.backend = backend
         self.poll_max = poll_max
         self.agent_name = f"wbridge-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_listen_thread=False, backends=[]))
-        self.net_devices = os.environ.get("UCX_NET_DEVICES") or _net_devices(host)
-        with _env_lock:  # UCX takes its configuration from the environment only, when the backend starts
-            saved = os.environ.get("UCX_NET_DEVICES")
-            if self.net_devices:
-                os.environ["UCX_NET_DEVICES"] = self.net_devices
-            try:
-                self._agent.create_backend(backend, {})
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
-                self._agent = None
-                raise TransportError(f"nixl: cannot start the {backend} backend: {e!r}") from e
-            finally:
-                if saved is None:
-                    os.environ.pop("UCX_NET_DEVICES", None)
-                else:
-                    os.environ["UCX_NET_DEVICES"] = saved
+        self._agent, self.net_devices = new_agent(self.agent_name, host, backend)
         self._regions: dict[int, Region] = {}
         self._peers: dict[str, list[NixlPeer]] = {}
         self._prepared: set[NixlPrepared] = set()
