@@ -3,6 +3,13 @@
 Values are a pure function of (canonical tensor, global element index, version), so any process can
 compute what any of its local tensors must hold after a pull without the other side's help, and a
 version's bytes differ from every other version's.
+
+Two ways from canonical tensors to a local layout, kept apart on purpose: ``fill_expected`` writes
+a layout through the planner's mapping (``planner.compiler.pieces_for``, the code the transfer
+plans with) and fills the publishers' tensors; ``expected_bits``, which ``mismatches`` checks pulls
+against, builds each canonical tensor whole and cuts the layout out of it by plain numpy slicing and
+concatenation. A mapping bug that moved the bytes and computed the expectation alike would pass a
+check that used the mapping on both sides; against the slices it fails.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from planner.compiler import pieces_for
-from planner.layout import Declaration, Fused, Shard, TensorSpec
+from planner.layout import Declaration, Fused, Shard, Stack, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -253,14 +260,60 @@ def set_version(tensors: dict[str, tuple[Any, Declaration]], version: int) -> No
         fill_expected(bits_view(t), name, tuple(t.shape), decl, t.element_size(), version)
 
 
+def expected_bits(
+    name: str, shape: tuple[int, ...], decl: Declaration, itemsize: int, version: int, base: np.ndarray
+) -> np.ndarray:
+    """What local tensor ``name`` (``shape``, declared ``decl``) holds at ``version``, as unsigned ints
+    of ``shape``: ``base`` (a flat view of the same size) where the declaration maps nothing, else
+    the canonical values. Each canonical tensor is generated whole (``canonical_bits`` over its full
+    shape) and cut by plain slicing: a ``Shard`` is the box ``[offsets, offsets + sizes)`` (clipped
+    to the canonical shape where ``padded``), a ``Fused`` its parts' boxes concatenated along
+    ``dim`` in order (each part with its ``sizes`` given, as ``layout_decls`` writes them), a
+    ``Stack`` its parts stacked. Shares no code with the planner's mapping."""
+    whole: dict[str, np.ndarray] = {}
+
+    def canonical(part: Shard) -> np.ndarray:
+        if part.name not in whole:
+            zeros = (0,) * len(part.global_shape)
+            whole[part.name] = canonical_bits(part.name, part.global_shape, zeros, part.global_shape, itemsize, version)
+        return whole[part.name]
+
+    def fill(out: np.ndarray, d: Declaration) -> None:
+        if isinstance(d, Shard):
+            box = out
+            if d.sizes is not None and tuple(d.sizes) != out.shape:  # the same elements, row-major
+                box = out.view()
+                box.shape = d.sizes  # a view or an error, never a silent copy
+            offsets = d.offsets or (0,) * box.ndim
+            inside = tuple(slice(0, max(0, min(n, g - o))) for n, g, o in zip(box.shape, d.global_shape, offsets))
+            box[inside] = canonical(d)[tuple(slice(o, o + s.stop) for o, s in zip(offsets, inside))]
+        elif isinstance(d, Fused):
+            start = 0
+            for part in d.parts:
+                if part.sizes is None:
+                    raise ValueError(f"{name}: the slicing reference needs sizes on every Fused part")
+                stop = start + part.sizes[d.dim]
+                fill(out[(slice(None),) * d.dim + (slice(start, stop),)], part)
+                start = stop
+        elif isinstance(d, Stack):
+            for i, part in enumerate(d.parts):
+                fill(out[i], part)
+        else:
+            raise TypeError(f"{name}: the slicing reference covers Shard, Fused and Stack, not {type(d).__name__}")
+
+    want = base.copy().reshape(shape)
+    fill(want, decl)
+    return want
+
+
 def mismatches(tensors: dict[str, tuple[Any, Declaration]], version: int) -> list[str]:
-    """Names of local tensors whose mapped bytes differ from ``version``'s values."""
+    """Names of local tensors whose mapped bytes differ from ``version``'s values, as ``expected_bits``
+    cuts them out of the canonical tensors (not through the planner's mapping)."""
     bad = []
     for name, (t, decl) in tensors.items():
         got = bits_view(t)
-        want = got.copy()
-        fill_expected(want, name, tuple(t.shape), decl, t.element_size(), version)
-        if not np.array_equal(got, want):
+        want = expected_bits(name, tuple(t.shape), decl, t.element_size(), version, got)
+        if not np.array_equal(got, want.reshape(-1)):
             bad.append(name)
     return bad
 
@@ -276,6 +329,7 @@ __all__ = [
     "set_version",
     "mismatches",
     "canonical_bits",
+    "expected_bits",
     "fill_expected",
     "total_bytes",
 ]
