@@ -317,7 +317,7 @@ def feature_route(device: str) -> Route:
         return Route("nixl", False)
     if device == "cpu":
         return Route("tcp", False)
-    return Route("tcp", True, f" (through tcp, host staging: {NIXL_MISSING})")
+    return Route("tcp", True, " (through tcp with host staging: nixl-cu12 is not installed)")
 
 
 def device_route(device: str, what: str) -> Route:
