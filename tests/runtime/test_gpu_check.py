@@ -87,6 +87,18 @@ def test_summary_lines() -> None:
     )
 
 
+@pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_script_passes_on_the_gpu() -> None:
+    """Where a CUDA GPU is: the one command runs every part whose package is installed, bit-exact,
+    and ends with its ok line (parts whose package is missing SKIP and do not count)."""
+    run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=320)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1].startswith("gpu_check: ok parts=") and not any(" FAIL " in x for x in lines), run.stdout
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the script runs for real (minutes)")
 def test_script_skips_without_a_gpu() -> None:
