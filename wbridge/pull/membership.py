@@ -1,7 +1,7 @@
 """A subscriber's place in a channel: the store generation it joined, its id there, its lease.
 
 Three things end a membership without the subscriber leaving. The store is lost and comes back
-empty, in a new generation (see ``_generation``): the subscriber joins that one. Its lease lapsed
+empty, in a new generation (see ``wbridge.protocol.generation``): the subscriber joins that one. Its lease lapsed
 (the process was frozen, say, longer than ``lease_ttl``): publishers then counted it dead for good
 and stopped waiting for it, so it joins again under a new id and they wait for it again. Or its
 record is gone: a publisher evicted it (``Publisher.evict``: someone reported it dead, wrongly
