@@ -11,7 +11,7 @@ Call protocol (every publisher rank of the channel, ``world_size`` of them)::
 
 ``publish()`` copies the live tensors into the next staging slot (the trainer's stall in the
 asynchronous modes), waits as the sync mode says, and the last rank to finish commits ``v``. If it
-finds the store lost (its host restarted, etcd wiped: a new store generation, see ``_generation``)
+finds the store lost (its host restarted, etcd wiped: a new store generation, see ``wbridge.protocol.generation``)
 it first registers again there; versions then count from that store's newest (1) again. Every
 store call of a publish is bounded by its ``timeout``.
 
@@ -481,7 +481,7 @@ class Publisher(Closeable):
 
     def _wait_subscribers(self, key: str, pred, deadline: float, what: str) -> None:
         """Waits until ``pred`` holds for every live subscriber (``key`` says so once it does, see
-        ``_tracker``); close() cuts the wait short."""
+        ``wbridge.publish.tracker``); close() cuts the wait short."""
         self._check_stopped()
         _left(deadline, what)
         try:

@@ -5,6 +5,13 @@ compute what any of its local tensors must hold after a pull without the other s
 version's bytes differ from every other version's. With a change ``period`` p > 1 each element
 changes only once every p versions (a fraction 1/p of the elements per version, each at its own
 phase), as a trainer's small steps do: what delta updates are for.
+
+Two ways from canonical tensors to a local layout, kept apart on purpose: ``fill_expected`` writes
+a layout through the planner's mapping (``planner.compiler.pieces_for``, the code the transfer
+plans with) and fills the publishers' tensors; ``expected_bits``, which ``mismatches`` checks pulls
+against, builds each canonical tensor whole and cuts the layout out of it by plain numpy slicing and
+concatenation. A mapping bug that moved the bytes and computed the expectation alike would pass a
+check that used the mapping on both sides; against the slices it fails.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from planner.compiler import pieces_for
-from planner.layout import Declaration, Fused, Shard, TensorSpec
+from planner.layout import Declaration, Fused, Shard, Stack, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -344,15 +351,69 @@ def set_version(tensors: dict[str, tuple[Any, Declaration]], version: int, perio
         fill_expected(bits_view(t), name, tuple(t.shape), decl, t.element_size(), version, period)
 
 
+def expected_bits(
+    name: str,
+    shape: tuple[int, ...],
+    decl: Declaration,
+    itemsize: int,
+    version: int,
+    base: np.ndarray,
+    period: int = 1,
+) -> np.ndarray:
+    """What local tensor ``name`` (``shape``, declared ``decl``) holds at ``version``, as unsigned ints
+    of ``shape``: ``base`` (a flat view of the same size) where the declaration maps nothing, else
+    the canonical values (of change ``period``, see ``version_bits``). Each canonical tensor is
+    generated whole (``version_bits`` over its full shape) and cut by plain slicing: a ``Shard`` is
+    the box ``[offsets, offsets + sizes)`` (clipped to the canonical shape where ``padded``), a
+    ``Fused`` its parts' boxes concatenated along ``dim`` in order (each part with its ``sizes``
+    given, as ``layout_decls`` writes them), a ``Stack`` its parts stacked. Shares no code with the
+    planner's mapping."""
+    whole: dict[str, np.ndarray] = {}
+
+    def canonical(part: Shard) -> np.ndarray:
+        if part.name not in whole:
+            zeros = (0,) * len(part.global_shape)
+            gshape = part.global_shape
+            whole[part.name] = version_bits(part.name, gshape, zeros, gshape, itemsize, version, period)
+        return whole[part.name]
+
+    def fill(out: np.ndarray, d: Declaration) -> None:
+        if isinstance(d, Shard):
+            box = out
+            if d.sizes is not None and tuple(d.sizes) != out.shape:  # the same elements, row-major
+                box = out.view()
+                box.shape = d.sizes  # a view or an error, never a silent copy
+            offsets = d.offsets or (0,) * box.ndim
+            inside = tuple(slice(0, max(0, min(n, g - o))) for n, g, o in zip(box.shape, d.global_shape, offsets))
+            box[inside] = canonical(d)[tuple(slice(o, o + s.stop) for o, s in zip(offsets, inside))]
+        elif isinstance(d, Fused):
+            start = 0
+            for part in d.parts:
+                if part.sizes is None:
+                    raise ValueError(f"{name}: the slicing reference needs sizes on every Fused part")
+                stop = start + part.sizes[d.dim]
+                fill(out[(slice(None),) * d.dim + (slice(start, stop),)], part)
+                start = stop
+        elif isinstance(d, Stack):
+            for i, part in enumerate(d.parts):
+                fill(out[i], part)
+        else:
+            raise TypeError(f"{name}: the slicing reference covers Shard, Fused and Stack, not {type(d).__name__}")
+
+    want = base.copy().reshape(shape)
+    fill(want, decl)
+    return want
+
+
 def mismatches(tensors: dict[str, tuple[Any, Declaration]], version: int, period: int = 1) -> list[str]:
-    """Names of local tensors whose mapped bytes differ from ``version``'s values (``period``: see
-    ``version_bits``)."""
+    """Names of local tensors whose mapped bytes differ from ``version``'s values (of change
+    ``period``, see ``version_bits``), as ``expected_bits`` cuts them out of the canonical tensors
+    (not through the planner's mapping)."""
     bad = []
     for name, (t, decl) in tensors.items():
         got = bits_view(t)
-        want = got.copy()
-        fill_expected(want, name, tuple(t.shape), decl, t.element_size(), version, period)
-        if not np.array_equal(got, want):
+        want = expected_bits(name, tuple(t.shape), decl, t.element_size(), version, got, period)
+        if not np.array_equal(got, want.reshape(-1)):
             bad.append(name)
     return bad
 
@@ -373,6 +434,7 @@ __all__ = [
     "set_version",
     "mismatches",
     "canonical_bits",
+    "expected_bits",
     "fill_expected",
     "fill_pieces",
     "total_bytes",
