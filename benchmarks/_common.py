@@ -50,19 +50,14 @@ CTX = mp.get_context("spawn")
 def model_config(size: str):
     """A Qwen-like synthetic transformer (GQA 4:1, SwiGLU MLP, untied embeddings, RMSNorms).
 
-    ``1g`` is about 1.0 GiB in bf16 (9 layers, hidden 2048, 32k vocabulary); ``256m`` keeps the
-    shapes with 2 layers and a 16k vocabulary; ``tiny`` is for smoke tests. Every split by TP=2 is
-    even, so the gloo gathers of the baselines need no padding.
+    ``1g``, ``512m``, ``256m``: ``wbridge.testing.synthetic.ModelConfig.named`` (about 1.0 GiB in bf16:
+    9 layers of hidden 2048, a 32k vocabulary; 4 layers and 16k; 2 layers and 8k); ``tiny`` is for
+    smoke tests. Every split by TP=2 is even, so the gloo gathers of the baselines need no padding.
     """
     from wbridge.testing.synthetic import ModelConfig
 
-    shapes = dict(hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
-    if size == "1g":
-        return ModelConfig(**shapes, layers=9, vocab=32768)
-    if size == "512m":
-        return ModelConfig(**shapes, layers=4, vocab=16384)
-    if size == "256m":
-        return ModelConfig(**shapes, layers=2, vocab=8192)
+    if size in ("1g", "512m", "256m"):
+        return ModelConfig.named(size)
     if size == "tiny":
         return ModelConfig(hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=704, layers=2, vocab=2048)
     raise ValueError(f"unknown model size {size!r}; choose 1g, 512m, 256m or tiny")

@@ -37,7 +37,12 @@ Printed per learning rate, in ``--lr`` order (stdout, one line each; `` link=RAT
   (``wbridge.pull.delta.choose``); stderr says how often it chose what (``delta_reason``).
 
 The plot (``delta.png`` in ``--out``, default the current directory) shows per step the changed
-fraction and the read ratio for each learning rate.
+fraction and the read ratio for each learning rate; ``delta.json`` there holds every pull (per
+step: the changed fraction, each subscriber's bytes, seconds, whether it read a delta and why).
+
+Target (a ratio, measured here and not asserted by the tests): over ``--link 1gbit`` at lr 1e-6 the
+delta subscriber takes deltas on every pull and ``pull_speedup`` is above 2 (a full version takes
+about 80 ms over the link, its deltas a few).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import json
 import os
 import statistics
 import sys
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         if link is not None:
             link.close()
     path = plot(results, args.out)
+    with open(os.path.join(args.out, "delta.json"), "w") as f:
+        json.dump(results, f, indent=1)
     if not args.quiet:
         print(f"plot: {path}", file=sys.stderr)
     return 0

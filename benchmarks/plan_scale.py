@@ -1,6 +1,7 @@
 """Planner at scale: Megatron-style trainer (256 ranks) -> vLLM/SGLang-style rollout (128 ranks).
 
-Synthetic layouts from the published config shapes in ``/work/shared/model-shapes.json``:
+Synthetic layouts from the published config shapes in ``benchmarks/model-shapes.json`` (each model's
+source, its Hugging Face ``config.json``, is listed there under ``_sources``):
 
 * Trainer, BF16, 256 ranks, Megatron rank order (tp fastest, then dp, then pp). Dense weights are
   TP-split (column-parallel on dim 0, row-parallel on dim 1), replicated over DP; MLP ``linear_fc1``
@@ -24,7 +25,8 @@ line: ``src_imbalance`` is the busiest trainer rank's bytes over the mean, ``src
 that ratio can be for these layouts (``planner.bounds.load_bound``), ``sources_per_rank_max`` the
 most trainer ranks one rollout rank reads from and ``sources_floor`` the fewest that rank could
 (``planner.bounds.min_sources``). Each model runs in its own process so peak RSS is per model (it includes
-building the synthetic layouts). Run: ``PYTHONPATH=. .venv/bin/python benchmarks/plan_scale.py``.
+building the synthetic layouts). Run: ``PYTHONPATH=. .venv/bin/python benchmarks/plan_scale.py
+[--models kimi-k2 ...]``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from planner.simulate import (
 )
 from planner.validate import validate_plan
 
-SHAPES = "/work/shared/model-shapes.json"
+SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model-shapes.json")
 DT = "bfloat16"
 MODELS = ["qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
 
@@ -434,7 +436,7 @@ def run_one(key: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="*", default=MODELS)
+    ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS, help="the models to plan (default: all)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth", type=float, default=50e9, help="per-rank NIC bytes/s (default 50 GB/s)")
     ap.add_argument("--latency", type=float, default=DEFAULT_LATENCY_S, help="per-read round trip in seconds")

@@ -28,23 +28,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 import transports
-from transports.bench import iperf3_ceiling, parse_size, run_bench
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-PERIOD = 251  # raw servers fill their buffer with i % PERIOD, so the reader can check what arrived
+from transports.bench import control, parse_size, run_bench
+from transports.bench.loopback import LoopbackServer
+from transports.bench.memory import Buffer
+from transports.bench.raw import READERS, iperf3_loopback
 
 
 def _log(msg: str) -> None:
@@ -78,65 +76,29 @@ def host_facts() -> str:
     )
 
 
-# -- raw engines: a serving process each, and the reading loop in this process ------------------
-def raw_server(engine: str, size: int) -> int:
-    """``--raw-server``: one buffer registered with a bare engine; prints a JSON line; waits on stdin."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # engine libraries print; keep stdout for the JSON line
-    buf = np.empty(size, dtype=np.uint8)
-    buf[:] = np.resize(np.arange(PERIOD, dtype=np.uint8), size)
-    if engine == "mooncake":
-        from mooncake.engine import TransferEngine
-
-        e = TransferEngine()
-        if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0 or e.register_memory(buf.ctypes.data, size):
-            return 1
-        out.write(json.dumps({"session": f"127.0.0.1:{e.get_rpc_port()}", "addr": buf.ctypes.data}) + "\n")
-        sys.stdin.readline()
-        e.unregister_memory(buf.ctypes.data)
-        e = None  # releases the engine
-    else:
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-
-        a = nixl_agent(f"raw-server-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
-        reg = a.register_memory([(buf.ctypes.data, size, 0, "")], "DRAM")
-        out.write(json.dumps({"md": a.get_agent_metadata().hex(), "addr": buf.ctypes.data}) + "\n")
-        sys.stdin.readline()
-        a.deregister_memory(reg)
-        a = None  # releases the agent
-    return 0
-
-
-class _RawServer:
-    def __init__(self, engine: str, size: int, timeout: float = 120.0) -> None:
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--raw-server", engine, str(size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"raw {engine} server exited with {self.proc.wait(timeout)}")
-        self.info = json.loads(line)
-
-    def __enter__(self) -> dict:
-        return self.info
-
-    def __exit__(self, *exc: object) -> None:
+# -- raw engines: a bench server on loopback registers its region with them (transports.bench.raw) -----
+@contextmanager
+def _raw_reader(engine: str, size: int, op_size: int) -> Iterator[tuple[Any, Any, Callable[[], bool]]]:
+    """A bare ``engine`` (nixl, mooncake) reading ``size`` bytes in ops of ``op_size`` from a bench
+    server process on loopback: ``(reader, prepared batch of the whole region, check())``."""
+    with LoopbackServer(["tcp"], size) as server:
+        ch = control.dial("127.0.0.1", server.port, server.token.encode(), 60)
         try:
-            self.proc.stdin.write("\n")
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
+            seed = ch.recv(60)["seed"]
+            info = ch.request({"op": "raw", "engine": engine}, 60)["info"]
+            dst = Buffer(size)
+            dst.fill_byte(0xA5)  # touched before timing, and wrong until read
+            reader = READERS[engine](info, dst.addr, size, "cpu", "127.0.0.1")
+            try:
+                starts = np.arange(0, size, op_size, dtype=np.int64)
+                handle = reader.prepare(starts, starts, op_size)
+                yield reader, handle, lambda: dst.check(seed)
+                reader.release(handle)
+            finally:
+                reader.close()
+            ch.request({"op": "bye"}, 60)
+        finally:
+            ch.close()
 
 
 def _timed(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> list[float]:
@@ -158,46 +120,11 @@ def memcpy(size: int, repeat: int) -> tuple[float, float]:
     return size / statistics.median(times) / 1e9, size / min(times) / 1e9
 
 
-def _check(dst: np.ndarray) -> bool:
-    return bool(np.array_equal(dst, np.resize(np.arange(PERIOD, dtype=np.uint8), len(dst))))
-
-
 def raw_mooncake(size: int, op_size: int, repeat: int) -> dict:
-    from mooncake.engine import TransferEngine
-
-    dst = np.full(size, 0xA5, dtype=np.uint8)
-    e = TransferEngine()
-    if e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("mooncake engine did not start")
-    e.register_memory(dst.ctypes.data, size)
-    try:
-        with _RawServer("mooncake", size) as info:
-            starts = list(range(0, size, op_size))
-            lens = [min(op_size, size - s) for s in starts]
-            local = [dst.ctypes.data + s for s in starts]
-            remote = [info["addr"] + s for s in starts]
-
-            def single() -> None:
-                for a, b, n in zip(local, remote, lens):
-                    if e.transfer_sync_read(info["session"], a, b, n) != 0:
-                        raise RuntimeError("transfer_sync_read failed")
-
-            def batch() -> None:
-                for i in range(0, len(lens), 512):  # the engine's tcp lanes queue about 1024 per peer
-                    if (
-                        e.batch_transfer_sync_read(
-                            info["session"], local[i : i + 512], remote[i : i + 512], lens[i : i + 512]
-                        )
-                        != 0
-                    ):
-                        raise RuntimeError("batch_transfer_sync_read failed")
-
-            t_single = _timed(single, repeat)
-            t_batch = _timed(batch, repeat)
-        ok = _check(dst)
-    finally:
-        e.unregister_memory(dst.ctypes.data)
-        e = None  # releases the engine
+    with _raw_reader("mooncake", size, op_size) as (reader, handle, check):
+        t_single = _timed(lambda: reader.read_each(handle, 120.0), repeat)
+        t_batch = _timed(lambda: reader.read(handle, 120.0), repeat)
+        ok = check()
     single_gbps, batch_gbps = size / statistics.median(t_single) / 1e9, size / statistics.median(t_batch) / 1e9
     return {
         "engine": "mooncake-raw (tcp)",
@@ -210,36 +137,9 @@ def raw_mooncake(size: int, op_size: int, repeat: int) -> dict:
 
 
 def raw_nixl(size: int, op_size: int, repeat: int) -> dict:
-    from nixl_cu12 import nixl_agent, nixl_agent_config
-
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout (as transports.nixl does)
-    dst = np.full(size, 0xA5, dtype=np.uint8)
-    a = nixl_agent(f"raw-reader-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
-    reg = a.register_memory([(dst.ctypes.data, size, 0, "")], "DRAM")
-    try:
-        with _RawServer("nixl", size) as info:
-            name = a.add_remote_agent(bytes.fromhex(info["md"]))
-            starts = np.arange(0, size, op_size, dtype=np.uint64)
-            lens = np.minimum(op_size, size - starts).astype(np.uint64)
-            zeros = np.zeros_like(starts)
-            local = a.get_xfer_descs(np.stack([dst.ctypes.data + starts, lens, zeros], 1), "DRAM")
-            remote = a.get_xfer_descs(np.stack([info["addr"] + starts, lens, zeros], 1), "DRAM")
-            x = a.initialize_xfer("READ", local, remote, name)
-
-            def read() -> None:
-                state = a.transfer(x)
-                while state == "PROC":
-                    state = a.check_xfer_state(x)
-                if state != "DONE":
-                    raise RuntimeError(f"NIXL READ ended {state}")
-
-            times = _timed(read, repeat)
-            x.release()
-            a.remove_remote_agent(name)
-        ok = _check(dst)
-    finally:
-        a.deregister_memory(reg)
-        a = None  # releases the agent
+    with _raw_reader("nixl", size, op_size) as (reader, handle, check):
+        times = _timed(lambda: reader.read(handle, 120.0), repeat)
+        ok = check()
     return {
         "engine": "nixl-raw (UCX READ)",
         "gbps": size / statistics.median(times) / 1e9,
@@ -256,7 +156,7 @@ def _measure(item: str, size: int, op: int, rep: int, streams: int) -> dict:
             median, best = memcpy(size, rep)
             return {"what": "memcpy (numpy, 1 thread)", "median": median, "best": best, "verified": "-"}
         if item == "iperf3":
-            got = {s: iperf3_ceiling(size, s) for s in sorted({1, streams})}
+            got = {s: iperf3_loopback(size, s) for s in sorted({1, streams})}
             best = max([x for x in got.values() if x], default=None)
             label = ", ".join(f"-P {s}: {'n/a' if x is None else f'{x:.2f}'}" for s, x in got.items())
             return {"what": f"iperf3 loopback (best of {label})", "median": best, "best": best, "verified": "-"}
@@ -294,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated wbridge transports to run (default: all installed)",
     )
     ap.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
-    ap.add_argument("--raw-server", nargs=2, metavar=("ENGINE", "SIZE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.raw_server:
-        return raw_server(args.raw_server[0], int(args.raw_server[1]))
     size, op, rep = args.size, args.op_size, args.repeat
     names = [t for t in args.transports.split(",") if t]
     # Each wbridge transport right next to what it is compared with, the whole set ``rounds`` times

@@ -115,6 +115,15 @@ def rollout(i: int, ckpt: str, store: str, up, stop, final_version, results) -> 
     eng.shutdown()
 
 
+def reference_engine(path: str, results) -> None:
+    """``--check``'s fresh engine, in a process of its own: an engine's shutdown kills every child
+    of its process, and in the main one that includes multiprocessing's resource tracker (which
+    then reports the main process's queues and events as leaked)."""
+    eng = engine(path, False)
+    results.put(("reference", 0, greedy(eng)))
+    eng.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps (each one version)")
@@ -172,9 +181,10 @@ def run(args: argparse.Namespace, work: str) -> dict:
             p.join(60)
         reference = None
         if args.check:
-            eng = engine(os.path.join(work, "final"), False)
-            reference = greedy(eng)
-            eng.shutdown()
+            procs.append(ctx.Process(target=reference_engine, args=(os.path.join(work, "final"), results)))
+            procs[-1].start()
+            reference = results.get(timeout=300)[2]
+            procs[-1].join(60)
     finally:
         done.set()
         stop.set()

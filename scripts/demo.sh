@@ -3,5 +3,5 @@
 # each rollout pulls its 236 MiB half of every version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --core  # the demo needs .venv only (scripts/test.sh sets up the rest)
 exec .venv/bin/wbridge demo "$@"

@@ -6,6 +6,7 @@
         cli = b.python(CLIENT_CODE)
         net.cut(b)                           # b's link down: packets to and from b are lost
         net.restore(b)
+        net.shape(a, "400mbit")              # a's link shaped with tc tbf, both directions
 
 Layout: one "switch" namespace holds a bridge; each host namespace has ``eth0`` (10.123.0.<i+1>/24)
 whose veth peer is a bridge port in the switch. Cutting a host sets that bridge port down. Nothing is
@@ -14,9 +15,10 @@ addresses can repeat across concurrent test runs because every run has its own n
 
 ``Proc`` speaks JSON lines: ``send(obj)`` writes one to the process's stdin, ``recv(timeout)`` reads one
 from its stdout (bounded). ``close()`` (also the fixture's finalizer, even on failure) kills every
-process it started and deletes every namespace. Namespaces left by a crashed run (named ``wbt<pid>-``,
-pid dead) are removed on the next start. Tests skip with a clear message where namespaces cannot be
-made (not root, no iproute2, no CAP_SYS_ADMIN).
+process it started and deletes every namespace. Namespaces left by a crashed run (named
+``<prefix><pid>-``, ``wbt`` unless a test names its own prefix; pid dead) are removed on the next
+start. Tests skip with a clear message where namespaces cannot be made (not root, no iproute2, no
+CAP_SYS_ADMIN).
 """
 
 from __future__ import annotations
@@ -69,12 +71,12 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def remove_stale() -> None:
+def remove_stale(prefix: str = _PREFIX) -> None:
     """Deletes namespaces that an earlier run (now dead) of this harness left behind."""
     out = _ip("netns", "list", check=False)
     for line in out.stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        m = re.match(rf"^{_PREFIX}(\d+)-", name)
+        m = re.match(rf"^{prefix}(\d+)-", name)
         if m and not _pid_alive(int(m.group(1))):
             _ip("netns", "del", name, check=False)
 
@@ -196,12 +198,18 @@ class Host:
 
 
 class Network:
-    """``n`` hosts on one bridge. Context manager; ``close()`` is idempotent and removes everything."""
+    """``n`` hosts on one bridge. Context manager; ``close()`` is idempotent and removes everything.
 
-    def __init__(self, n: int, workdir: str | None = None) -> None:
+    ``prefix`` starts every namespace's name (a test's own, so concurrent suites never share names).
+    """
+
+    def __init__(self, n: int, workdir: str | None = None, prefix: str = _PREFIX) -> None:
         if not 1 <= n <= 200:
             raise ValueError(f"a test network has 1..200 hosts, not {n}")
-        self.tag = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
+        if not re.fullmatch(r"[a-z]{1,5}", prefix):
+            raise ValueError(f"a namespace prefix is 1 to 5 lowercase letters, not {prefix!r}")
+        self.prefix = prefix
+        self.tag = f"{prefix}{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
         self.workdir = workdir or os.path.join("/tmp", self.tag)
         os.makedirs(self.workdir, exist_ok=True)
@@ -210,7 +218,7 @@ class Network:
         self.hosts: list[Host] = []
         self._namespaces: list[str] = []
         self._closed = False
-        remove_stale()
+        remove_stale(prefix)
         try:
             self._build(n)
         except BaseException:
@@ -264,6 +272,16 @@ class Network:
         for host in self.hosts:
             _ip("-n", host.name, "neigh", "flush", "all", check=False)
 
+    def shape(self, h: Host | int, rate: str, burst: str = "1mb", latency: str = "100ms") -> None:
+        """Limits the host's link to ``rate`` (``tc ... tbf``, e.g. ``400mbit``) in both directions:
+        on its ``eth0`` (what it sends) and on its bridge port (what it receives)."""
+        host = self.host(h)
+        for ns, dev in ((host.name, "eth0"), (self.switch, host.port_name)):
+            tc = ["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate]
+            out = subprocess.run([*tc, "burst", burst, "latency", latency], capture_output=True, text=True, timeout=20)
+            if out.returncode != 0:
+                raise RuntimeError(f"{' '.join(tc)} failed: {out.stderr.strip()}")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -292,8 +310,8 @@ def network():
         pytest.skip(f"multi-host tests need Linux network namespaces: {why}")
     made: list[Network] = []
 
-    def make(n: int = 2) -> Network:
-        net = Network(n)
+    def make(n: int = 2, prefix: str = _PREFIX) -> Network:
+        net = Network(n, prefix=prefix)
         made.append(net)
         return net
 

@@ -97,3 +97,74 @@ def test_built_site_shows_every_public_name_with_its_docstring(tmp_path) -> None
             first = re.sub(r"``?", "", doc.splitlines()[0]).strip()
             words = " ".join(first.split()[:6])
             assert words in text, f"{name}: its docstring is not on the page ({words!r})"
+
+
+def test_transport_options_table_names_each_constructors_options() -> None:
+    """docs/transports.md lists, per transport, exactly the options its constructor takes (the
+    schema ``Transport.check_options`` checks against), so the page cannot drift from the code."""
+    import transports
+    from transports.base import option_schema
+
+    with open(os.path.join(ROOT, "docs", "transports.md")) as f:
+        text = f.read()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (`.*) \|$", text.split("## Options", 1)[1].split("\n## ", 1)[0], re.M))
+    assert set(rows) == set(transports.REGISTRY), rows
+    for name in transports.available():
+        listed = {item.strip().strip("`") for item in re.sub(r"\([^)]*\)", "", rows[name]).split(",")}
+        assert listed == set(option_schema(transports.get(name).__init__)), (name, listed)
+
+
+NAMED = re.compile(r"`{1,2}((?:wbridge|planner|transports)(?:\.[A-Za-z_]\w*)+)")
+
+
+def _module_file(parts: list[str]) -> str | None:
+    base = os.path.join(ROOT, *parts)
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _defines(path: str, names: list[str]) -> bool:
+    """Whether the module at ``path`` defines ``names[0]`` (a def, a class, an assignment, or an
+    import from a module of the tree, followed there), and the rest as names inside it."""
+    import ast
+
+    pkg = os.path.relpath(os.path.dirname(path), ROOT).split(os.sep)
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == names[0]:
+            inner = {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            return all(a in inner for a in names[1:])
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == names[0] for t in targets):
+            return len(names) == 1
+        if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == names[0] for a in node.names):
+            source = (pkg[: len(pkg) - node.level + 1] if node.level else []) + (node.module or "").split(".")
+            found = _module_file([p for p in source if p])
+            return found is not None and _defines(found, names)
+    return False
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` is a module or package of the tree, or a name one of them defines (read
+    from the source, so a module whose engine is not installed here still counts)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        path = _module_file(parts[:i])
+        if path is not None:
+            return i == len(parts) or _defines(path, parts[i:])
+    return False
+
+
+def test_every_module_a_doc_or_docstring_names_exists() -> None:
+    """Docs, docstrings and comments name modules by dotted path (``wbridge.pull.session``), never by a
+    name they used to have: each names a module of the tree, or a name such a module defines."""
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=ROOT, capture_output=True, text=True).stdout
+    missing = set()
+    for rel in tracked.split():
+        with open(os.path.join(ROOT, rel)) as f:
+            for m in NAMED.finditer(f.read()):
+                if not _resolves(m.group(1)):
+                    missing.add(f"{rel}: {m.group(1)}")
+    assert tracked
+    assert not missing, sorted(missing)

@@ -94,8 +94,10 @@ class Server:
         try:
             if self._handshake(conn):
                 self._loop(conn)
-        except (OSError, ConnectionError, ValueError, TransportError) as e:
-            _log.debug("nccl: connection ended: %r", e)
+        except (OSError, ConnectionError, ValueError, TypeError, KeyError, OverflowError, TransportError) as e:
+            _log.debug("nccl: connection ended: %r", e)  # a malformed message ends its connection only
+        except Exception:  # noqa: BLE001 - whatever a peer sends costs its connection, never the server
+            _log.exception("nccl: internal error serving a connection")
         finally:
             conn.close()
             with self.lock:
@@ -150,7 +152,10 @@ class Server:
             raise TransportError(f"not served here: {why}")
         self.cfg.table.release(entries)
         sizes = np.array([x.nbytes for x in entries], dtype=np.int64)[index]
-        bad = (e["offset"] < 0) | (e["nbytes"] <= 0) | (e["offset"] + e["nbytes"] > sizes)
+        off, n = e["offset"], e["nbytes"]
+        # Overflow-safe: never offset + nbytes (it wraps past 2**63); a wrapped difference only
+        # arises where the offset is already refused as negative.
+        bad = (off < 0) | (n <= 0) | (off > sizes) | (n > sizes - off)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise TransportError(
@@ -168,7 +173,11 @@ class Server:
         return plan
 
     def _pull(self, conn: socket.socket, plan: Plan, msg: dict, group: Group) -> None:
-        timeout = min(float(msg.get("timeout", 60.0)), self.cfg.max_timeout)
+        asked = float(msg.get("timeout", 60.0))
+        if not asked > 0:  # (NaN too)
+            p.send(conn, p.ERROR, {"message": f"pull timeout must be > 0, got {asked}"})
+            return
+        timeout = min(asked, self.cfg.max_timeout)
         deadline = time.monotonic() + timeout
         served, _ = self.cfg.table.acquire(plan.ids)
         if served is None:

@@ -28,7 +28,7 @@ def check_host_memory(kind: str, addr: object, nbytes: object, device: str) -> N
     """Refuses a registration these host-memory transports cannot serve, naming why."""
     if device != "cpu":
         raise TransportError(f"{kind} moves host memory only, not {device!r}: stage the tensor in host memory")
-    if type(addr) is not int or addr <= 0 or type(nbytes) is not int or nbytes <= 0:  # noqa: E721
+    if type(addr) is not int or type(nbytes) is not int or not (0 < addr and 0 < nbytes <= MAX_INT - addr):  # noqa: E721
         raise TransportError(f"{kind}: cannot register {nbytes!r} bytes at {addr!r}")
 
 

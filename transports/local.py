@@ -42,14 +42,23 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 
 from ._copy import CopyPlan, vm_read
 from ._host import host_identity, read_text
 from ._util import check_host_memory, coalesce, hex_field, int_field, peer_lock, token_key
-from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import (
+    OneOf,
+    ReadBatch,
+    Region,
+    Transport,
+    check_batch_bounds,
+    checked_options,
+    decode_descriptor,
+    encode_descriptor,
+)
 from .errors import AuthError, TransportError
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -165,10 +174,15 @@ class LocalTransport(Transport):
     )
     conformance_variants: ClassVar[Mapping[str, dict]] = MappingProxyType({"memfd": {}, "vm": {"method": "vm"}})
 
-    def __init__(self, token: bytes | str | None = None, host: str = "127.0.0.1", *, method: str = "auto") -> None:
+    @checked_options
+    def __init__(
+        self,
+        token: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        method: Annotated[str, OneOf(METHODS)] = "auto",
+    ) -> None:
         super().__init__(token=token, host=host)
-        if method not in METHODS:
-            raise TransportError(f"local: method must be one of {METHODS}, got {method!r}")
         self.method = method
         self._key = token_key(token)
         self._nonce = os.urandom(NONCE_BYTES)

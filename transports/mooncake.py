@@ -36,13 +36,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import numpy as np
 
 from ._host import rdma_devices
 from ._util import check_host_memory, int_field, str_field
-from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import (
+    OneOf,
+    Positive,
+    PreparedBatch,
+    ReadBatch,
+    Region,
+    Transport,
+    check_batch_bounds,
+    checked_options,
+    decode_descriptor,
+    encode_descriptor,
+)
 from .errors import TransportError
 
 try:
@@ -105,22 +116,19 @@ class MooncakeTransport(Transport):
         }
     )
 
+    @checked_options
     def __init__(
         self,
         token: bytes | str | None = None,
         host: str = "127.0.0.1",
         *,
-        protocol: str = "auto",
+        protocol: Annotated[str, OneOf(PROTOCOLS)] = "auto",
         devices: str = "",
-        max_batch: int = 256,
-        depth: int = 4,
+        max_batch: Positive = 256,
+        depth: Positive = 4,
     ) -> None:
         super().__init__(token=token, host=host)
-        if max_batch < 1 or depth < 1:
-            raise TransportError(f"mooncake: max_batch and depth must be positive, got {max_batch}, {depth}")
         self.max_batch, self.depth = max_batch, depth
-        if protocol not in PROTOCOLS:
-            raise TransportError(f"mooncake: protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.protocol = ("rdma" if rdma_devices() else "tcp") if protocol == "auto" else protocol
         self._engine = TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", self.protocol, devices) != 0:

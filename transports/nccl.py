@@ -41,7 +41,18 @@ from . import _nccl_proto as p
 from ._nccl_serve import Server, ServerConfig
 from ._regions import RegionTable, Served
 from ._util import hex_field, int_field, str_field, time_left, token_key, wake
-from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import (
+    Positive,
+    PreparedBatch,
+    ReadBatch,
+    Region,
+    Seconds,
+    Transport,
+    check_batch_bounds,
+    checked_options,
+    decode_descriptor,
+    encode_descriptor,
+)
 from .errors import TransportError
 
 try:
@@ -104,18 +115,17 @@ class NcclTransport(Transport):
     name = "nccl"
     memory_kinds = ("cpu", "cuda")
 
+    @checked_options
     def __init__(
         self,
         token: bytes | str | None = None,
         host: str = "127.0.0.1",
         *,
-        direct_bytes: int = 64 << 10,
-        max_timeout: float = 600.0,
-        handshake_timeout: float = 10.0,
+        direct_bytes: Positive = 64 << 10,
+        max_timeout: Seconds = 600.0,
+        handshake_timeout: Seconds = 10.0,
     ) -> None:
         super().__init__(token=token, host=host)
-        if direct_bytes <= 0:
-            raise TransportError("nccl: direct_bytes must be positive")
         self._key = token_key(token)
         self.direct_bytes, self.max_timeout, self.handshake_timeout = direct_bytes, max_timeout, handshake_timeout
         self._regions: dict[int, Region] = {}

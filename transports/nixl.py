@@ -41,13 +41,23 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 
 from ._host import rdma_ports
 from ._util import int_field, str_field
-from .base import PreparedBatch, ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import (
+    PreparedBatch,
+    Range,
+    ReadBatch,
+    Region,
+    Transport,
+    check_batch_bounds,
+    checked_options,
+    decode_descriptor,
+    encode_descriptor,
+)
 from .errors import TransportError
 
 # The nixl-cu12 wheel bundles UCX with its own libibverbs/libnl but not libefa. Where the system has
@@ -99,6 +109,28 @@ def _net_devices(host: str) -> str | None:
         return None
     # RDMA ports open no TCP listener, and a reader bound to loopback still reads remote peers over them
     return ",".join([iface, *rdma_ports()])
+
+
+def new_agent(name: str, host: str, backend: str = "UCX") -> tuple[Any, str | None]:
+    """A NIXL agent called ``name`` with ``backend`` started, its network devices limited to the
+    interface of ``host`` plus the RDMA ports (see the module docstring), and the ``UCX_NET_DEVICES``
+    value it started with (None: UCX's default). ``TransportError`` if the backend does not start."""
+    agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[]))
+    devices = os.environ.get("UCX_NET_DEVICES") or _net_devices(host)
+    with _env_lock:  # UCX takes its configuration from the environment only, when the backend starts
+        saved = os.environ.get("UCX_NET_DEVICES")
+        if devices:
+            os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            agent.create_backend(backend, {})
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise TransportError(f"nixl: cannot start the {backend} backend: {e!r}") from e
+        finally:
+            if saved is None:
+                os.environ.pop("UCX_NET_DEVICES", None)
+            else:
+                os.environ["UCX_NET_DEVICES"] = saved
+    return agent, devices
 
 
 def _b64(data: bytes) -> str:
@@ -171,29 +203,20 @@ class NixlTransport(Transport):
         }
     )
 
+    @checked_options
     def __init__(
-        self, token: bytes | str | None = None, host: str = "127.0.0.1", *, backend: str = "UCX", poll_max: float = 1e-3
+        self,
+        token: bytes | str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        backend: str = "UCX",
+        poll_max: Annotated[float, Range(0.0, 1.0, open_low=True)] = 1e-3,
     ) -> None:
         super().__init__(token=token, host=host)
         self.backend = backend
         self.poll_max = poll_max
         self.agent_name = f"wbridge-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_listen_thread=False, backends=[]))
-        self.net_devices = os.environ.get("UCX_NET_DEVICES") or _net_devices(host)
-        with _env_lock:  # UCX takes its configuration from the environment only, when the backend starts
-            saved = os.environ.get("UCX_NET_DEVICES")
-            if self.net_devices:
-                os.environ["UCX_NET_DEVICES"] = self.net_devices
-            try:
-                self._agent.create_backend(backend, {})
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
-                self._agent = None
-                raise TransportError(f"nixl: cannot start the {backend} backend: {e!r}") from e
-            finally:
-                if saved is None:
-                    os.environ.pop("UCX_NET_DEVICES", None)
-                else:
-                    os.environ["UCX_NET_DEVICES"] = saved
+        self._agent, self.net_devices = new_agent(self.agent_name, host, backend)
         self._regions: dict[int, Region] = {}
         self._peers: dict[str, list[NixlPeer]] = {}
         self._prepared: set[NixlPrepared] = set()

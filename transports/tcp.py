@@ -23,10 +23,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
@@ -46,7 +46,18 @@ from ._util import (
     token_key,
     wake,
 )
-from .base import ReadBatch, Region, Transport, check_batch_bounds, decode_descriptor, encode_descriptor
+from .base import (
+    Positive,
+    Range,
+    ReadBatch,
+    Region,
+    Seconds,
+    Transport,
+    check_batch_bounds,
+    checked_options,
+    decode_descriptor,
+    encode_descriptor,
+)
 from .errors import AuthError, TransportError
 
 INSTANCE_BYTES = 16
@@ -170,12 +181,12 @@ def serve_connection(
 class _Server:
     """The listener and its connection threads."""
 
-    def __init__(self, host: str, port: int, cfg: ServerConfig, max_connections: int) -> None:
+    def __init__(self, host: str, port: int, cfg: ServerConfig, max_connections: int, bind: str | None = None) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            self.sock = socket.create_server((host, port), family=family, backlog=128)
+            self.sock = socket.create_server((bind or host, port), family=family, backlog=128)
         except OSError as e:
-            raise TransportError(f"tcp: cannot listen on {host}:{port}: {e}") from e
+            raise TransportError(f"tcp: cannot listen on {bind or host}:{port}: {e}") from e
         self.host, self.port = host, self.sock.getsockname()[1]
         self.cfg = cfg
         self.max_connections = max_connections
@@ -293,32 +304,42 @@ class TcpTransport(Transport):
     """Reads over authenticated TCP; see the module docstring. Host memory only.
 
     ``token`` is the shared secret (``None`` only on loopback: then anyone on this host may read the
-    registered regions). ``streams`` parallel connections per peer; reads longer than
-    ``split_bytes`` are cut so the streams balance; a READ frame carries at most ``frame_bytes``.
+    registered regions). ``host``: the address the listener binds and advertises (never a wildcard).
+    Options (``transport_options={"tcp": {...}}``):
+
+    - ``port``: the listening port (0: any free one).
+    - ``streams``: parallel connections per peer (1 to 64).
+    - ``split_bytes``: reads longer than this are cut so the streams balance.
+    - ``frame_bytes``: the most bytes one READ frame asks for.
+    - ``window``: READ frames in flight per stream.
+    - ``handshake_timeout``, ``frame_timeout``: seconds a peer may take to authenticate, and to send a frame.
+    - ``max_connections``: authenticated connections served at once.
+    - ``bind_all``: listen on every interface (``0.0.0.0``, or ``::`` for an IPv6 ``host``) while
+      advertising ``host``; needs a token. The one way to listen on all interfaces: ``host`` itself
+      is never a wildcard.
     """
 
     name = "tcp"
 
+    @checked_options
     def __init__(
         self,
         token: bytes | str | None = None,
         host: str = "127.0.0.1",
-        port: int = 0,
-        streams: int = 4,
+        port: Annotated[int, Range(0, 65535)] = 0,
+        streams: Annotated[int, Range(1, 64)] = 4,
         *,
-        split_bytes: int = 4 << 20,
-        frame_bytes: int = 64 << 20,
-        window: int = 2,
-        handshake_timeout: float = 10.0,
-        frame_timeout: float = 30.0,
-        max_connections: int = 1024,
+        split_bytes: Positive = 4 << 20,
+        frame_bytes: Annotated[int, Range(1, w.MAX_READ_BYTES)] = 64 << 20,
+        window: Positive = 2,
+        handshake_timeout: Seconds = 10.0,
+        frame_timeout: Seconds = 30.0,
+        max_connections: Positive = 1024,
+        bind_all: bool = False,
     ) -> None:
         super().__init__(token=token, host=host)
-        if not 1 <= streams <= 64:
-            raise TransportError(f"tcp: streams must be in [1, 64], got {streams}")
-        if split_bytes <= 0 or frame_bytes <= 0 or window < 1:
-            raise TransportError("tcp: split_bytes, frame_bytes and window must be positive")
         self._key = token_key(token)
+        self.bind_all = bind_all
         self.port, self.streams = port, streams
         self.split_bytes, self.frame_bytes, self.window = split_bytes, frame_bytes, window
         self.handshake_timeout, self.frame_timeout = handshake_timeout, frame_timeout
@@ -329,6 +350,11 @@ class TcpTransport(Transport):
         self._next_id = 1
         self._server: _Server | None = None
         self._peers: set[TcpPeer] = set()
+
+    @classmethod
+    def check_combination(cls, options: Mapping[str, Any], token: object) -> None:
+        if options.get("bind_all") and not token:
+            raise TransportError("tcp: bind_all=True listens on every interface: it needs a token")
 
     # -- serving -----------------------------------------------------------------------------
     def register(self, addr: int, nbytes: int, *, device: str = "cpu") -> Region:
@@ -355,10 +381,9 @@ class TcpTransport(Transport):
                 if self._key == b"" and not _is_loopback(self.host):
                     raise TransportError(f"tcp: refusing to serve on {self.host} without a token; pass token=...")
                 cfg = ServerConfig(self._key, self._instance, self._table, self.handshake_timeout, self.frame_timeout)
-                self._server = _Server(self.host, self.port, cfg, self.max_connections)
-            return encode_descriptor(
-                "tcp", host=self._server.host, port=self._server.port, instance=self._instance.hex()
-            )
+                wildcard = ("::" if ":" in self.host else "0.0.0.0") if self.bind_all else None
+                self._server = _Server(self.host, self.port, cfg, self.max_connections, bind=wildcard)
+            return encode_descriptor("tcp", host=self.host, port=self._server.port, instance=self._instance.hex())
 
     @property
     def num_regions(self) -> int:
@@ -528,6 +553,7 @@ class TcpTransport(Transport):
 
     def __repr__(self) -> str:
         where = f"{self._server.host}:{self._server.port}" if self._server else "not serving"
+        where += ", bind_all" if self.bind_all else ""
         return (
             f"TcpTransport({where}, streams={self.streams}, regions={len(self._regions)}, "
             f"peers={len(self._peers)}, closed={self._closed})"

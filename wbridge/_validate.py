@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
-from .errors import UsageError
+import transports as _transports
+from transports.base import check_host
+
+from .errors import MissingExtraError, TransportError, UsageError
 
 # Longer timeouts wait "forever" (31 years); beyond threading's limit they would overflow.
 MAX_TIMEOUT = 1e9
@@ -80,4 +83,86 @@ def zone(value: Any, who: str) -> str | None:
     return value
 
 
-__all__ = ["MAX_NAME", "MAX_TIMEOUT", "MAX_ZONE", "boolean", "integer", "name", "tensors", "timeout", "token", "zone"]
+def zone_name(value: Any, who: str) -> str:
+    """A zone name, required (``zone`` takes None where a zone is optional)."""
+    if value is None:
+        raise UsageError(f"{who}: a zone needs a name (1 to {MAX_ZONE} characters without '/'), got None")
+    zone(value, who)
+    return value
+
+
+def host(value: Any, who: str) -> str:
+    """An address or host name peers reach: never a wildcard (``""``, ``0.0.0.0``, ``::``), which
+    would listen on every interface; the tcp transport's ``bind_all=True`` is the documented way."""
+    try:
+        return check_host(value, who)
+    except TransportError as e:
+        raise UsageError(str(e)) from None
+
+
+def transport_name(value: Any, what: str) -> str:
+    """``"auto"`` or the name of a known transport (``transports.REGISTRY``)."""
+    if not isinstance(value, str) or (value != "auto" and value not in _transports.REGISTRY):
+        raise UsageError(f"{what} must be 'auto' or one of {sorted(_transports.REGISTRY)}, got {value!r:.80}")
+    return value
+
+
+def transport_names(value: Any, what: str) -> str | list[str]:
+    """``"auto"``, a transport name, or a non-empty list of distinct transport names."""
+    if isinstance(value, str):
+        return transport_name(value, what)
+    if not isinstance(value, (list, tuple)) or not value:
+        known = sorted(_transports.REGISTRY)
+        raise UsageError(f"{what} takes 'auto', a transport name or a list of them ({known}), got {value!r:.80}")
+    names = [transport_name(v, what) for v in value]
+    if "auto" in names or len(set(names)) < len(names):
+        raise UsageError(f"{what}: a list names distinct transports ('auto' alone), got {value!r:.80}")
+    return names
+
+
+def transport_options(
+    value: Any, what: str, used: Collection[str] | None = None, token: bytes | None = None
+) -> dict[str, dict[str, Any]]:
+    """``{transport name: {option: value}}``, each checked against that transport's own schema
+    (``Transport.check_options``: its constructor's signature, and the options together with
+    ``token``). ``used``: the transports the caller may open (None: any); options for another are
+    refused, as are unknown names, keywords and values. A transport that does not import here
+    cannot check its options: they pass, and naming that transport fails with ``MissingExtraError``."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise UsageError(f"{what} takes {{transport name: {{option: value}}}}, got {value!r:.80}")
+    out = {}
+    for name, options in value.items():
+        if name not in _transports.REGISTRY:
+            raise UsageError(f"{what}: unknown transport {name!r:.80}; known: {sorted(_transports.REGISTRY)}")
+        if used is not None and name not in used:
+            raise UsageError(f"{what}[{name!r}]: options for a transport this side does not open ({sorted(used)})")
+        if not isinstance(options, Mapping):
+            raise UsageError(f"{what}[{name!r}] takes {{option: value}}, got {options!r:.80}")
+        try:
+            out[name] = _transports.get(name).check_options(options, token)
+        except MissingExtraError:
+            out[name] = dict(options)
+        except TransportError as e:
+            raise UsageError(f"{what}[{name!r}]: {e}") from None
+    return out
+
+
+__all__ = [
+    "MAX_NAME",
+    "MAX_TIMEOUT",
+    "MAX_ZONE",
+    "boolean",
+    "host",
+    "integer",
+    "name",
+    "tensors",
+    "timeout",
+    "token",
+    "transport_name",
+    "transport_names",
+    "transport_options",
+    "zone",
+    "zone_name",
+]

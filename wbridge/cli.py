@@ -1,4 +1,8 @@
-"""The ``wbridge`` command: ``demo``, ``bench``, ``store serve``, ``info``."""
+"""The ``wbridge`` command: ``demo``, ``bench``, ``store serve``, ``info``.
+
+``wbridge bench transport`` is ``transports.bench`` (one host, or two: ``--serve``/``--connect``);
+``wbridge bench update --serve/--connect`` is ``wbridge.testing.update_bench``; the other benchmarks
+(and ``bench update`` without those) run the scripts of a checkout's ``benchmarks/``."""
 
 from __future__ import annotations
 
@@ -15,6 +19,11 @@ BENCHMARKS = {
     "throughput": "transport_throughput.py",
     "soak": "soak.py",
 }
+
+
+# ``bench update`` with one of these is the two-host benchmark (``wbridge.testing.update_bench``),
+# which an installed package runs; without, the one-host benchmarks/update_e2e.py of a checkout
+TWO_HOSTS = ("--serve", "--connect", "--help", "-h")
 
 
 def _repo_benchmarks() -> str:
@@ -42,6 +51,10 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from transports.bench import main as bench_main
 
         return int(bench_main(rest) or 0)
+    if args.what == "update" and any(a.split("=")[0] in TWO_HOSTS for a in rest):
+        from .testing.update_bench import main as update_main
+
+        return int(update_main(rest) or 0)
     path = os.path.join(_repo_benchmarks(), BENCHMARKS[args.what])
     if not os.path.exists(path):
         print(

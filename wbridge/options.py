@@ -29,7 +29,7 @@ from . import _validate
 from .errors import UsageError
 
 MODES = ("sync", "one_step_off")  # the modes named by a string; the third is Async(max_staleness=k)
-MAX_SLOTS = 64  # staging slots (subscribers read at most this many fences with a version record)
+MAX_SLOTS = 64  # staging slots per publisher rank; a subscriber reads at most this many fences with a version record
 MAX_DELTA_HISTORY = 64  # deltas kept per publisher rank (each a registered buffer of 1/4 slot)
 
 
@@ -131,7 +131,7 @@ class Zone:
     relay: bool = False
 
     def __post_init__(self) -> None:
-        _validate.zone(self.name, "Zone(name)")
+        _validate.zone_name(self.name, "Zone(name)")
         _validate.boolean(self.relay, "Zone(relay)")
 
 

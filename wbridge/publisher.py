@@ -11,7 +11,7 @@ Call protocol (every publisher rank of the channel, ``world_size`` of them)::
 
 ``publish()`` copies the live tensors into the next staging slot (the trainer's stall in the
 asynchronous modes), waits as the sync mode says, and the last rank to finish commits ``v``. If it
-finds the store lost (its host restarted, etcd wiped: a new store generation, see ``_generation``)
+finds the store lost (its host restarted, etcd wiped: a new store generation, see ``wbridge.protocol.generation``)
 it first registers again there; versions then count from that store's newest (1) again. Every
 store call of a publish is bounded by its ``timeout``.
 
@@ -54,6 +54,7 @@ from ._tensors import FLOATING, build_layout, dtype_name
 from .errors import StoreError, UsageError, WaitTimeout, WBridgeError
 from .options import Async, Staging, ZeroCopy, mode_of
 from .protocol import generation as _generation
+from .protocol import meta as _meta
 from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.version import VersionRecord
@@ -96,9 +97,11 @@ class Publisher(Closeable):
       the acks of the version before), or ``Async(max_staleness=k)`` (``wbridge.options``).
     - ``staging``: ``Staging(slots=2, checksums=True, delta=None)`` (copies into rotating slots;
       ``delta=Delta(history=k)`` also publishes deltas) or ``ZeroCopy()`` (serves the live tensors).
-    - ``host``: the address transports bind and advertise (loopback by default).
+    - ``host``: the address transports bind and advertise (loopback by default); never a wildcard
+      (``""``, ``0.0.0.0``, ``::``): to listen on every interface, ``transport_options={"tcp": {"bind_all": True}}``.
     - ``connect_timeout``: seconds to wait for the store when opening it.
-    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``, checked against each
+      transport's constructor (``Transport.check_options``); only for transports it serves.
     - ``zone``: the zone (cluster) it runs in, recorded for tools; subscribers read publishers
       whatever the zones (a zone selects only which relays a subscriber reads, ``wbridge.pull.zone``).
 
@@ -134,6 +137,13 @@ class Publisher(Closeable):
             raise UsageError(f"rank {rank} outside world_size {world_size}")
         connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
         token = _validate.token(token)
+        host = _validate.host(host, f"publisher rank {rank}")
+        transport = _validate.transport_names(transport, "transport")
+        names = served_transports(transport)
+        classes = {name: _transports.get(name) for name in names}  # a missing extra: refused now
+        opts = _validate.transport_options(
+            transport_options, "transport_options", None if transport == "auto" else names, token
+        )
         self.channel, self.rank, self.world_size = channel, rank, world_size
         self.mode, self.max_staleness, self.staging = mode, max_staleness, staging
         self.slots, self.zero_copy = staging.slots, isinstance(staging, ZeroCopy)
@@ -163,14 +173,11 @@ class Publisher(Closeable):
         # rank 0 aggregates subscriber progress for every rank (see publish.tracker)
         self._tracker = SubscriberTracker(self._chan, aggregator=rank == 0, others=world_size > 1)
         self._next_version = 0
-        names = served_transports(transport)
         self._auto = transport == "auto"  # device tensors: served by what reaches them, where any does
-        opts = transport_options or {}
         self._transports: dict[str, _transports.Transport] = {}
         try:
-            for name in names:
-                cls = _transports.get(name)
-                self._transports[name] = cls(token=self.token, host=host, **dict(opts.get(name, {})))
+            for name, cls in classes.items():
+                self._transports[name] = cls(token=self.token, host=host, **opts.get(name, {}))
         except BaseException:
             self.close()
             raise
@@ -189,7 +196,11 @@ class Publisher(Closeable):
         return self._next_version - 1 if self._next_version else 0
 
     def register(
-        self, tensors: Mapping[str, tuple[Any, Declaration]], dtype: Any = None, transforms: Any = None
+        self,
+        tensors: Mapping[str, tuple[Any, Declaration]],
+        dtype: Any = None,
+        transforms: Any = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> int:
         """Registers this rank's live tensors with their declarations; returns the epoch.
 
@@ -201,12 +212,18 @@ class Publisher(Closeable):
         as ``name`` in ``float8_e4m3fn`` plus ``name + "_scale_inv"`` (float32, one inverse scale per
         128x128 block: DeepSeek-V3's format, defined in ``wbridge.publish.transforms``); staged modes only.
 
+        ``metadata``: a small JSON object (at most 64 KiB encoded) that subscribers read with
+        ``Subscriber.metadata()``, even before a first version, e.g. a LoRA adapter's config
+        (``wbridge.integrations.lora``); rank 0's is the channel's, signed like every record
+        (``wbridge.protocol.meta``).
+
         Collective: every rank registers before any rank's ``publish()`` can commit, and all ranks
         register again together (a new epoch) when a layout changes or a rank was restarted.
         """
         self._check_open()
         _validate.tensors(tensors, f"publisher rank {self.rank}")
         transforms = _transforms.check(transforms, tensors, f"publisher rank {self.rank}", self.zero_copy)
+        meta = _meta.check(metadata, f"publisher rank {self.rank}")
         cast = None if dtype is None else dtype_name(dtype)
         if cast is not None:
             if cast not in FLOATING:
@@ -219,16 +236,18 @@ class Publisher(Closeable):
                 )
         with self._start_lock:
             self._settle(self._inflight_deadline + self._connect_timeout, "register()")
-            return self._register(tensors, cast, transforms)
+            return self._register(tensors, cast, transforms, meta)
 
-    def _register(self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None, transforms: Any) -> int:
+    def _register(
+        self, tensors: Mapping[str, tuple[Any, Declaration]], cast: str | None, transforms: Any, meta: dict | None
+    ) -> int:
         """Builds the new registration whole (buffers, regions, store records) before it replaces
         the old one, which stays intact if anything fails; buffers of the same size are reused."""
         who, pack = f"publisher rank {self.rank}", not self.zero_copy
         layout, live, device = build_layout(self.rank, tensors, pack=pack, who=who, cast=cast, transforms=transforms)
         old = self._reg
         reg = self._build(layout, live, dict(tensors), device, old, transforms)
-        reg.cast = cast
+        reg.cast, reg.meta = cast, meta
         try:
             gen = _generation.join(self._base)
             chan = self._base.at(gen)
@@ -244,6 +263,8 @@ class Publisher(Closeable):
                 self._pending_epoch = (gen, reg.epoch)
             latest = VersionRecord.read(chan)
             chan.write(chan.keys.rank(reg.epoch, self.rank), self._record(reg))
+            if self.rank == 0:
+                _meta.write(chan, reg.epoch, meta)
         except BaseException:
             self._release_regions(reg)
             raise
@@ -380,7 +401,7 @@ class Publisher(Closeable):
         if _generation.current(self._base) != self._gen:
             # The store was lost (its host restarted, etcd wiped): what it counted is gone, so
             # register again in its new generation; versions count from its newest again.
-            self._register(reg.decls, reg.cast, reg.transforms)
+            self._register(reg.decls, reg.cast, reg.transforms, reg.meta)
             reg = self._reg
         t0 = time.perf_counter()
         v = self._next_version
@@ -460,7 +481,7 @@ class Publisher(Closeable):
 
     def _wait_subscribers(self, key: str, pred, deadline: float, what: str) -> None:
         """Waits until ``pred`` holds for every live subscriber (``key`` says so once it does, see
-        ``_tracker``); close() cuts the wait short."""
+        ``wbridge.publish.tracker``); close() cuts the wait short."""
         self._check_stopped()
         _left(deadline, what)
         try:

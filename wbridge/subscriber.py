@@ -26,6 +26,7 @@ link, and always verifies it against the publishers' checksums, repairing what d
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import socket
@@ -44,6 +45,7 @@ from ._tensors import alloc_bytes, build_layout, byte_view
 from .errors import StaleVersionError, StoreError, UsageError, WaitTimeout
 from .options import Zone
 from .protocol import generation as _generation
+from .protocol import meta as _meta
 from .protocol.channel import ChannelStore
 from .protocol.keys import Keys
 from .protocol.packing import layout_hash
@@ -54,7 +56,9 @@ from .pull.membership import NEW_GENERATION, STILL, Membership
 from .pull.reads import verify_held
 from .pull.version import GenerationChanged, lost_history, next_version
 from .pull.zone import RELAY_TRANSPORTS, ZoneReader, join_zone
-from .store import DEFAULT_CONNECT_TIMEOUT, Store, open_store
+from .store import DEFAULT_CONNECT_TIMEOUT, Store, check_url, open_store
+
+DEFAULT_STORE = "tcp://127.0.0.1:29700"
 
 log = logging.getLogger("wbridge")
 
@@ -80,8 +84,10 @@ class Subscriber(Closeable):
     - ``lease_ttl``: seconds without a lease refresh after which publishers stop waiting for it.
     - ``name``: shown to publishers and in errors, matched by ``Publisher.evict`` (1 to 256 characters;
       default ``<hostname>:<pid>``).
-    - ``host``: the address transports bind and advertise (loopback by default).
-    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``.
+    - ``host``: the address transports bind and advertise (loopback by default); never a wildcard
+      (``""``, ``0.0.0.0``, ``::``): a relay listens on every interface with ``{"tcp": {"bind_all": True}}``.
+    - ``transport_options``: per-transport constructor keywords, ``{"tcp": {...}}``, checked against each
+      transport's constructor (``Transport.check_options``); with a named ``transport``, for that one only.
     - ``zone``: a ``Zone`` (``wbridge.options``): read from the zone's relays first and from
       publishers what they lack; ``Zone(name, relay=True)`` also serves the zone (and stages).
       None (default): every byte from publishers.
@@ -90,7 +96,7 @@ class Subscriber(Closeable):
     def __init__(
         self,
         channel: str,
-        store: str | Store = "tcp://127.0.0.1:29700",
+        store: str | Store = DEFAULT_STORE,
         *,
         token: str | bytes | None = None,
         transport: str = "auto",
@@ -103,22 +109,25 @@ class Subscriber(Closeable):
         transport_options: Mapping[str, Mapping[str, Any]] | None = None,
         zone: Zone | None = None,
     ) -> None:
-        self.name = _validate.name(f"{socket.gethostname()}:{os.getpid()}" if name is None else name, "name")
-        if zone is not None and not isinstance(zone, Zone):
-            raise UsageError(
-                f"subscriber {self.name}: zone takes a Zone: write zone=Zone({zone!r}) "
-                "(Zone(name, relay=True) to serve the zone too)"
-            )
-        self.zone = zone
-        self.staged = _validate.boolean(staged, "staged") or (
-            zone is not None and zone.relay
-        )  # a relay serves its staging buffer
-        self.verifies = _validate.boolean(verify, "verify")  # (``verify()`` checks on demand)
-        lease_ttl = _validate.timeout(lease_ttl, "lease_ttl", positive=True)
-        connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
-        self.channel, self.preference, self.host, self.lease_ttl = channel, transport, host, lease_ttl
-        self.token = _validate.token(token)
-        keys = Keys(channel)  # (checks the name before the store is opened)
+        a = self.check_arguments(
+            channel,
+            store,
+            token=token,
+            transport=transport,
+            staged=staged,
+            verify=verify,
+            connect_timeout=connect_timeout,
+            lease_ttl=lease_ttl,
+            name=name,
+            host=host,
+            transport_options=transport_options,
+            zone=zone,
+        )
+        # (``verifies``: the flag; ``verify()`` checks what the tensors hold on demand)
+        self.name, self.zone, self.verifies, self.token = a["name"], a["zone"], a["verify"], a["token"]
+        self.staged = a["staged"] or (zone is not None and zone.relay)  # a relay serves its staging buffer
+        self.channel, self.preference, self.host, self.lease_ttl = channel, a["transport"], a["host"], a["lease_ttl"]
+        keys = Keys(channel)
         self.stats = SubscriberStats()
         self._closed = False
         self._lock = threading.Lock()
@@ -126,10 +135,50 @@ class Subscriber(Closeable):
         self._zone: ZoneReader | None = None
         self._watched: str | None = None  # a watcher's store generation (``_follow``)
         self._refused = False  # left the channel after its options were refused (``pull.apply.check_options``)
-        self._store = open_store(store, connect_timeout=connect_timeout)
-        member = Membership(ChannelStore(self._store, keys, self.token), self.name, lease_ttl)
-        endpoints = Endpoints(self.token, host, transport_options or {}, transport)
+        self._store = open_store(store, connect_timeout=a["connect_timeout"])
+        member = Membership(ChannelStore(self._store, keys, self.token), self.name, self.lease_ttl)
+        endpoints = Endpoints(self.token, self.host, a["transport_options"], self.preference)
         self._ctx = PullContext(self._store, self.name, channel, member, endpoints, self.verifies, self.stats)
+
+    @classmethod
+    def check_arguments(cls, channel: str, store: str | Store = DEFAULT_STORE, **keywords: Any) -> dict[str, Any]:
+        """The constructor's arguments checked as the constructor checks them, before it opens
+        anything, and returned by name with defaults filled in and values normalised (``token`` as
+        bytes, ``transport_options`` checked against each transport). ``UsageError`` names the first
+        bad one. Integrations whose subscriber is built later, in an engine's process, call it
+        where their options are written."""
+        try:
+            bound = inspect.signature(cls).bind(channel, store, **keywords)
+        except TypeError as e:
+            raise UsageError(f"Subscriber: {e}") from None
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        name = _validate.name(f"{socket.gethostname()}:{os.getpid()}" if a["name"] is None else a["name"], "name")
+        zone = a["zone"]
+        if zone is not None and not isinstance(zone, Zone):
+            raise UsageError(
+                f"subscriber {name}: zone takes a Zone: write zone=Zone({zone!r}) "
+                "(Zone(name, relay=True) to serve the zone too)"
+            )
+        transport = _validate.transport_name(a["transport"], "transport")
+        token = _validate.token(a["token"])
+        a.update(
+            name=name,
+            staged=_validate.boolean(a["staged"], "staged"),
+            verify=_validate.boolean(a["verify"], "verify"),
+            lease_ttl=_validate.timeout(a["lease_ttl"], "lease_ttl", positive=True),
+            connect_timeout=_validate.timeout(a["connect_timeout"], "connect_timeout", positive=True),
+            transport=transport,
+            host=_validate.host(a["host"], f"subscriber {name}"),
+            transport_options=_validate.transport_options(
+                a["transport_options"], "transport_options", None if transport == "auto" else [transport], token
+            ),
+            token=token,
+        )
+        Keys(channel)  # the channel's name
+        if not isinstance(store, Store):
+            check_url(store)
+        return a
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -246,6 +295,47 @@ class Subscriber(Closeable):
         if rec is not None:
             ctx.see(rec)
         return chan.keys, rec
+
+    def _channel(self) -> ChannelStore | None:
+        """The channel's store in the generation joined, or for a watcher the store's current one
+        (None: the store has none yet)."""
+        member = self._ctx.member
+        if member.gen is not None:
+            return member.chan
+        gen = _generation.current(member.base)
+        return None if gen is None else member.base.at(gen)
+
+    def metadata(self, timeout: float = 60.0) -> dict:
+        """The channel's metadata: what publisher rank 0 registered with ``metadata=`` last
+        (``{}``: none), waiting at most ``timeout`` for a first registration. Needs no
+        ``register()``: an engine learns from it what to allocate and pull (a LoRA adapter's
+        config, ``wbridge.integrations.lora``), even before a first version is published."""
+        self._check_open()
+        timeout = _validate.timeout(timeout, "metadata() timeout")
+        deadline = time.monotonic() + timeout
+        try:
+            with self._store.deadline(deadline):
+                while True:
+                    chan = self._channel()
+                    raw = None if chan is None else self._store.get(chan.keys.meta)
+                    if raw is not None:
+                        return _meta.parse(chan, raw)[1]
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WaitTimeout("no metadata")
+                    if chan is None:  # no generation in the store yet: nothing to block on
+                        time.sleep(min(left, 0.05))
+                        continue
+                    try:
+                        self._store.wait(chan.keys.meta, min(left, FOLLOW_SLICE_S))
+                    except StoreError:
+                        pass  # a store hiccup: read again
+                    except WaitTimeout:
+                        pass  # (re-checked above)
+        except WaitTimeout:
+            raise WaitTimeout(
+                f"subscriber {self.name}: no publisher registered on channel {self.channel!r} within {timeout:.1f}s"
+            ) from None
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
         """Blocks until a version newer than ``after`` is committed and returns it; pulls nothing.

@@ -1,16 +1,42 @@
 """Smoke test of ``benchmarks/delta.py``: two training steps of the small Llama, real processes,
-every pull checked bit for bit inside the benchmark (a mismatch exits non-zero)."""
+every pull checked bit for bit inside the benchmark (a mismatch exits non-zero). Its bytes are
+checked pull by pull against what the delta format costs (``delta.json``); its timing ratios are
+the benchmark's figures, with their targets in its docstring, and are not asserted here."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import statistics
 
 import pytest
 
 from .test_bench_smoke import run_benchmark
 
 NUM = r"[0-9]+\.[0-9]+"
+# A delta carries 4 bytes per changed bf16 word (an index and the word), so 2 x the changed fraction
+# of a full pull's bytes, plus its tables and headers: 0.04-0.06% of a full pull here.
+TABLES = 0.005
+
+
+def check_bytes(line: str, out_dir) -> list[dict]:
+    """Every pull after the first read either exactly a full pull's bytes (the choice went to a full
+    read) or a delta no larger than its changed words and tables; ``read_ratio`` is their mean over
+    a full pull. Returns the pulls."""
+    (result,) = json.load(open(out_dir / "delta.json"))
+    full = result["rows"][0]["full_bytes"]
+    pulls = result["rows"][1:]
+    assert pulls and all(r["full_bytes"] == full for r in pulls), pulls
+    for r in pulls:
+        assert r["changed"] > 0, r  # every AdamW step changes some bf16 words
+        if r["delta_delta"]:
+            assert r["delta_bytes"] <= full * (2 * r["changed"] + TABLES), (r, full)
+        else:
+            assert r["delta_bytes"] == full and r["delta_why"] != "delta", (r, full)
+    ratio = statistics.fmean(r["delta_bytes"] for r in pulls) / full
+    assert re.search(rf"read_ratio={ratio:.4f} ", line), (line, ratio)
+    return pulls
 
 
 @pytest.mark.slow
@@ -22,10 +48,9 @@ def test_delta_benchmark_prints_its_line(tmp_path) -> None:
     assert re.fullmatch(
         rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM}", lines[0]
     ), lines
-    ratio = float(re.search(r"read_ratio=([0-9.]+)", lines[0]).group(1))
-    # Deltas or full reads, as the cost choice finds them on this link and this load (bit-exact
-    # either way: the benchmark exits non-zero otherwise); what they cost is the benchmark's figure.
-    assert 0 < ratio <= 1.05, lines
+    # deltas or full reads, as the cost choice finds them on this link and this load (bit-exact
+    # either way: the benchmark exits non-zero otherwise), each costing what it should
+    check_bytes(lines[0], tmp_path)
     assert os.path.exists(tmp_path / "delta.png")
 
 
@@ -44,5 +69,7 @@ def test_delta_benchmark_over_a_shaped_link(tmp_path) -> None:
     assert re.fullmatch(
         rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} link=1gbit", lines[0]
     ), lines
-    # a full version takes ~80 ms over the link, its deltas a few: chosen every time, and faster
-    assert float(re.search(r"pull_speedup=([0-9.]+)", lines[0]).group(1)) > 2, lines
+    # a full version takes ~80 ms over the link, its deltas a few: chosen every time (how much faster
+    # they are is the benchmark's pull_speedup, its target in benchmarks/delta.py)
+    pulls = check_bytes(lines[0], tmp_path)
+    assert all(r["delta_delta"] for r in pulls), [r["delta_why"] for r in pulls]

@@ -76,8 +76,9 @@ def _pub(url: str, rank: int, world: int, **kw) -> Worker:
     return Worker(f"pub{rank}", FaultPub, url, rank, world, world, **opts)
 
 
-def _subscriber(url: str, fused: bool = True, **kw) -> tuple[Subscriber, dict]:
-    tensors = make_tensors(ModelConfig.tiny(), 2, 0, fused=fused, fill_value=0xA5)
+def _subscriber(url: str, fused: bool = True, tp: int = 4, **kw) -> tuple[Subscriber, dict]:
+    """A subscriber of TP rank 0 of ``tp`` (a TP=4 reader of TP=2 publishers: they pack for it)."""
+    tensors = make_tensors(ModelConfig.tiny(), tp, 0, fused=fused, fill_value=0xA5)
     sub = Subscriber("t", url, token=TOKEN, transport="tcp", connect_timeout=10, **kw)
     sub.register(tensors)
     return sub, tensors
@@ -101,25 +102,29 @@ def test_a_deleted_rank_record_of_a_version_commits_nothing(etcd_url, verify: bo
     read the missing packing generation as "plain" (that made subscribers scatter rank 0's packed
     slot as if it were plain: 130,560 of 131,072 elements wrong, reported as success)."""
     attacker = Attacker(etcd_url)
-    pubs = [_pub(etcd_url, r, 2) for r in range(2)]
+    pubs = [_pub(etcd_url, r, 2, staging=Staging(checksums=True)) for r in range(2)]  # (the default now)
     sub, tensors = _subscriber(etcd_url, verify=verify)
     try:
         for v in (1, 2):
             call_all(pubs, "publish", v)
             assert sub.pull(timeout=30.0) == v and mismatches(tensors, v) == []
         rec = _record(attacker.dump()[_version_key(attacker.dump())])
-        assert rec["v"] == 2 and any(rec["packing"]), f"the publishers did not pack for the reader: {rec}"
+        assert rec["v"] == 2 and rec["packing"][0], f"rank 0 did not pack for the reader: {rec}"
         pubs[0].call("publish", 3)
         gone = [k for k in attacker.dump() if re.search(r"/v/3/[^/]+/0$", k) and "/sum/" not in k]
         assert gone, "rank 0 wrote no record of its own for version 3"
         for k in gone:
             attacker.delete(k)
-        with pytest.raises(WorkerError, match="StoreError") as info:
+        try:
             pubs[1].call("publish", 3)
-        assert gone[0].split("/v/")[1] in str(info.value), info.value  # the error names the key
+            error = None
+        except WorkerError as e:
+            error = e
         got = sub.pull(timeout=3.0)
         assert mismatches(tensors, got) == [], f"version {got} reported as pulled, with wrong bytes"
         assert got == 2, "a version whose rank record was deleted was committed"
+        assert error is not None and error.exc_type == "StoreError", error
+        assert gone[0].split("/v/")[1] in str(error), error  # the error names the key
         # the ranks stay in step: the next version commits and is pulled bit-exactly
         assert [r["v"] for r in call_all(pubs, "publish", 4)] == [4, 4]
         assert sub.pull(timeout=30.0) == 4 and mismatches(tensors, 4) == []
@@ -207,25 +212,71 @@ def test_every_store_key_a_pull_reads_deleted_altered_or_replayed(etcd_url) -> N
 # -- a trainer restarted at the same epoch number ------------------------------------------------------
 
 
+class SparsePub(FaultPub):
+    """A trainer rank whose steps change a few words (so versions have deltas, as training steps
+    do): ``step(seed)`` adds one unit in the last place to 1% of its bf16 words."""
+
+    def step(self, seed: int) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        for t, _ in self.tensors.values():
+            words = t.view(-1).view(torch.int16)
+            idx = torch.randint(0, words.numel(), (max(1, words.numel() // 100),), generator=gen)
+            words[idx] += 1
+
+    def full(self) -> dict:
+        """Its tensors by canonical name (numpy), the reference a subscriber's bytes are checked against."""
+        import torch
+
+        return {decl.name: t.view(torch.int16).numpy().copy() for t, decl in self.tensors.values()}
+
+
+def _expected_bytes(tensors: dict, full: dict) -> list[str]:
+    """Names of a subscriber's tensors (unfused row/column shards) whose bytes differ from the slices
+    of the publisher's canonical tensors ``full`` (plain slicing: no planner)."""
+    import torch
+
+    bad = []
+    for name, (t, decl) in tensors.items():
+        at = decl.offsets or (0,) * t.dim()
+        want = full[decl.name][tuple(slice(o, o + n) for o, n in zip(at, t.shape))]
+        if not (t.view(torch.int16).numpy() == want).all():
+            bad.append(name)
+    return bad
+
+
 def test_a_same_epoch_restart_never_serves_the_old_history(etcd_url) -> None:
-    """Trainer A publishes versions 1-4 (contents 1-4); a packing subscriber holds 3. The store is
-    wiped, the attacker puts A's generation record back, and trainer B (a restart: same channel,
-    same tcp port, epoch 1 again) publishes versions 1-4 with contents 101-104; the attacker then
-    puts A's checksum record of version 4 back over B's. The subscriber must notice the new history:
-    no delta onto A's version 3 (its number and epoch match B's), B's version 4 bit-exact; a verifying
-    subscriber refuses A's checksum record (``IntegrityError``) or is bit-exact."""
+    """Trainer A publishes versions 1-4 (training steps: each changes 1% of the words, so versions
+    have deltas); a subscriber reading a TP=2 shard (the publishers pack for it) holds A's version 3.
+    The store is wiped, the attacker puts A's generation record back, and trainer B, restarted from
+    the initial weights on the same tcp port, publishes its own versions 1-4 at epoch 1 again. The
+    subscriber must notice the new history: a full pull of B's version 4, A's version 3 refused as a
+    base (before, it matched B's version 3 by number and epoch: B's delta 3->4 was applied onto it,
+    or declined only by cost). Then the attacker
+    puts A's checksum record of version 4 back over B's: a verifying subscriber refuses it
+    (``IntegrityError`` naming the key) or is bit-exact."""
     attacker = Attacker(etcd_url)
-    port = free_port()
-    kw = dict(staging=Staging(delta=Delta(history=4)), transport_options={"tcp": {"port": port}})
-    plain, plain_tensors = _subscriber(etcd_url)
-    checked, checked_tensors = _subscriber(etcd_url, fused=False, verify=True)
-    a = _pub(etcd_url, 0, 1, **kw)
+    kw = dict(staging=Staging(delta=Delta(history=4)), transport_options={"tcp": {"port": free_port()}})
+    kw["mode"] = Async(max_staleness=100)
+    shard = lambda: make_tensors(ModelConfig.tiny(), 2, 0, fused=False, fill_value=0xA5)  # noqa: E731
+    plain_tensors, checked_tensors = shard(), shard()
+    plain = Subscriber("t", etcd_url, token=TOKEN, transport="tcp", connect_timeout=10)
+    checked = Subscriber("t", etcd_url, token=TOKEN, transport="tcp", connect_timeout=10, verify=True)
+    plain.register(plain_tensors)
+    checked.register(checked_tensors)
+    a = Worker("trainer-a", SparsePub, etcd_url, 0, 1, 1, model_kind="tiny", transport="tcp", **kw)
     try:
         for v in (1, 2, 3):
-            a.call("publish", v)
-            assert plain.pull(timeout=30.0) == v and checked.pull(timeout=30.0) == v
-        assert mismatches(plain_tensors, 3) == [] and mismatches(checked_tensors, 3) == []
-        a.call("publish", 4)
+            if v > 1:
+                a.call("step", v)
+            assert a.call("api", "publish", timeout=30.0) == v
+            if v != 2:  # the subscriber's one delta pull (3 onto 1) before the restart: a probe
+                assert plain.pull(timeout=30.0) == v and _expected_bytes(plain_tensors, a.call("full")) == []
+            assert checked.pull(timeout=30.0) == v
+        assert plain.stats.last.delta, f"no delta pull before the restart: {plain.stats.last}"
+        a.call("step", 4)
+        assert a.call("api", "publish", timeout=30.0) == 4
         old = attacker.dump()
         gen_key = next(k for k in old if k.endswith("/gen"))
         sums4 = {k: val for k, val in old.items() if re.search(r"/v/4/sum/0$", k)}
@@ -234,23 +285,28 @@ def test_a_same_epoch_restart_never_serves_the_old_history(etcd_url) -> None:
         a.stop()
     attacker.wipe()
     attacker.set(gen_key, old[gen_key])  # the old generation record, put back
-    b = _pub(etcd_url, 0, 1, **kw)
+    b = Worker("trainer-b", SparsePub, etcd_url, 0, 1, 1, model_kind="tiny", transport="tcp", **kw)
     try:
         for v in (1, 2, 3, 4):
-            assert b.call("publish", 100 + v)["v"] == v  # contents 101..104 as versions 1..4
+            if v > 1:
+                b.call("step", 100 + v)  # other steps than A's
+            assert b.call("api", "publish", timeout=30.0) == v
         assert _record(attacker.dump()[_version_key(attacker.dump())])["epoch"] == 1  # the same epoch
+        full = b.call("full")
+        assert plain.pull(timeout=30.0) == 4
+        last = plain.stats.last
+        assert _expected_bytes(plain_tensors, full) == [], "the subscriber holds other weights than B's v4"
+        # the base A's version 3 is refused for what it is (another history), whatever deltas would cost
+        assert last.delta_reason == "no-base", f"A's version 3 was taken as a delta base for B's: {last}"
+        assert not last.delta and last.repaired == 0, f"a delta onto the old history's version: {last}"
         for key, val in sums4.items():
             attacker.set(key, val)  # A's checksums of version 4 over B's
-        got = plain.pull(timeout=30.0)
-        last = plain.stats.last
-        assert got == 4 and mismatches(plain_tensors, 104) == [], "the subscriber holds other weights than B's v4"
-        assert not last.delta and last.repaired == 0, f"a delta onto the old history's version: {last}"
         try:
             got = checked.pull(timeout=10.0)
         except IntegrityError as e:
-            assert "/sum/0" in str(e)
+            assert "/sum/0" in str(e), e
         else:
-            assert got == 4 and mismatches(checked_tensors, 104) == []
+            assert got == 4 and _expected_bytes(checked_tensors, full) == []
     finally:
         plain.close()
         checked.close()

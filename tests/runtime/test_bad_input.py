@@ -186,24 +186,207 @@ def _bad_calls(pub: Publisher, sub: Subscriber, url: str) -> dict[str, Callable[
     }
 
 
+def _bad_arguments(url: str) -> list[tuple[str, str, Callable[[], object]]]:
+    """``(call, word, thunk)``: constructor arguments of round 4's red team (#36, defects 5 and 8)
+    and of the audit that followed. Each must raise ``UsageError`` whose message contains ``word``
+    (the argument it names), before anything starts."""
+    from wbridge import open_store
+    from wbridge.integrations import dtensor, megatron, transformers
+    from wbridge.integrations.sglang import SGLangOptions
+    from wbridge.store import TcpStore
+
+    sg = {"channel": "policy", "store": "tcp://127.0.0.1:1"}
+    gpt = {"hidden": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 100}
+    qkv = {"hidden": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "tp_rank": 0, "tp_size": 1}
+
+    def pub(**kw: object) -> Callable[[], object]:
+        return lambda: Publisher("x", url, **kw)
+
+    def sub(**kw: object) -> Callable[[], object]:
+        return lambda: Subscriber("x", url, **kw)
+
+    def sglang(**kw: object) -> Callable[[], object]:
+        return lambda: SGLangOptions(**{**sg, **kw})
+
+    def tcp(**opts: object) -> dict:
+        return {"tcp": opts}
+
+    return [
+        # (5) wildcard hosts; every interface only through tcp's bind_all (docs/security.md)
+        ("Publisher(host='')", "host", pub(host="")),
+        ("Publisher(host='0.0.0.0')", "host", pub(host="0.0.0.0")),
+        ("Publisher(host='::')", "host", pub(host="::")),
+        ("Publisher(host='0')", "host", pub(host="0")),
+        ("Publisher(host=' ')", "host", pub(host=" ")),
+        ("Subscriber(host='')", "host", sub(host="")),
+        ("Subscriber(host='0.0.0.0')", "host", sub(host="0.0.0.0")),
+        (
+            "open_store('tcp://0.0.0.0:0', host_store=True)",
+            "wildcard",
+            lambda: open_store("tcp://0.0.0.0:0", host_store=True),
+        ),
+        (
+            "open_store('tcp://[::]:0', host_store=True)",
+            "wildcard",
+            lambda: open_store("tcp://[::]:0", host_store=True),
+        ),
+        ("open_store(host_store='no')", "host_store", lambda: open_store(url, host_store="no")),
+        ("open_store('etcd://h:99999')", "port", lambda: open_store("etcd://127.0.0.1:99999")),
+        ("TcpStore(host='', is_host=True)", "host", lambda: TcpStore("", 0, is_host=True)),
+        ("TcpStore(port=70000)", "port", lambda: TcpStore("127.0.0.1", 70000, is_host=True)),
+        ("TcpStore(is_host='yes')", "is_host", lambda: TcpStore("127.0.0.1", 0, is_host="yes")),
+        ("Publisher(bind_all without a token)", "token", pub(transport="tcp", transport_options=tcp(bind_all=True))),
+        ("tcp bind_all=1", "bind_all", pub(token="t", transport_options=tcp(bind_all=1))),
+        # (8) untyped errors and unchecked input
+        ("Publisher(transport=5)", "transport", pub(transport=5)),
+        ("Publisher(transport='bogus')", "transport", pub(transport="bogus")),
+        ("Publisher(transport=[])", "transport", pub(transport=[])),
+        ("Publisher(transport=['tcp', 'tcp'])", "transport", pub(transport=["tcp", "tcp"])),
+        ("Publisher(transport_options={'tcp': 5})", "transport_options", pub(transport_options={"tcp": 5})),
+        ("Publisher(transport_options='x')", "transport_options", pub(transport_options="x")),
+        (
+            "Publisher(transport_options={'tcp': {'bogus_opt': 1}})",
+            "bogus_opt",
+            pub(transport_options=tcp(bogus_opt=1)),
+        ),
+        ("Publisher(transport_options={'tcp': {'port': 'x'}})", "port", pub(transport_options=tcp(port="x"))),
+        ("tcp port=70000", "port", pub(transport_options=tcp(port=70000))),
+        ("tcp streams=0", "streams", pub(transport_options=tcp(streams=0))),
+        ("tcp frame_timeout=nan", "frame_timeout", pub(transport_options=tcp(frame_timeout=NAN))),
+        ("tcp handshake_timeout=inf", "handshake_timeout", pub(transport_options=tcp(handshake_timeout=INF))),
+        ("tcp token=...", "token", pub(transport_options=tcp(token="t"))),
+        ("Publisher(transport_options={'bogus': {}})", "bogus", pub(transport_options={"bogus": {}})),
+        ("options for a transport not served", "nccl", pub(transport="tcp", transport_options={"nccl": {}})),
+        ("local method='fast'", "method", pub(transport="local", transport_options={"local": {"method": "fast"}})),
+        (
+            "nccl direct_bytes=-1",
+            "direct_bytes",
+            pub(transport="nccl", transport_options={"nccl": {"direct_bytes": -1}}),
+        ),
+        ("Publisher(host=5)", "host", pub(host=5)),
+        ("Subscriber(transport=['tcp'])", "transport", sub(transport=["tcp"])),
+        ("Subscriber(transport='bogus')", "transport", sub(transport="bogus")),
+        ("Subscriber(transport_options={'tcp': 5})", "transport_options", sub(transport_options={"tcp": 5})),
+        ("Subscriber(transport_options streams=True)", "streams", sub(transport_options=tcp(streams=True))),
+        (
+            "Subscriber(transport='tcp', options for local)",
+            "local",
+            sub(transport="tcp", transport_options={"local": {}}),
+        ),
+        ("Subscriber(host=5)", "host", sub(host=5)),
+        ("Subscriber(store='bogus://x')", "store url", lambda: Subscriber("x", "bogus://x")),
+        ("Zone(None)", "Zone(name)", lambda: Zone(None)),
+        ("SGLangOptions(pull_timeout=inf)", "pull_timeout", sglang(pull_timeout=INF)),
+        ("SGLangOptions(pull_timeout=True)", "pull_timeout", sglang(pull_timeout=True)),
+        ("SGLangOptions(flush_cache='yes')", "flush_cache", sglang(flush_cache="yes")),
+        ("SGLangOptions(cache_dir=5)", "cache_dir", sglang(cache_dir=5)),
+        ("SGLangOptions(transport='bogus')", "transport", sglang(transport="bogus")),
+        ("SGLangOptions(store='bogus://x')", "store url", sglang(store="bogus://x")),
+        ("SGLangOptions(channel='a/b')", "channel", sglang(channel="a/b")),
+        (
+            "SGLangOptions(subscriber_options={'lease_ttl': -1})",
+            "lease_ttl",
+            sglang(subscriber_options={"lease_ttl": -1}),
+        ),
+        ("SGLangOptions(subscriber_options={'host': ''})", "host", sglang(subscriber_options={"host": ""})),
+        (
+            "SGLangOptions(bogus transport_options)",
+            "bogus",
+            sglang(subscriber_options={"transport_options": {"bogus": {}}}),
+        ),
+        ("from_extra_config('not json')", "not JSON", lambda: SGLangOptions.from_extra_config("not json")),
+        ("from_extra_config('[1]')", "JSON object", lambda: SGLangOptions.from_extra_config("[1]")),
+        ("from_extra_config(5)", "JSON object", lambda: SGLangOptions.from_extra_config(5)),
+        # integrations' layout helpers
+        ("column_parallel(tp_size=0)", "tp_size", lambda: megatron.column_parallel("w", (8, 4), 0, 0)),
+        ("column_parallel(tp_rank=1.5)", "tp_rank", lambda: megatron.column_parallel("w", (8, 4), 1.5, 2)),
+        ("column_parallel(shape=8)", "shape", lambda: megatron.column_parallel("w", 8, 0, 1)),
+        ("row_parallel(shape=(8,))", "shape", lambda: megatron.row_parallel("w", (8,), 0, 1)),
+        ("padded_vocab(tp_size=0)", "tp_size", lambda: megatron.padded_vocab(100, 0)),
+        ("vocab_parallel(hidden='64')", "hidden", lambda: megatron.vocab_parallel("e", 100, "64", 0, 1)),
+        ("pp_layers(pp_size='2')", "pp_size", lambda: megatron.pp_layers(4, 0, "2")),
+        ("pp_layers(first_stage_layers=9)", "first_stage_layers", lambda: megatron.pp_layers(4, 0, 2, 9)),
+        ("ep_experts(ep_rank=-1)", "ep_rank", lambda: megatron.ep_experts(8, -1, 2)),
+        ("QKVGeometry(head_dim=0)", "head_dim", lambda: megatron.QKVGeometry(**{**qkv, "head_dim": 0})),
+        ("QKVGeometry(bias='no')", "bias", lambda: megatron.QKVGeometry(**qkv, bias="no")),
+        (
+            "gate_up_fused(intermediate=nan)",
+            "intermediate",
+            lambda: megatron.gate_up_fused("{}", hidden=4, intermediate=NAN, tp_rank=0, tp_size=1),
+        ),
+        ("MegatronGPT(hidden='64')", "hidden", lambda: megatron.MegatronGPT(**{**gpt, "hidden": "64"})),
+        ("MegatronGPT(tp_rank=2, tp_size=2)", "tp_rank", lambda: megatron.MegatronGPT(**gpt, tp_rank=2, tp_size=2)),
+        ("MegatronGPT(qkv_bias=1)", "qkv_bias", lambda: megatron.MegatronGPT(**gpt, qkv_bias=1)),
+        ("MegatronGPT(num_experts=4)", "moe_ffn", lambda: megatron.MegatronGPT(**gpt, num_experts=4)),
+        ("from_dtensor(5)", "named_tensors", lambda: dtensor.from_dtensor(5)),
+        ("from_dtensor(rename=5)", "rename", lambda: dtensor.from_dtensor({}, rename=5)),
+        ("from_dtensor(skip_empty='no')", "skip_empty", lambda: dtensor.from_dtensor({}, skip_empty="no")),
+        ("from_module(5)", "module", lambda: dtensor.from_module(5)),
+        ("from_module(prefix=5)", "prefix", lambda: dtensor.from_module(torch.nn.Linear(2, 2), prefix=5)),
+        ("transformers.trace(5)", "model", lambda: transformers.trace(5)),
+        ("checkpoint_shapes('model')", "model", lambda: transformers.checkpoint_shapes("model")),
+    ]
+
+
+def _all_refused(calls: dict[str, tuple[Callable[[], object], type[BaseException], str]]) -> None:
+    """Runs every call; each must raise its error class with a message containing its word. Lists
+    every call that did not (another error, a message without the word, or no error at all)."""
+    wrong = {}
+    for what, (call, error, word) in calls.items():
+        try:
+            got = call()
+        except error as e:
+            if word not in str(e):
+                wrong[what] = f"does not name {word!r}: {e}"[:200]
+            continue
+        except BaseException as e:  # noqa: BLE001 - the point: anything else is a finding
+            wrong[what] = f"{type(e).__name__}: {e}"[:200]
+            continue
+        if hasattr(got, "close"):
+            got.close()
+        wrong[what] = f"no error (returned {got!r:.60})"
+    assert wrong == {}, "\n".join(f"{k}: {v}" for k, v in wrong.items())
+
+
+def _started() -> tuple[int, int]:
+    """Threads and open file descriptors of this process."""
+    import os
+    import threading
+
+    return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_bad_arguments_are_usage_errors_naming_them_and_start_nothing() -> None:
+    """Each bad argument is a ``UsageError`` naming it, raised before anything starts: no thread, no
+    descriptor (socket, store connection) left behind, and a store to be hosted on a port that is
+    free stays unhosted (the port can still be bound)."""
+    import socket
+
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    before = _started()
+    _all_refused({what: (call, UsageError, word) for what, word, call in _bad_arguments(url)})
+    assert _started() == before, "a refused call left a thread or a descriptor behind"
+    hosting = [  # a store hosted here would bind the port
+        lambda: Publisher("x", url, host_store=True, host=""),
+        lambda: Publisher("x", url, host_store=True, transport_options={"bogus": {}}),
+        lambda: Publisher("x", url, host_store=True, transport=["tcp", "bogus"]),
+    ]
+    for call in hosting:
+        with pytest.raises(UsageError):
+            call()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # not hosted: the store never started
+    assert _started() == before
+
+
 @pytest.mark.timeout(120)
 def test_every_entry_point_types_its_errors(pub) -> None:
     dst = torch.zeros(G, dtype=torch.bfloat16)
     sub = subscriber(pub, {"w": (dst, Shard("w", G))})
-    wrong = {}
     try:
-        for what, call in _bad_calls(pub, sub, pub.store_url).items():
-            try:
-                got = call()
-            except WBridgeError:
-                continue
-            except BaseException as e:  # noqa: BLE001 - the point: anything else is a finding
-                wrong[what] = f"{type(e).__name__}: {e}"[:120]
-                continue
-            if hasattr(got, "close"):
-                got.close()
-            wrong[what] = f"no error (returned {got!r:.60})"
-        assert wrong == {}, "\n".join(f"{k}: {v}" for k, v in wrong.items())
+        _all_refused({what: (call, WBridgeError, "") for what, call in _bad_calls(pub, sub, pub.store_url).items()})
         # a huge but finite timeout is a valid one (it overflowed a lock's timeout before)
         assert sub.pull(timeout=1e12) == 1 and pub.wait_acked(1, timeout=1e12) is None
         assert pub.publish(timeout=1e12) == 2

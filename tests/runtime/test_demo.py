@@ -1,4 +1,5 @@
-"""``wbridge demo`` passes, and its bit-exact check fails when one read is corrupted."""
+"""``wbridge demo`` passes with a quiet log (``tests.logs``), and its bit-exact check fails when one
+read is corrupted."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.logs import noise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +32,7 @@ def test_demo_passes_and_its_check_can_fail() -> None:
     ok = demo()
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "demo: OK, every pull bit-exact" in ok.stderr
+    assert not noise(ok.stderr), noise(ok.stderr)
     rows = [line for line in ok.stdout.splitlines() if line.strip().endswith("yes")]
     assert len(rows) == 4, ok.stdout  # 2 versions x 2 rollouts
     bad = demo("--inject-fault", "flip-bit")

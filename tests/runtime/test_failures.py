@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -61,7 +62,9 @@ def test_no_publisher_times_out(store) -> None:
     try:
         r = sub.call("try_pull", timeout=2.0)
         assert r["error"] == "WaitTimeout" and "WBridgeError" in r["mro"], r
-        assert 1.5 <= r["elapsed"] < 6.0
+        # it waited its whole timeout: the pull's own check, or a store call's, found the deadline passed
+        assert re.search(r"within 2\.0s \(is a publisher running\?\)|the caller's deadline passed", r["message"]), r
+        assert r["elapsed"] < 2.0 + 5.0, r  # and no longer: its timeout plus room for a loaded machine
     finally:
         sub.stop()
 

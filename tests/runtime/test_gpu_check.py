@@ -1,10 +1,13 @@
 """``scripts/gpu_check.sh``'s parts with CPU tensors standing in for CUDA ones, so the references
-they check against cannot rot before a GPU runs them; and the script's SKIP line where no GPU is."""
+they check against cannot rot before a GPU runs them; the script's SKIP line where no GPU is, and
+where no python has torch (a bare machine without ``.venv``); what a GPU machine without nixl runs."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +57,23 @@ def test_fp8_reference_is_the_format() -> None:
     assert s[1, 1] == 0.5 / 448.0 and q[129, 128].float() == 448.0 and q[1, 1].float() == -3.0
 
 
+def test_without_nixl_a_gpu_reads_through_host_staging_and_skips_the_rest(monkeypatch) -> None:
+    """What a GPU machine whose python has CUDA torch but no nixl gets: the feature parts through
+    tcp with host staging, the nixl part, zero-copy and the figures as SKIPs naming the package."""
+    import transports
+
+    monkeypatch.setattr(transports, "available", lambda: ["tcp", "local"])
+    route = gpu_check.feature_route("cuda:0")
+    assert (route.transport, route.staged) == ("tcp", True) and "nixl-cu12" in route.note
+    assert gpu_check.feature_route("cpu") == gpu_check.Route("tcp", False)
+    for name, fn in [("nixl", gpu_check.PARTS["nixl"]), ("zero_copy", gpu_check.part_zero_copy)]:
+        result, _ = gpu_check.run_part(name, fn, "cuda:0")
+        assert result.status == "SKIP" and "nixl-cu12 is not installed" in result.detail, result
+        assert result.line().startswith(f"gpu_check: SKIP {name}: "), result.line()
+    result, _ = gpu_check.run_part("figures", gpu_check.measure_figures, "cuda:0")
+    assert result.status == "SKIP" and "nixl-cu12" in result.detail, result
+
+
 def test_summary_lines() -> None:
     ok = gpu_check.PartResult("tcp", "ok", "fine")
     skip = gpu_check.PartResult("vllm", "SKIP", "no CUDA build")
@@ -67,6 +87,18 @@ def test_summary_lines() -> None:
     )
 
 
+@pytest.mark.gpu  # tests/conftest.py skips it where no CUDA GPU is
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_script_passes_on_the_gpu() -> None:
+    """Where a CUDA GPU is: the one command runs every part whose package is installed, bit-exact,
+    and ends with its ok line (parts whose package is missing SKIP and do not count)."""
+    run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=320)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[-1].startswith("gpu_check: ok parts=") and not any(" FAIL " in x for x in lines), run.stdout
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the script runs for real (minutes)")
 def test_script_skips_without_a_gpu() -> None:
@@ -75,3 +107,42 @@ def test_script_skips_without_a_gpu() -> None:
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[-1].startswith("gpu_check: SKIP: no CUDA GPU here"), run.stdout
+
+
+def _bare_machine(tmp_path) -> tuple[str, dict[str, str]]:
+    """A copy of the script with no ``.venv`` beside it, and an environment whose PATH has one
+    python3, without torch (a venv of the interpreter running the tests, without its packages)."""
+    (tmp_path / "repo" / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(ROOT, "scripts", "gpu_check.sh"), tmp_path / "repo" / "scripts")
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=60)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(tmp_path / "venv" / "bin" / "python3", bin_dir / "python3")
+    for tool in ("dirname", "timeout"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    return str(tmp_path / "repo"), {"PATH": str(bin_dir)}
+
+
+@pytest.mark.timeout(120)
+def test_script_skips_where_no_python_has_torch(tmp_path) -> None:
+    """``env -i PATH=... bash scripts/gpu_check.sh`` on a machine whose python3 has no torch and no
+    ``.venv``: one SKIP line naming the python it tried, exit 0."""
+    repo, env = _bare_machine(tmp_path)
+    bash = shutil.which("bash")
+    run = subprocess.run([bash, "scripts/gpu_check.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: SKIP: no python here has torch"), run.stdout
+    assert str(tmp_path / "bin" / "python3") in lines[0] and not run.stderr, (run.stdout, run.stderr)
+    # $PYTHON names one that lacks torch: the same clean line, naming why
+    run = subprocess.run(
+        [bash, "scripts/gpu_check.sh"],
+        cwd=repo,
+        env={**env, "PYTHON": str(tmp_path / "bin" / "python3")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0 and run.stdout.count("\n") == 1, (run.stdout, run.stderr)
+    assert "has no torch (ModuleNotFoundError: No module named 'torch')" in run.stdout, run.stdout

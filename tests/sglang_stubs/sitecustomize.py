@@ -7,6 +7,12 @@ they fail to load, and ``torchvision/_meta_registrations.py`` then stops the imp
 text-only path. This hook, active only where ``tests/sglang_stubs`` is on ``PYTHONPATH``, declares
 those two operator schemas just before torchvision is first imported, so its pure-Python part
 imports; calling either operator still fails (there is no kernel).
+
+Second stand-in: SGLang 0.5.23's LoRA layers and memory pool ask for pinned host memory
+(``pin_memory=True``, ``.pin_memory()``), which torch refuses where no accelerator exists
+(``RuntimeError: pin_memory=True requires a CUDA or other accelerator backend``). Pinning only
+speeds up host-to-device copies; on a CPU-only machine there are none, so just before SGLang is
+first imported, and only where torch has no CUDA, pinned memory becomes plain host memory.
 """
 
 import importlib.abc
@@ -30,4 +36,34 @@ class _DeclareTorchvisionOps(importlib.abc.MetaPathFinder):
         return None  # the regular finders import torchvision
 
 
+class _UnpinWithoutAccelerator(importlib.abc.MetaPathFinder):
+    FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided")
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "sglang":
+            return None
+        sys.meta_path.remove(self)
+        import functools
+
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+
+        def unpinned(factory):
+            @functools.wraps(factory)
+            def call(*args, **kwargs):
+                if kwargs.get("pin_memory"):
+                    kwargs["pin_memory"] = False
+                return factory(*args, **kwargs)
+
+            return call
+
+        for name in self.FACTORIES:
+            setattr(torch, name, unpinned(getattr(torch, name)))
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+        return None
+
+
 sys.meta_path.insert(0, _DeclareTorchvisionOps())
+sys.meta_path.insert(0, _UnpinWithoutAccelerator())

@@ -10,7 +10,7 @@ import pytest
 from tests.etcd_fixture import EtcdServer, etcd_binary, free_port
 from tests.store import _workers as W
 from tests.store.test_store_conformance import CTX, SLACK, eventually, join_all, spawn
-from wbridge.errors import StoreError, WaitTimeout
+from wbridge.errors import StoreError, UsageError, WaitTimeout
 from wbridge.store import open_store
 from wbridge.store.etcd import EtcdStore
 
@@ -152,7 +152,8 @@ def test_prefixes_keep_stores_apart(etcd_server):
     "url", ["etcd://", "etcd://127.0.0.1", "etcd://127.0.0.1:2379,nohost", "etcd://127.0.0.1:port"]
 )
 def test_bad_urls(url):
-    with pytest.raises(StoreError, match="host:port"):
+    """A malformed URL is a bad argument: UsageError, before any connection."""
+    with pytest.raises(UsageError, match="host:port"):
         open_store(url, connect_timeout=0.5)
 
 

@@ -7,7 +7,8 @@ separate OS process (``python -m transports._serve``) that registers regions hol
 
 ``run_client(...)`` runs a whole reading side in another OS process (``python tests/transports/peer.py
 client '<json>'``): connect, read every region whole, check every byte, close; it exits with status 0
-only if all of that worked.
+only if all of that worked. With ``refuse=[row, ...]`` it first posts each row as a batch of its own,
+each of which must end in ``TransportError`` (a row that is read is status 1; a crash is a signal).
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ def run_client(
     options: dict | None = None,
     timeout: float = 60.0,
     wrap: list[str] | None = None,
+    refuse: list[tuple[int, int, int, int, int]] | None = None,
 ) -> subprocess.CompletedProcess:
     """Reads every region of a peer from a fresh process; returns the finished process (check returncode).
 
-    ``wrap`` prefixes the command (``["setpriv", "--bounding-set=-sys_ptrace", ...]``, say).
+    ``wrap`` prefixes the command (``["setpriv", "--bounding-set=-sys_ptrace", ...]``, say);
+    ``refuse``: batch rows ``(src_region, src_offset, dst_region, dst_offset, nbytes)`` posted first,
+    each alone, that must be refused with ``TransportError``.
     """
     spec = {
         "transport": transport,
@@ -50,6 +54,7 @@ def run_client(
         "token": token,
         "options": options or {},
         "timeout": timeout,
+        "refuse": [list(map(int, row)) for row in refuse or []],
     }
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
@@ -76,6 +81,15 @@ def _client(spec: dict) -> int:
     with transports.get(spec["transport"])(token=token, **spec["options"]) as t:
         local = t.register(dst.ctypes.data, dst.nbytes)
         peer = t.connect(bytes.fromhex(spec["endpoint"]), timeout=spec["timeout"])
+        for row in spec.get("refuse", []):
+            try:
+                hostile = t.prepare(peer, [bytes.fromhex(d) for d in spec["descriptors"]], [local], ReadBatch.of([row]))
+                t.read(hostile, timeout=spec["timeout"])
+            except transports.TransportError as e:
+                print(f"hostile row refused {row}: {e}", file=sys.stderr)
+                continue
+            print(f"read {row}: not refused", file=sys.stderr)
+            return 1
         batch = ReadBatch(np.arange(len(sizes)), np.zeros(len(sizes)), np.zeros(len(sizes)), starts, sizes)
         prep = t.prepare(peer, [bytes.fromhex(d) for d in spec["descriptors"]], [local], batch)
         t.read(prep, timeout=spec["timeout"])

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import transports
 from transports import AuthError, TransportError
@@ -239,6 +241,125 @@ def test_prepare_refuses_out_of_bounds(variant, server, reader_factory, row):
     with pytest.raises(TransportError):
         r.prepare(ReadBatch.of([(0, 0, 0, 0, 8), row]))
     assert (r.dst == GARBAGE).all()
+
+
+def _near(x: int) -> st.SearchStrategy[int]:
+    return st.integers(x - 40, x + 40)
+
+
+#: What a hostile plan puts in a batch: values near 2**63 and 2**64 (where int64 arithmetic wraps),
+#: their negatives, near 2**31, 2**32 and the regions' ends, any 70-bit integer, and honest values.
+HOSTILE = st.one_of(
+    *(_near(x) for x in (2**63, 2**64, -(2**63), -(2**64), 2**31, 2**32, REGIONS[1]["size"], 4096)),
+    st.integers(-(2**70), 2**70),
+    st.integers(0, 4096),
+)
+
+
+def _inside(row: tuple, remote_sizes: list[int], local_size: int) -> bool:
+    """Whether a read lies inside its regions, in Python's unbounded integers."""
+    src, src_off, dst, dst_off, n = row
+    return (
+        0 <= src < len(remote_sizes)
+        and dst == 0
+        and n > 0
+        and 0 <= src_off <= remote_sizes[src] - n
+        and 0 <= dst_off <= local_size - n
+    )
+
+
+def test_hostile_offsets_refused_or_exact(variant, server, expected):
+    """Property: any batch row, however far out (offsets and sizes near 2**63 and 2**64, negative,
+    wider than 64 bits), is refused with ``TransportError`` before a byte moves, or lies inside its
+    regions and reads bit-exact. The reader and the serving process live on."""
+    applies(variant, "bounds")
+    sizes = [r["size"] for r in REGIONS]
+    r = Reader(variant, server, 4096).connect()
+
+    @settings(max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        src=st.sampled_from([0, 1]) | HOSTILE,
+        src_off=HOSTILE,
+        dst=st.just(0) | HOSTILE,
+        dst_off=HOSTILE,
+        n=HOSTILE,
+    )
+    def check(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
+        row = (src, src_off, dst, dst_off, n)
+        r.dst.fill(GARBAGE)
+        try:
+            prep = r.prepare(ReadBatch.of([row]))
+        except TransportError:
+            assert (r.dst == GARBAGE).all(), f"{row}: bytes moved before the refusal"
+            return
+        assert _inside(row, sizes, 4096), f"{row}: outside its regions, yet prepared"
+        r.read(prep)
+        r.t.release(prep)
+        want = np.full(4096, GARBAGE, dtype=np.uint8)
+        want[dst_off : dst_off + n] = expected[src][src_off : src_off + n]
+        assert np.array_equal(r.dst, want), f"{row}: not bit-exact"
+
+    try:
+        check()
+        r.dst.fill(GARBAGE)  # still an honest reader
+        r.read(r.prepare(ReadBatch.of([(1, 7, 0, 0, 4096)])))
+        assert np.array_equal(r.dst, expected[1][7:4103])
+    finally:
+        r.close()
+    assert server.proc.poll() is None, "the serving process died"
+
+
+#: Rows whose int64 arithmetic wraps, or that no int64 holds (round 4's red team: SIGSEGV in local).
+HOSTILE_ROWS = [
+    (0, 2**63 - 8, 0, 0, 16),  # src_offset + nbytes wraps negative
+    (0, 0, 0, 2**63 - 8, 16),  # dst_offset + nbytes wraps negative
+    (0, 16, 0, 0, 2**63 - 8),  # nbytes + src_offset wraps
+    (0, 2**63 - 1, 0, 2**63 - 1, 2**63 - 1),
+    (0, 2**64 - 8, 0, 0, 16),  # as uint64 it is -8; no int64 holds it
+    (0, 0, 0, 2**64 - 8, 16),
+    (0, 0, 0, 0, 2**64 - 1),
+    (0, -(2**63), 0, 0, 16),
+    (1, 8, 0, -8, 16),
+    (2**63 - 1, 0, 0, 0, 16),
+    (0, 0, 2**63 - 1, 0, 16),
+]
+
+
+def test_hostile_batch_in_a_reader_process(variant, server):
+    """A reading process posts each hostile row as its own batch: each is a ``TransportError`` (not a
+    SIGSEGV), then it reads every region bit-exact and exits 0; the serving process lives on."""
+    applies(variant, "bounds")
+    name, opts = variant
+    done = run_client(
+        name,
+        server.endpoint,
+        server.descriptors,
+        REGIONS,
+        token=TOKEN,
+        options=opts,
+        timeout=TIMEOUT,
+        refuse=HOSTILE_ROWS,
+    )
+    died = f" (killed by {signal.Signals(-done.returncode).name})" if done.returncode < 0 else ""
+    assert done.returncode == 0, f"reader exited {done.returncode}{died}: {done.stderr[-2000:]}"
+    assert done.stderr.count("hostile row refused") == len(HOSTILE_ROWS), done.stderr[-2000:]
+    assert server.proc.poll() is None, "the serving process died"
+
+
+def test_constructor_checks_its_options_and_host(variant):
+    """Every transport checks its options against its own constructor's signature (the schema
+    wbridge checks ``transport_options`` with) and refuses a wildcard host, before it starts."""
+    name, opts = variant
+    cls = transports.get(name)
+    assert cls.check_options(opts) == opts
+    for bad in ({"bogus_option": 1}, {"token": "t"}, {"host": "127.0.0.1"}, 5):
+        with pytest.raises(TransportError):
+            cls.check_options(bad)
+    with pytest.raises(TransportError, match="bogus_option"):
+        cls(token=TOKEN.encode(), bogus_option=1, **opts)
+    for host in ("", "0.0.0.0", "::", 5):
+        with pytest.raises(TransportError, match="host"):
+            cls(token=TOKEN.encode(), host=host, **opts)
 
 
 def _forge(descriptor: bytes, nbytes: int) -> bytes:

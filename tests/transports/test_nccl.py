@@ -147,6 +147,28 @@ def test_one_group_per_peer_reused_across_pulls(server):
         assert prep.peer.group is not None and prep.peer.group is not groups[0]
 
 
+@pytest.mark.parametrize("offset, nbytes", [(2**63 - 8, 16), (16, 2**63 - 8), (2**63 - 1, 2**63 - 1), (-8, 16)])
+def test_serving_side_refuses_wrapping_entries(server, offset, nbytes):
+    """A reader holding the token that skips its own bounds check (its prepared entries rewritten to
+    an offset and size whose int64 sum wraps negative) is refused by the serving process, which
+    stays up and serves the honest batch afterwards, bit-exact."""
+    from transports._nccl_proto import ENTRY
+
+    t, dst, prep = _reader(server, 4096, region=1)
+    with t:
+        honest = prep.entries
+        hostile = np.frombuffer(honest, dtype=ENTRY).copy()
+        hostile["offset"], hostile["nbytes"] = offset, nbytes
+        prep.entries, prep.generation = hostile.tobytes(), -1  # sent again with the next read
+        with pytest.raises(TransportError, match="refused the batch"):
+            t.read(prep, timeout=TIMEOUT)
+        assert (dst == GARBAGE).all()
+        prep.entries, prep.generation = honest, -1
+        t.read(prep, timeout=TIMEOUT)
+        assert np.array_equal(dst, region_bytes(4096, 2))
+    assert server.proc.poll() is None, "the serving process died"
+
+
 def test_control_listener_on_host_only_and_no_tcpstore(server):
     t, _, prep = _reader(server, 4096, region=1)
     with t:

@@ -119,7 +119,7 @@ def test_hung_peer_times_out_naming_it():
         t0 = time.monotonic()
         with pytest.raises(TransportError, match=f"127.0.0.1:{port}.*timed out|timed out.*127.0.0.1:{port}"):
             client.read(prep, timeout=0.5)
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 0.5 + 5.0  # bounded: its timeout plus room for a loaded machine
     th.join(5)
     for s in held:
         s.close()

@@ -21,7 +21,8 @@ from typing import Any
 
 from planner.layout import Declaration, Flat, Fused, Shard, Stack
 
-from ..errors import LayoutError
+from .. import _validate
+from ..errors import LayoutError, UsageError
 
 __all__ = ["from_dtensor", "from_module", "index_runs", "Declaration", "Shard", "Fused", "Stack", "Flat"]
 
@@ -124,7 +125,19 @@ def from_dtensor(
     import torch
     from torch.distributed.tensor import DTensor
 
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    _validate.boolean(skip_empty, "from_dtensor(skip_empty)")
+    if rename is not None and not isinstance(rename, Mapping):
+        raise UsageError(f"from_dtensor(rename) takes a mapping name -> canonical name or None, got {rename!r:.80}")
+    if isinstance(named_tensors, Mapping):
+        items = list(named_tensors.items())
+    elif isinstance(named_tensors, Iterable) and not isinstance(named_tensors, (str, bytes)):
+        items = list(named_tensors)
+    else:
+        got = f"{named_tensors!r:.80}"
+        raise UsageError(f"from_dtensor(named_tensors) takes a state dict or (name, tensor) pairs, got {got}")
+    for item in items:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise UsageError(f"from_dtensor(named_tensors): each item must be a (name, tensor) pair, got {item!r:.80}")
     rename = dict(rename or {})
     out: dict[str, Entry] = {}
     for name, t in items:
@@ -159,6 +172,13 @@ def from_module(
     worker. Tied parameters are registered once (under their first name). DTensor parameters are
     delegated to ``from_dtensor``.
     """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise UsageError(f"from_module(module) takes a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(prefix, str):
+        raise UsageError(f"from_module(prefix) must be a string, got {prefix!r:.80}")
+    _validate.boolean(include_buffers, "from_module(include_buffers)")
     seen: set[int] = set()
     named = list(module.named_parameters(prefix=prefix, remove_duplicate=False))
     if include_buffers:

@@ -25,7 +25,31 @@ from typing import Any
 
 from planner.layout import Declaration, Fused, Shard
 
-from ..errors import LayoutError
+from .. import _validate
+from ..errors import LayoutError, UsageError
+
+
+def _sizes(who: str, minimum: int = 1, **values: Any) -> None:
+    """Each of ``values`` an integer >= ``minimum``; ``UsageError`` names ``who(keyword)``."""
+    for key, value in values.items():
+        _validate.integer(value, f"{who}({key})", minimum)
+
+
+def _rank(who: str, rank_name: str, rank: Any, size_name: str, size: Any) -> None:
+    """``0 <= rank < size``, both integers; ``UsageError`` names them."""
+    _sizes(who, **{size_name: size})
+    _sizes(who, 0, **{rank_name: rank})
+    if rank >= size:
+        raise UsageError(f"{who}({rank_name}={rank}) out of range for {size_name}={size}")
+
+
+def _shape(who: str, shape: Any, ndim: int) -> tuple[int, ...]:
+    """A shape of at least ``ndim`` dimensions, each an integer >= 1."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) < ndim:
+        raise UsageError(f"{who}(shape) must be a sequence of at least {ndim} sizes, got {shape!r:.80}")
+    for i, n in enumerate(shape):
+        _validate.integer(n, f"{who}(shape[{i}])", 1)
+    return tuple(shape)
 
 
 def _split(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
@@ -39,20 +63,23 @@ def _split(n: int, parts: int, rank: int, what: str) -> tuple[int, int]:
 
 def column_parallel(name: str, shape: Sequence[int], tp_rank: int, tp_size: int) -> Shard:
     """A TP shard of dim 0 (column-parallel linear weight or bias)."""
-    shape = tuple(shape)
+    shape = _shape("column_parallel", shape, 1)
+    _rank("column_parallel", "tp_rank", tp_rank, "tp_size", tp_size)
     start, size = _split(shape[0], tp_size, tp_rank, name)
     return Shard(name, shape, (start,) + (0,) * (len(shape) - 1))
 
 
 def row_parallel(name: str, shape: Sequence[int], tp_rank: int, tp_size: int) -> Shard:
     """A TP shard of dim 1 (row-parallel linear weight)."""
-    shape = tuple(shape)
+    shape = _shape("row_parallel", shape, 2)
+    _rank("row_parallel", "tp_rank", tp_rank, "tp_size", tp_size)
     start, size = _split(shape[1], tp_size, tp_rank, name)
     return Shard(name, shape, (0, start) + (0,) * (len(shape) - 2))
 
 
 def padded_vocab(vocab: int, tp_size: int, divisible_by: int = 128) -> int:
     """Megatron's padded vocabulary size: a multiple of ``divisible_by * tp_size``."""
+    _sizes("padded_vocab", vocab=vocab, tp_size=tp_size, divisible_by=divisible_by)
     m = divisible_by * tp_size
     return -(-vocab // m) * m
 
@@ -63,6 +90,8 @@ def vocab_parallel(
     """Local shape and declaration of a vocab-parallel embedding / output layer shard.
 
     Rows past ``vocab`` (padding) are unmapped: never read, never written."""
+    _sizes("vocab_parallel", vocab=vocab, hidden=hidden, divisible_by=divisible_by)
+    _rank("vocab_parallel", "tp_rank", tp_rank, "tp_size", tp_size)
     start, rows = _split(padded_vocab(vocab, tp_size, divisible_by), tp_size, tp_rank, name)
     return (rows, hidden), Shard(name, (vocab, hidden), (start, 0), padded=True)
 
@@ -95,6 +124,13 @@ class QKVGeometry:
     tp_rank: int
     tp_size: int
     bias: bool = False
+
+    def __post_init__(self) -> None:
+        who = "QKVGeometry"
+        sizes = ("hidden", "num_heads", "num_kv_heads", "head_dim")
+        _sizes(who, **{k: getattr(self, k) for k in sizes})
+        _rank(who, "tp_rank", self.tp_rank, "tp_size", self.tp_size)
+        _validate.boolean(self.bias, f"{who}(bias)")
 
     def heads(self, name: str, of: int, first: int, count: int) -> Shard:
         """Heads ``first .. first + count - 1`` of ``name``, a projection of ``of`` heads."""
@@ -154,6 +190,8 @@ def qkv_fused(names: str | Sequence[str], **geometry: int) -> Fused:
 
 def gate_up_fused(names: str | Sequence[str], *, hidden: int, intermediate: int, tp_rank: int, tp_size: int) -> Fused:
     """Megatron ``linear_fc1`` / engine ``gate_up_proj``: ``[gate_r; up_r]`` (each a TP row shard)."""
+    _sizes("gate_up_fused", hidden=hidden, intermediate=intermediate)
+    _rank("gate_up_fused", "tp_rank", tp_rank, "tp_size", tp_size)
     if isinstance(names, str):
         gate, up = names.format("gate"), names.format("up")
     else:
@@ -166,8 +204,12 @@ def gate_up_fused(names: str | Sequence[str], *, hidden: int, intermediate: int,
 def pp_layers(num_layers: int, pp_rank: int, pp_size: int, first_stage_layers: int | None = None) -> range:
     """Global layer indices held by pipeline stage ``pp_rank`` (even split; optionally an uneven
     first stage as Megatron's ``decoder_first_pipeline_num_layers``)."""
-    if not 0 <= pp_rank < pp_size:
-        raise LayoutError(f"pipeline rank {pp_rank} out of range for {pp_size} stages")
+    _sizes("pp_layers", num_layers=num_layers)
+    _rank("pp_layers", "pp_rank", pp_rank, "pp_size", pp_size)
+    if first_stage_layers is not None:
+        _sizes("pp_layers", 0, first_stage_layers=first_stage_layers)
+        if first_stage_layers > num_layers:
+            raise UsageError(f"pp_layers(first_stage_layers={first_stage_layers}) exceeds num_layers={num_layers}")
     if first_stage_layers is None:
         start, n = _split(num_layers, pp_size, pp_rank, "decoder layers")
         return range(start, start + n)
@@ -180,6 +222,8 @@ def pp_layers(num_layers: int, pp_rank: int, pp_size: int, first_stage_layers: i
 
 def ep_experts(num_experts: int, ep_rank: int, ep_size: int) -> range:
     """Global expert indices held by expert-parallel rank ``ep_rank`` (contiguous blocks)."""
+    _sizes("ep_experts", 0, num_experts=num_experts)
+    _rank("ep_experts", "ep_rank", ep_rank, "ep_size", ep_size)
     start, n = _split(num_experts, ep_size, ep_rank, "experts")
     return range(start, start + n)
 
@@ -213,6 +257,24 @@ class MegatronGPT:
     qk_norm: bool = False
     tie_embeddings: bool = False
     vocab_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        who = "MegatronGPT"
+        sizes = ("hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "vocab_divisible_by")
+        _sizes(who, **{k: getattr(self, k) for k in sizes})
+        _sizes(who, 0, num_experts=self.num_experts, moe_ffn=self.moe_ffn)
+        for kind in ("tp", "pp", "ep"):
+            _rank(who, f"{kind}_rank", getattr(self, f"{kind}_rank"), f"{kind}_size", getattr(self, f"{kind}_size"))
+        for flag in ("qkv_bias", "qk_norm", "tie_embeddings"):
+            _validate.boolean(getattr(self, flag), f"{who}({flag})")
+        if self.num_experts and not self.moe_ffn:
+            raise UsageError(f"{who}: num_experts={self.num_experts} needs moe_ffn (the experts' width)")
+        if self.moe_layers is not None:
+            if not isinstance(self.moe_layers, tuple):
+                got = f"{self.moe_layers!r:.80}"
+                raise UsageError(f"{who}(moe_layers) must be a tuple of layer indices or None, got {got}")
+            for i in self.moe_layers:
+                _sizes(who, 0, moe_layers=i)
 
     def is_moe(self, layer: int) -> bool:
         if not self.num_experts:

@@ -15,22 +15,45 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import LayoutError, UsageError
 from .trace import TraceResult, trace_load_weights
+
+
+def _model(model: Any, who: str) -> Any:
+    """``model`` if it is a ``torch.nn.Module`` (a transformers model), else ``UsageError`` naming ``who``."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{who}(model) takes a transformers model (a torch.nn.Module), got {type(model).__name__}")
+    return model
 
 
 def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     """Canonical (checkpoint) tensor names and shapes of ``model``, without copying weights."""
     import torch
+
+    _model(model, "checkpoint_shapes")
     from transformers.core_model_loading import revert_weight_conversion
 
     sd = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
     return {k: tuple(v.shape) for k, v in revert_weight_conversion(model, sd).items()}
 
 
+def config_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Canonical (checkpoint) names and shapes for a Hugging Face config, from transformers'
+    model class built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return checkpoint_shapes(model)
+
+
 def load_weights(model: Any) -> Callable[[Iterable[tuple[str, Any]]], None]:
     """transformers' own checkpoint loading (with its weight conversions) as a
     ``load_weights(iter[(name, full_tensor)])`` callable."""
+    _model(model, "load_weights")
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -55,6 +78,7 @@ def _result(r: Any) -> tuple[Any, Any]:
 
 def trace(model: Any, **kwargs: Any) -> TraceResult:
     """The layout of ``model``'s parameters in checkpoint names, traced through transformers."""
+    _model(model, "trace")
     return trace_load_weights(model, load_weights(model), checkpoint_shapes(model), **kwargs)
 
 

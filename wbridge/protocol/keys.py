@@ -7,6 +7,8 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
                                     find the store without one (a fresh or wiped store)
     wb/c/g/<g>/reg                  registration counter; epoch = (count - 1) // world_size + 1
     wb/c/g/<g>/e/<e>/r/<rank>       publisher rank record: layout, world size, host, transports
+    wb/c/g/<g>/meta                 the channel metadata of the newest registration and its epoch,
+                                    written by publisher rank 0 at each register (``meta``)
     wb/c/g/<g>/e/<e>/r/<rank>/packed/<k>  slot layout of packing generation k of that rank
     wb/c/g/<g>/version              the newest committed version's record (v, epoch, slot, fence)
     wb/c/g/<g>/v/<v>/e/<e>/snap     how many publisher ranks of epoch e snapshotted v
@@ -21,9 +23,9 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
                                     the slot that v is about to overwrite
     wb/c/g/<g>/layout/<hash>        a subscriber layout, announced once per distinct layout
     wb/c/g/<g>/readers              the layout hashes of the live subscribers, as of the
-                                    aggregating publisher rank's last scan (``_tracker``)
+                                    aggregating publisher rank's last scan (``wbridge.publish.tracker``)
     wb/c/g/<g>/aggregating          the key the aggregating rank waits for and a count of its
-                                    beats, while a wait of its lasts (``_tracker``)
+                                    beats, while a wait of its lasts (``wbridge.publish.tracker``)
     wb/c/g/<g>/slot/<s>/fence       bumped by every rank before it overwrites slot s
     wb/c/g/<g>/subs                 subscriber counter; subscriber ids are 1, 2, ...
     wb/c/g/<g>/sub/<i>              subscriber record
@@ -31,7 +33,7 @@ Layout of a channel ``c`` in store generation ``g`` (all records sealed with the
     wb/c/g/<g>/sub/<i>/state        "<acked> <reading>": last version applied, version being read
     wb/c/g/<g>/zone/<z>/n           relay counter of zone z; relay records are numbered 1, 2, ...
     wb/c/g/<g>/zone/<z>/relay/<k>   relay record: its layout hash, endpoints, regions, the version
-                                    it holds and which byte ranges of it are complete (``_relay``)
+                                    it holds and which byte ranges of it are complete (``wbridge.pull.relay``)
     wb/c/g/<g>/zone/<z>/ann         announcement counter of zone z: a relay bumps it each time it
                                     announces bytes new to the zone (read from publishers)
     wb/c/g/<g>/zone/<z>/ann/<n>     written by announcement n: readers waiting for ranges block on
@@ -50,7 +52,7 @@ the ``v/<v - lag>/...`` keys (``lag`` = slots + 2, ``version_keys``), each publi
 the aggregating publisher rank deletes the three ``sub/<i>`` keys of a
 subscriber once its lease lapsed, with the relay record its subscriber record names (readers of a
 zone delete those of dead relays too; a relay deletes old ``ann/<n>`` keys as it announces, keeping
-at most the last ``2 * _relay.ANN_KEEP``), so the store holds a bounded number of keys however many
+at most the last ``2 * wbridge.pull.relay.ANN_KEEP``), so the store holds a bounded number of keys however many
 versions are published and subscribers come and go.
 """
 
@@ -80,6 +82,7 @@ class Keys:
     generation = property(lambda self: self.base + "gen")
     reg = property(lambda self: self.p + "reg")
     version = property(lambda self: self.p + "version")
+    meta = property(lambda self: self.p + "meta")
     subs = property(lambda self: self.p + "subs")
     readers = property(lambda self: self.p + "readers")
     aggregating = property(lambda self: self.p + "aggregating")

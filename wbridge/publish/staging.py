@@ -49,6 +49,7 @@ class Registration:
     packer: SlotPacker | None = None  # staged: slot layouts packed for the live readers
     packed_copies: dict[int, PackedCopy] = field(default_factory=dict)  # slot -> its last packed copy
     cast: str | None = None  # the dtype register(dtype=) publishes floating tensors in
+    meta: dict | None = None  # register(metadata=): the channel metadata in this rank's record
     transforms: dict[str, str] = field(default_factory=dict)  # register(transforms=): name -> transform
     delta: Any = None  # Publisher(delta=True): the ring of delta buffers (wbridge.publish.delta)
     # this registration's incarnation, drawn afresh for each (``protocol.version.RankPart``)

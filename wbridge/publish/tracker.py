@@ -12,7 +12,7 @@ and a rank that finds the count moved since its last look waits on. So a slow ro
 pulling for many seconds) costs the other ranks one small read per look, not a scan of every
 subscriber, and a dead aggregator (or one waiting for something else) is scanned around.
 
-Publishers pack their staging slots for the layouts their readers announced (``_packing``); the
+Publishers pack their staging slots for the layouts their readers announced (``wbridge.publish.packing``); the
 aggregator's scans keep the set of those layouts in one sealed key (``Keys.readers``), which the
 other ranks read once per publish instead of scanning every subscriber themselves.
 
@@ -20,7 +20,7 @@ A scan also collects dead subscribers: once a lease lapsed, the subscriber's thr
 and its relay record if it relayed (a subscriber that comes back registers under a new id).
 ``evict`` collects a subscriber reported dead at once, lease or not: with its record, lease and
 state gone, every rank's next scan finds it dead (no rank waits out its lease), and should it be
-alive after all its next pull finds its record gone and joins again under a new id (``_membership``).
+alive after all its next pull finds its record gone and joins again under a new id (``wbridge.pull.membership``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class SubscriberView:
     acked: int = 0
     reading: int = 0
     layout: str = ""  # hash of its announced layout (``protocol.packing.announce``)
-    relay: str = ""  # the store key of its relay record (``_relay``), collected with it
+    relay: str = ""  # the store key of its relay record (``wbridge.pull.relay``), collected with it
 
 
 @dataclass

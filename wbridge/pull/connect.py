@@ -19,9 +19,10 @@ from .._lifecycle import quietly
 from .._selection import candidates
 from .._tensors import commit_pairs
 from ..errors import IntegrityError, StoreError, TransportError, WaitTimeout
+from ..options import MAX_SLOTS
 from ..protocol.packing import layout_hash, packed_layout
 from ..protocol.version import VersionRecord
-from .context import MAX_SLOTS, PullContext
+from .context import PullContext
 from .session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
 
 log = logging.getLogger("wbridge")

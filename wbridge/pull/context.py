@@ -31,8 +31,6 @@ from .session import Session
 
 log = logging.getLogger("wbridge")
 
-MAX_SLOTS = 64  # fences read along with a version record: at most this many publisher slots
-
 
 @dataclass(frozen=True)
 class Held:
@@ -280,4 +278,4 @@ class PullContext:
             self._pool, self._pool_size = None, 0
 
 
-__all__ = ["MAX_SLOTS", "Destination", "Endpoints", "Held", "PullContext", "PullResult"]
+__all__ = ["Destination", "Endpoints", "Held", "PullContext", "PullResult"]

@@ -1,9 +1,9 @@
 """A subscriber's place in a channel: the store generation it joined, its id there, its lease.
 
 Three things end a membership without the subscriber leaving. The store is lost and comes back
-empty, in a new generation (see ``protocol.generation``): the subscriber joins that one, as the
+empty, in a new generation (see ``wbridge.protocol.generation``): the subscriber joins that one, as the
 publishers do, whichever it is (an old generation record put back is followed too: what a
-subscriber plans and verifies from is sealed to each version's publishers, ``protocol.version``,
+subscriber plans and verifies from is sealed to each version's publishers, ``wbridge.protocol.version``,
 so nothing of a lost history can pass for a version of the current one). Its lease lapsed
 (the process was frozen, say, longer than ``lease_ttl``): publishers then counted it dead for good
 and stopped waiting for it, so it joins again under a new id and they wait for it again. Or its

@@ -1,6 +1,6 @@
 """A subscriber's reads of one version: post every source's prepared batch (all sources in
 parallel), read the slot stamps back after the data (the seqlock check), and verify what was read
-against the publishers' chunk checksums. Sources come from the session (``_session``)."""
+against the publishers' chunk checksums. Sources come from the session (``wbridge.pull.session``)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 
 from ..errors import StoreError, UsageError, WaitTimeout
+from ..options import MAX_SLOTS
 from ..protocol.version import VersionRecord
-from .context import MAX_SLOTS, PullContext
+from .context import PullContext
 
 log = logging.getLogger("wbridge")
 

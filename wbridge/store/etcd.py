@@ -34,7 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from ..errors import StoreError, WaitTimeout
+from .. import _validate
+from ..errors import StoreError, UsageError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 
 try:
@@ -190,11 +191,17 @@ class EtcdStore(Store):
     ) -> None:
         if requests is None:
             raise StoreError("etcd:// stores need the etcd3gw client: pip install 'wbridge[etcd]'")
-        self.endpoints, url_prefix = _parse_url(url)
+        if not isinstance(url, str):
+            raise UsageError(f"EtcdStore(url) must be etcd://host:port[,...][/prefix], got {url!r:.80}")
+        self.endpoints, url_prefix = parse_url(url)
+        if prefix is not None and not isinstance(prefix, (str, bytes)):
+            raise UsageError(f"EtcdStore(prefix) must be str, bytes or None, got {prefix!r:.80}")
         self.prefix = _as_bytes(prefix if prefix is not None else (url_prefix or DEFAULT_PREFIX), "prefix")
         self.url = url
-        self.connect_timeout = float(connect_timeout)
-        self.op_timeout = float(op_timeout if op_timeout is not None else connect_timeout)
+        self.connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
+        self.op_timeout = _validate.timeout(
+            op_timeout if op_timeout is not None else connect_timeout, "op_timeout", positive=True
+        )
         self._closed = False
         self._current = 0
         self._lock = threading.Lock()
@@ -469,7 +476,8 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _parse_url(url: str) -> tuple[list[tuple[str, int]], str | None]:
+def parse_url(url: str) -> tuple[list[tuple[str, int]], str | None]:
+    """The endpoints ``[(host, port)]`` and the key prefix of an etcd URL; ``StoreError`` if malformed."""
     parsed = urlparse(url)
     if parsed.scheme != "etcd" or not parsed.netloc:
         raise StoreError(f"etcd store url {url!r} must be etcd://host:port[,host:port...][/prefix]")
@@ -477,8 +485,8 @@ def _parse_url(url: str) -> tuple[list[tuple[str, int]], str | None]:
     for part in parsed.netloc.split(","):
         host, sep, port = part.strip().rpartition(":")
         host = host.strip("[]")
-        if not sep or not host or not port.isdigit():
-            raise StoreError(f"etcd store url {url!r}: endpoint {part!r} needs host:port")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise StoreError(f"etcd store url {url!r}: endpoint {part!r} needs host:port (port 1..65535)")
         endpoints.append((host, int(port)))
     prefix = parsed.path if parsed.path not in ("", "/") else None
     if prefix is not None and not prefix.endswith("/"):

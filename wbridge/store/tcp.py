@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ..errors import StoreError, WaitTimeout
+from .. import _validate
+from ..errors import StoreError, UsageError, WaitTimeout
 from .base import DEFAULT_CONNECT_TIMEOUT, Lease, Store
 
 # A value no caller writes: TcpStore.get's marker for "absent".
@@ -21,6 +23,14 @@ _ABSENT = b"\0wbridge-absent:" + os.urandom(16)
 # How long a multi_get may wait for its keys: ``get_many`` checks first that they all exist, so this
 # bounds only the race with a concurrent delete (then it reads them one by one).
 _MULTI_GET_GUARD = datetime.timedelta(seconds=2)
+
+# TCPStore's wire protocol for one WAIT (torch/csrc/distributed/c10d/TCPStoreBackend.hpp; TCPStore.cpp
+# ``doWait``): the query byte, the number of keys, then each key (TCPStore's "/" prefix and the
+# name) as a native uint64 length and its bytes; the server answers one byte once every key exists.
+# CANCEL_WAIT withdraws a pending WAIT and is always answered WAIT_CANCELED (after STOP_WAITING
+# where the key came first).
+_WAIT, _CANCEL_WAIT = 6, 12
+_STOP_WAITING, _WAIT_CANCELED = 0, 1
 
 # One TCPStore connection at a time in this process, so that its new socket can be told apart.
 _CONNECT_LOCK = threading.Lock()
@@ -160,6 +170,14 @@ def _gone(url: str, host: str, port: int, how: str) -> str:
     )
 
 
+def _answer(sock: socket.socket) -> int:
+    """One answer byte of the store (its receive bounded by the socket's timeout)."""
+    got = sock.recv(1)
+    if not got:
+        raise ConnectionError("the store closed the connection: got 0 bytes")
+    return got[0]
+
+
 def _set_timeouts(s: socket.socket, seconds: float) -> None:
     seconds = max(seconds, 0.01)
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
@@ -175,7 +193,16 @@ class TcpStore(Store):
     ) -> None:
         import torch.distributed as dist
 
-        self.host, self.port, self.is_host = host, int(port), is_host
+        _validate.boolean(is_host, "TcpStore(is_host)")
+        if not isinstance(host, str) or not host:
+            raise UsageError(f"TcpStore(host) must be an address or host name, got {host!r:.80}")
+        if is_host:
+            _validate.host(host, "TcpStore (hosted here)")
+        port = _validate.integer(port, "TcpStore(port)")
+        if port > 65535:
+            raise UsageError(f"TcpStore(port) must be in 0..65535, got {port}")
+        connect_timeout = _validate.timeout(connect_timeout, "connect_timeout", positive=True)
+        self.host, self.port, self.is_host = host, port, is_host
         self._lock = threading.Lock()
         self._seen: dict[str, tuple[bytes | None, float]] = {}
         self._closed = False
@@ -385,18 +412,34 @@ class TcpStore(Store):
         waiter.close()
 
     def wait_exists(self, key: str, timeout: float) -> bool:
-        """One TCPStore WAIT for ``key``: True once it exists, False after ``timeout`` (torch cancels
-        a timed-out wait cleanly, so the connection stays usable)."""
-        td = datetime.timedelta(seconds=max(timeout, 0.001))
+        """One TCPStore WAIT for ``key``: True once it exists, False after ``timeout`` (the WAIT is
+        then cancelled, so the connection stays usable).
 
-        def op(st):
-            try:
-                st.wait([key], td)
+        The WAIT goes out on this connection's socket and its timeout is kept here, by ``poll``:
+        torch's ``wait(keys, timeout)`` logs two ``[c10d] waitForInput`` warnings whenever its
+        timeout passes, and the waits of an idle channel (a trainer waiting for acks, a watcher for
+        the next version) end that way every few seconds. Only waiting connections
+        (``_take_waiter``) make this call, so nothing else is in flight on the socket."""
+        name = ("/" + key).encode()
+        query = struct.pack("=BQQ", _WAIT, 1, len(name)) + name
+
+        def op(_store):
+            sock = self._socks[0]
+            sock.sendall(query)
+            ready = select.poll()
+            ready.register(sock, select.POLLIN)
+            if ready.poll(max(0, int(timeout * 1000))):
+                answer = _answer(sock)
+                if answer != _STOP_WAITING:
+                    raise ValueError(f"TCPStore answered WAIT with {answer}, not STOP_WAITING")
                 return True
-            except RuntimeError as e:
-                if str(e).startswith("wait timeout"):
-                    return False
-                raise
+            sock.sendall(bytes([_CANCEL_WAIT]))
+            answer = _answer(sock)
+            if answer == _WAIT_CANCELED:
+                return False
+            if answer != _STOP_WAITING or _answer(sock) != _WAIT_CANCELED:  # the key came first
+                raise ValueError(f"TCPStore answered CANCEL_WAIT with {answer}")
+            return True
 
         with self.deadline(time.monotonic() + timeout + self._connect_timeout):
             return bool(self._call(op))

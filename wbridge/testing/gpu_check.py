@@ -2,8 +2,9 @@
 tensors on both sides, every byte checked against a reference computed on the CPU, then the device
 figures. Under 5 minutes on one CUDA GPU; needs nothing beyond ``scripts/setup.sh``.
 
-Parts (each prints one line ``gpu_check: <part>: ok|FAIL|SKIP ...``; each runs its publisher in a
-process of its own and the subscriber in this one, every call bounded by a timeout):
+Parts (each prints one line ``gpu_check: ok|FAIL|SKIP <part>: <detail>``; each runs its publisher in
+a process of its own and the subscriber in this one, every call bounded by a timeout). A part whose
+package is missing here (nixl-cu12, vLLM's CUDA build) is a SKIP that says so; the others run:
 
 - ``nixl``, ``nccl``, ``tcp``, ``local``: two versions of a tiny Llama (trainer layout: one rank,
   separate q/k/v) pulled into a fused TP-rank layout through that transport. nccl needs a second
@@ -13,6 +14,8 @@ process of its own and the subscriber in this one, every call bounded by a timeo
   into a pinned host buffer), and a subscriber asking for direct reads is refused (``UsageError``).
 - ``auto``: ``transport="auto"`` on both sides with a direct subscriber: host staging chosen by
   both sides where no RDMA device is (the line names the transport used and why).
+- ``cast_bf16``, ``fp8_block128``, ``delta``, ``packed``, ``staged`` read through nixl where it is
+  installed; without it, on a GPU, through tcp with host staging on both sides (the line says so).
 - ``cast_bf16``: fp32 masters registered with ``dtype=torch.bfloat16``, the cast done by the
   snapshot on the device; checked against ``tensor.to(torch.bfloat16)`` on the CPU. ``host_cast``:
   the same through tcp, so on CUDA the cast lands in the device buffer of host staging first.
@@ -22,18 +25,21 @@ process of its own and the subscriber in this one, every call bounded by a timeo
 - ``packed``: a reader that joins after version 1 plans ordinary reads of the plain slot, then reads
   version 2 from the slot packed for its layout with fewer reads.
 - ``staged``: a ``staged=True`` subscriber (private buffer, committed after every read).
-- ``zero_copy``: a ``staging=ZeroCopy()`` publisher read straight into a direct subscriber's tensors.
+- ``zero_copy``: a ``staging=ZeroCopy()`` publisher read straight into a direct subscriber's tensors
+  (on a GPU it needs nixl: no other transport here reaches device memory).
 - ``vllm`` (run last, with what is left of the budget): the real vLLM engine test where vLLM's CUDA
   build is installed; a SKIP otherwise (``setup.sh`` installs the CPU build; with no registry on
   the GPU machine that is the usual line).
 - ``figures``: a large bf16 tensor through nixl with deltas (``Staging(delta=...)``): the publisher's stall (its
   snapshot copy) against ``torch``'s device-to-device copy of the same bytes in that process, the
   full-pull read bandwidth against that copy in the reading process, and the delta encode (with the
-  slot's checksums: ``PublishStats.delta_s``) in GB per second.
+  slot's checksums: ``PublishStats.delta_s``) in GB per second. On a GPU without nixl a SKIP: host
+  staging would measure the host copy, not device memory.
 
 The last line is ``gpu_check: ok parts=<n> failed=0 stall_vs_d2d=<r> vram_read_vs_d2d=<r>
 delta_encode_gbps=<x>`` (``n``: parts run, SKIPs not counted), or ``gpu_check: FAILED`` with the
-same fields and exit status 1. Where no CUDA GPU exists: ``gpu_check: SKIP: <why>``, exit 0.
+same fields and exit status 1. Where no CUDA GPU exists, or no python with torch
+(``scripts/gpu_check.sh`` looks for one): ``gpu_check: SKIP: <why>``, exit 0.
 
 The same part functions run in the test suite with ``device="cpu"`` (``tests/runtime/
 test_gpu_check.py``), so the references cannot rot. What only a GPU run exercises:
@@ -91,7 +97,7 @@ class PartResult:
     detail: str
 
     def line(self) -> str:
-        return f"gpu_check: {self.name}: {self.status} {self.detail}"
+        return f"gpu_check: {self.status} {self.name}: {self.detail}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,15 +295,37 @@ class Skip(Exception):
     """A part that cannot run here; its message says why."""
 
 
-def feature_transport(device: str) -> str:
-    """The transport the feature parts read through: nixl where installed (it reaches VRAM)."""
+NIXL_MISSING = "nixl-cu12 is not installed (pip install 'wbridge[nixl]')"
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the feature parts read: ``transport``, whether the subscriber is ``staged`` (host staging
+    on a GPU), and ``note``, what their line adds when it is not nixl's direct path."""
+
+    transport: str
+    staged: bool
+    note: str = ""
+
+
+def feature_route(device: str) -> Route:
+    """nixl where installed (it reaches VRAM); else tcp, which on a GPU stages in host memory on
+    both sides."""
     import transports
 
     if "nixl" in transports.available():
-        return "nixl"
-    if device != "cpu":
-        raise AssertionError("nixl-cu12 is not installed: no transport reaches GPU memory")
-    return "tcp"
+        return Route("nixl", False)
+    if device == "cpu":
+        return Route("tcp", False)
+    return Route("tcp", True, " (through tcp with host staging: nixl-cu12 is not installed)")
+
+
+def device_route(device: str, what: str) -> Route:
+    """The route of a part that needs a transport reaching ``device`` itself; a Skip without one."""
+    route = feature_route(device)
+    if route.staged:
+        raise Skip(f"{what} needs a transport that reaches GPU memory: {NIXL_MISSING}")
+    return route
 
 
 def host_only(name: str) -> bool:
@@ -332,7 +360,7 @@ def transport_part(name: str) -> Callable[[str], str]:
         import transports
 
         if name not in transports.available():
-            raise AssertionError(f"transport {name} is not installed")
+            raise Skip(NIXL_MISSING if name == "nixl" else f"transport {name} is not usable here")
         sub_device = device
         if name == "nccl" and device != "cpu":
             if torch.cuda.device_count() < 2:
@@ -375,11 +403,13 @@ def part_auto(device: str) -> str:
 def part_cast_bf16(device: str) -> str:
     import torch
 
-    s = Session(feature_transport(device), "fp32", device, sub_kind="bf16", register={"dtype": torch.bfloat16})
+    r = feature_route(device)
+    register = {"dtype": torch.bfloat16}
+    s = Session(r.transport, "fp32", device, sub_kind="bf16", register=register, sub_options={"staged": r.staged})
     try:
         for v in (1, 2):
             s.step(v)
-        return "fp32 masters cast to bf16 by the snapshot, 2 versions equal tensor.to(bfloat16) on the CPU"
+        return "fp32 masters cast to bf16 by the snapshot, 2 versions equal tensor.to(bfloat16) on the CPU" + r.note
     finally:
         s.close()
 
@@ -401,24 +431,31 @@ def part_host_cast(device: str) -> str:
 
 def part_fp8_block128(device: str) -> str:
     transforms = {n: "fp8_block128" for n in ("a.weight", "b.weight")}
-    s = Session(feature_transport(device), "fp32", device, sub_kind="fp8", register={"transforms": transforms})
+    r = feature_route(device)
+    register = {"transforms": transforms}
+    s = Session(r.transport, "fp32", device, sub_kind="fp8", register=register, sub_options={"staged": r.staged})
     try:
         for v in (1, 2):
             s.step(v)
         if not bool((s.held["a.weight_scale_inv"][0][1, 0] == 1.0).all()):
             raise AssertionError("the all-zero block's scale_inv is not 1.0")
-        return "2 weights (edge blocks, a zero block) quantised by the snapshot equal the CPU quantiser, 2 versions"
+        return (
+            "2 weights (edge blocks, a zero block) quantised by the snapshot equal the CPU quantiser, 2 versions"
+            + r.note
+        )
     finally:
         s.close()
 
 
 def part_delta(device: str) -> str:
+    r = feature_route(device)
     s = Session(
-        feature_transport(device),
+        r.transport,
         "sparse",
         device,
         sub_kind="sparse",
         options={"staging": Staging(delta=Delta())},
+        sub_options={"staged": r.staged},
         nbytes=1 << 20,
     )
     try:
@@ -428,13 +465,14 @@ def part_delta(device: str) -> str:
             raise AssertionError(f"delta flags of the two pulls: {first.delta}, {second.delta} (want False, True)")
         if second.nbytes >= first.nbytes:
             raise AssertionError(f"the delta pull read {second.nbytes} bytes, the full one {first.nbytes}")
-        return f"version 2 pulled as a delta ({second.nbytes} of {first.nbytes} bytes), bit-exact"
+        return f"version 2 pulled as a delta ({second.nbytes} of {first.nbytes} bytes), bit-exact{r.note}"
     finally:
         s.close()
 
 
 def part_packed(device: str) -> str:
-    s = Session(feature_transport(device), "model", device, sub_kind="model", subscribe=False)
+    r = feature_route(device)
+    s = Session(r.transport, "model", device, sub_kind="model", sub_options={"staged": r.staged}, subscribe=False)
     try:
         s.publish(1)  # no reader yet: the plain slot
         s.subscribe()
@@ -444,23 +482,25 @@ def part_packed(device: str) -> str:
         _, packed = s.step(2)  # packed for the reader's layout announced since
         if packed.ops >= plain:
             raise AssertionError(f"{packed.ops} reads from the packed slot, {plain} from the plain one")
-        return f"reader-ordered slot: {packed.ops} reads against {plain} from the plain slot, bit-exact"
+        return f"reader-ordered slot: {packed.ops} reads against {plain} from the plain slot, bit-exact{r.note}"
     finally:
         s.close()
 
 
 def part_staged(device: str) -> str:
-    s = Session(feature_transport(device), "model", device, sub_kind="model", sub_options={"staged": True})
+    r = feature_route(device)
+    s = Session(r.transport, "model", device, sub_kind="model", sub_options={"staged": True})
     try:
         for v in (1, 2):
             s.step(v)
-        return "staged subscriber (private buffer, committed after the reads): 2 versions bit-exact"
+        return "staged subscriber (private buffer, committed after the reads): 2 versions bit-exact" + r.note
     finally:
         s.close()
 
 
 def part_zero_copy(device: str) -> str:
-    s = Session(feature_transport(device), "model", device, sub_kind="model", options={"staging": ZeroCopy()})
+    r = device_route(device, "a zero-copy publisher")
+    s = Session(r.transport, "model", device, sub_kind="model", options={"staging": ZeroCopy()})
     try:
         for v in (1, 2):
             s.step(v)
@@ -512,7 +552,8 @@ def measure_figures(device: str) -> tuple[Figures, str]:
     two versions apart), 2 to 5 each encode a delta; every pulled byte is checked."""
     nbytes = FIGURE_BYTES["cpu" if device == "cpu" else "cuda"]
     options = {"staging": Staging(delta=Delta(history=1)), "mode": Async(max_staleness=2)}
-    s = Session(feature_transport(device), "sparse", device, sub_kind="sparse", options=options, nbytes=nbytes)
+    r = device_route(device, "the VRAM read figure")
+    s = Session(r.transport, "sparse", device, sub_kind="sparse", options=options, nbytes=nbytes)
     try:
         stalls, encodes, reads = [], [], []
         for v in range(1, 6):

@@ -2,19 +2,29 @@
 
 Values are a pure function of (canonical tensor, global element index, version), so any process can
 compute what any of its local tensors must hold after a pull without the other side's help, and a
-version's bytes differ from every other version's.
+version's bytes differ from every other version's. With a change ``period`` p > 1 each element
+changes only once every p versions (a fraction 1/p of the elements per version, each at its own
+phase), as a trainer's small steps do: what delta updates are for.
+
+Two ways from canonical tensors to a local layout, kept apart on purpose: ``fill_expected`` writes
+a layout through the planner's mapping (``planner.compiler.pieces_for``, the code the transfer
+plans with) and fills the publishers' tensors; ``expected_bits``, which ``mismatches`` checks pulls
+against, builds each canonical tensor whole and cuts the layout out of it by plain numpy slicing and
+concatenation. A mapping bug that moved the bytes and computed the expectation alike would pass a
+check that used the mapping on both sides; against the slices it fails.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from planner.compiler import pieces_for
-from planner.layout import Declaration, Fused, Shard, TensorSpec
+from planner.layout import Declaration, Fused, Shard, Stack, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,45 @@ class ModelConfig:
     def tiny(cls) -> ModelConfig:
         """About 1.5 MiB; GQA with 2 kv heads, vocabulary not divisible by 4."""
         return cls(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=320, layers=2, vocab=1001)
+
+    @classmethod
+    def named(cls, name: str) -> ModelConfig:
+        """One of ``MODELS``: ``tiny``, ``demo`` (above), and the benchmarks' ``256m``, ``512m``, ``1g``
+        (Qwen-like, GQA 4:1: 2, 4 and 9 layers of hidden 2048, vocabularies of 8k, 16k and 32k; every
+        split by TP=2 even)."""
+        if name == "tiny":
+            return cls.tiny()
+        if name == "demo":
+            return cls.demo()
+        shapes = dict(hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
+        sized = {"256m": (2, 8192), "512m": (4, 16384), "1g": (9, 32768)}
+        if name not in sized:
+            raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
+        layers, vocab = sized[name]
+        return cls(**shapes, layers=layers, vocab=vocab)
+
+    @classmethod
+    def from_params(cls, params: int) -> ModelConfig:
+        """A Llama-style model of about ``params`` parameters: the width of a Llama model of that
+        size (hidden 2048 below 1.5B, 4096 below 11B, 5120 below 40B, 8192 above; GQA with 8 kv heads
+        of 128, SwiGLU, untied embeddings of a 32k vocabulary, 128k from hidden 4096) and as many
+        layers as it takes (at least one)."""
+        if params <= 0:
+            raise ValueError(f"a model has a positive number of parameters, not {params}")
+        widths = ((1.5e9, 2048, 5632), (11e9, 4096, 14336), (40e9, 5120, 27648), (float("inf"), 8192, 28672))
+        hidden, inter = next((h, i) for limit, h, i in widths if params < limit)
+        vocab = 32768 if hidden == 2048 else 128256
+        base = cls(hidden=hidden, heads=hidden // 128, kv_heads=min(8, hidden // 128 // 2), head_dim=128,
+                   intermediate=inter, layers=1, vocab=vocab)  # fmt: skip
+        per_layer = sum(s.numel for s in base.specs() if ".layers.0." in s.name)
+        fixed = sum(s.numel for s in base.specs()) - per_layer
+        layers = max(1, round((params - fixed) / per_layer))
+        return cls(hidden=hidden, heads=hidden // 128, kv_heads=base.kv_heads, head_dim=128,
+                   intermediate=inter, layers=layers, vocab=vocab)  # fmt: skip
+
+    @property
+    def params(self) -> int:
+        return sum(s.numel for s in self.specs())
 
     def specs(self) -> list[TensorSpec]:
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
@@ -186,14 +235,43 @@ def canonical_bits(
     return np.broadcast_to(out | utype(one), sizes)
 
 
-def fill_expected(
-    flat_bits: np.ndarray, name: str, shape: tuple[int, ...], decl: Declaration, itemsize: int, version: int
+def version_bits(
+    name: str,
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    itemsize: int,
+    version: int,
+    period: int = 1,
+) -> np.ndarray:
+    """``canonical_bits`` of the box at ``version`` when each element changes once every ``period``
+    versions: element e changes at version u >= 2 where ``(phase(e) + u) % period == 0`` (a hash
+    of e), so it holds its values of the newest such u up to ``version`` (of version 1 if none).
+    ``period`` 1: every element changes at every version (``canonical_bits`` itself)."""
+    if period <= 1 or version <= 1:
+        return canonical_bits(name, shape, offsets, sizes, itemsize, version)
+    phase = canonical_bits(name + "#phase", shape, offsets, sizes, 4, 0) & np.uint32(0x7FFFFF)  # 23 random bits
+    last = version - ((phase + np.uint32(version)) % np.uint32(period)).astype(np.int32)
+    out = np.array(canonical_bits(name, shape, offsets, sizes, itemsize, 1))
+    for u in range(max(2, version - period + 1), version + 1):
+        sel = last == u
+        out[sel] = canonical_bits(name, shape, offsets, sizes, itemsize, u)[sel]
+    return out
+
+
+def fill_pieces(
+    flat_bits: np.ndarray,
+    name: str,
+    shape: tuple[int, ...],
+    decl: Declaration,
+    itemsize: int,
+    source: Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], np.ndarray],
 ) -> None:
-    """Writes what local tensor ``name`` (declared ``decl``) holds at ``version`` into ``flat_bits``,
-    a flat unsigned-int view of it. Unmapped elements are left alone."""
+    """Writes into ``flat_bits`` (a flat unsigned-int view of local tensor ``name``, declared ``decl``)
+    what each of its pieces maps from: ``source(canonical name, global shape, offsets, sizes)`` gives
+    the bits of that box. Unmapped elements are left alone."""
     for piece in pieces_for(name, decl, shape):
-        spec_shape = _global_shape(decl, piece.tensor)
-        vals = canonical_bits(piece.tensor, spec_shape, piece.box.offsets, piece.box.sizes, itemsize, version)
+        vals = source(piece.tensor, _global_shape(decl, piece.tensor), piece.box.offsets, piece.box.sizes)
         dst = np.lib.stride_tricks.as_strided(
             flat_bits[piece.offset :],
             shape=piece.box.sizes,
@@ -201,6 +279,25 @@ def fill_expected(
             writeable=True,
         )
         dst[...] = vals
+
+
+def fill_expected(
+    flat_bits: np.ndarray,
+    name: str,
+    shape: tuple[int, ...],
+    decl: Declaration,
+    itemsize: int,
+    version: int,
+    period: int = 1,
+) -> None:
+    """Writes what local tensor ``name`` (declared ``decl``) holds at ``version`` (of change
+    ``period``, see ``version_bits``) into ``flat_bits``, a flat unsigned-int view of it. Unmapped
+    elements are left alone."""
+
+    def source(tensor: str, gshape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> np.ndarray:
+        return version_bits(tensor, gshape, offsets, sizes, itemsize, version, period)
+
+    fill_pieces(flat_bits, name, shape, decl, itemsize, source)
 
 
 def _global_shape(decl: Declaration, tensor: str) -> tuple[int, ...]:
@@ -247,20 +344,76 @@ def make_tensors(
     return out
 
 
-def set_version(tensors: dict[str, tuple[Any, Declaration]], version: int) -> None:
-    """Overwrites every tensor with its values at ``version`` (a fake training step)."""
+def set_version(tensors: dict[str, tuple[Any, Declaration]], version: int, period: int = 1) -> None:
+    """Overwrites every tensor with its values at ``version`` (a fake training step; ``period``:
+    see ``version_bits``)."""
     for name, (t, decl) in tensors.items():
-        fill_expected(bits_view(t), name, tuple(t.shape), decl, t.element_size(), version)
+        fill_expected(bits_view(t), name, tuple(t.shape), decl, t.element_size(), version, period)
 
 
-def mismatches(tensors: dict[str, tuple[Any, Declaration]], version: int) -> list[str]:
-    """Names of local tensors whose mapped bytes differ from ``version``'s values."""
+def expected_bits(
+    name: str,
+    shape: tuple[int, ...],
+    decl: Declaration,
+    itemsize: int,
+    version: int,
+    base: np.ndarray,
+    period: int = 1,
+) -> np.ndarray:
+    """What local tensor ``name`` (``shape``, declared ``decl``) holds at ``version``, as unsigned ints
+    of ``shape``: ``base`` (a flat view of the same size) where the declaration maps nothing, else
+    the canonical values (of change ``period``, see ``version_bits``). Each canonical tensor is
+    generated whole (``version_bits`` over its full shape) and cut by plain slicing: a ``Shard`` is
+    the box ``[offsets, offsets + sizes)`` (clipped to the canonical shape where ``padded``), a
+    ``Fused`` its parts' boxes concatenated along ``dim`` in order (each part with its ``sizes``
+    given, as ``layout_decls`` writes them), a ``Stack`` its parts stacked. Shares no code with the
+    planner's mapping."""
+    whole: dict[str, np.ndarray] = {}
+
+    def canonical(part: Shard) -> np.ndarray:
+        if part.name not in whole:
+            zeros = (0,) * len(part.global_shape)
+            gshape = part.global_shape
+            whole[part.name] = version_bits(part.name, gshape, zeros, gshape, itemsize, version, period)
+        return whole[part.name]
+
+    def fill(out: np.ndarray, d: Declaration) -> None:
+        if isinstance(d, Shard):
+            box = out
+            if d.sizes is not None and tuple(d.sizes) != out.shape:  # the same elements, row-major
+                box = out.view()
+                box.shape = d.sizes  # a view or an error, never a silent copy
+            offsets = d.offsets or (0,) * box.ndim
+            inside = tuple(slice(0, max(0, min(n, g - o))) for n, g, o in zip(box.shape, d.global_shape, offsets))
+            box[inside] = canonical(d)[tuple(slice(o, o + s.stop) for o, s in zip(offsets, inside))]
+        elif isinstance(d, Fused):
+            start = 0
+            for part in d.parts:
+                if part.sizes is None:
+                    raise ValueError(f"{name}: the slicing reference needs sizes on every Fused part")
+                stop = start + part.sizes[d.dim]
+                fill(out[(slice(None),) * d.dim + (slice(start, stop),)], part)
+                start = stop
+        elif isinstance(d, Stack):
+            for i, part in enumerate(d.parts):
+                fill(out[i], part)
+        else:
+            raise TypeError(f"{name}: the slicing reference covers Shard, Fused and Stack, not {type(d).__name__}")
+
+    want = base.copy().reshape(shape)
+    fill(want, decl)
+    return want
+
+
+def mismatches(tensors: dict[str, tuple[Any, Declaration]], version: int, period: int = 1) -> list[str]:
+    """Names of local tensors whose mapped bytes differ from ``version``'s values (of change
+    ``period``, see ``version_bits``), as ``expected_bits`` cuts them out of the canonical tensors
+    (not through the planner's mapping)."""
     bad = []
     for name, (t, decl) in tensors.items():
         got = bits_view(t)
-        want = got.copy()
-        fill_expected(want, name, tuple(t.shape), decl, t.element_size(), version)
-        if not np.array_equal(got, want):
+        want = expected_bits(name, tuple(t.shape), decl, t.element_size(), version, got, period)
+        if not np.array_equal(got, want.reshape(-1)):
             bad.append(name)
     return bad
 
@@ -269,13 +422,20 @@ def total_bytes(tensors: dict[str, tuple[Any, Declaration]]) -> int:
     return sum(int(t.numel()) * t.element_size() for t, _ in tensors.values())
 
 
+#: the model shapes ``ModelConfig.named`` knows
+MODELS = ("tiny", "demo", "256m", "512m", "1g")
+
 __all__ = [
+    "MODELS",
     "ModelConfig",
+    "version_bits",
     "layout_decls",
     "make_tensors",
     "set_version",
     "mismatches",
     "canonical_bits",
+    "expected_bits",
     "fill_expected",
+    "fill_pieces",
     "total_bytes",
 ]

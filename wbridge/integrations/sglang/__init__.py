@@ -17,6 +17,8 @@ thread pulls every newly published version into staging while the engine keeps g
 the scheduler commits it between two steps (``runtime``). A restarted engine joins again and
 pulls the newest version. See docs/sglang.md. ``server_stats``, ``wait_version`` and ``verify``
 also work without SGLang installed, on an HTTP server's URL (a trainer host polling its rollouts).
+``SGLangLoRAUpdater`` (``lora``) keeps a LoRA adapter channel's newest version loaded in an
+engine, from memory (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from typing import Any
 
 from ...errors import MissingExtraError, UsageError
 from .client import server_stats, verify, wait_version
+from .lora import SGLangLoRAUpdater
 from .options import SGLangOptions
 
-__all__ = ["SGLangOptions", "engine_args", "server_stats", "verify", "wait_version"]
+__all__ = ["SGLangLoRAUpdater", "SGLangOptions", "engine_args", "server_stats", "verify", "wait_version"]
 
 
 def engine_args(options: SGLangOptions, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -10,8 +10,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ... import _validate
 from ...errors import UsageError
 from ...options import Zone
+from ...subscriber import Subscriber
 
 #: Subscriber keywords that ``subscriber_options`` may set (JSON values; the zone has its own fields).
 SUBSCRIBER_OPTIONS = frozenset(
@@ -67,8 +69,13 @@ class SGLangOptions:
             raise UsageError(f"wbridge SGLang options: dtype must be one of {DTYPES} or None, got {self.dtype!r}")
         if self.commit not in ("copy", "swap"):
             raise UsageError(f"wbridge SGLang options: commit must be 'copy' or 'swap', got {self.commit!r}")
-        if not isinstance(self.pull_timeout, (int, float)) or not self.pull_timeout > 0:
-            raise UsageError(f"wbridge SGLang options: pull_timeout must be > 0, got {self.pull_timeout!r}")
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir):
+            raise UsageError(f"wbridge SGLang options: cache_dir must be a path (str) or None, got {self.cache_dir!r}")
+        try:
+            _validate.timeout(self.pull_timeout, "pull_timeout", positive=True)
+            _validate.boolean(self.flush_cache, "flush_cache")
+        except UsageError as e:
+            raise UsageError(f"wbridge SGLang options: {e}") from None
         if isinstance(self.zone, dict):  # (as it travels in JSON)
             try:
                 object.__setattr__(self, "zone", Zone(**self.zone))
@@ -83,6 +90,12 @@ class SGLangOptions:
             raise UsageError(
                 f"wbridge SGLang options: subscriber_options takes {sorted(SUBSCRIBER_OPTIONS)}, got {opts!r}"
             )
+        try:  # what the scheduler's Subscriber would refuse, refused here
+            Subscriber.check_arguments(
+                self.channel, self.store, token=self.token, transport=self.transport, zone=self.zone, **opts
+            )
+        except UsageError as e:
+            raise UsageError(f"wbridge SGLang options: {e}") from None
 
     def to_extra_config(self, extra: dict[str, Any] | None = None) -> str:
         """``model_loader_extra_config`` (JSON) carrying these options next to ``extra``."""
@@ -92,7 +105,14 @@ class SGLangOptions:
     def from_extra_config(cls, extra: Any) -> tuple[SGLangOptions, dict[str, Any]]:
         """The options and the rest of a ``model_loader_extra_config`` (a dict or JSON text)."""
         if isinstance(extra, str):
-            extra = json.loads(extra or "{}")
+            try:
+                extra = json.loads(extra or "{}")
+            except ValueError as e:
+                raise UsageError(f"wbridge SGLang loader: model_loader_extra_config is not JSON: {e}") from None
+        if extra is not None and not isinstance(extra, dict):
+            raise UsageError(
+                f"wbridge SGLang loader: model_loader_extra_config must be a JSON object (or a dict), got {extra!r:.80}"
+            )
         rest = dict(extra or {})
         raw = rest.pop(EXTRA_KEY, None)
         if not isinstance(raw, dict):

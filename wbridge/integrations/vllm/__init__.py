@@ -7,6 +7,9 @@
 - ``commit``: how a pulled version reaches the kernels, with the engine paused only for the commit.
 - ``transfer``: the ``"wbridge"`` weight-transfer backend (``WeightTransferConfig(backend="wbridge")``).
 - ``trainer``: the trainer side of vLLM's weight-transfer API for that backend.
+- ``lora``, ``lora_updater``: LoRA adapter channels: ``VLLMLoRAUpdater`` / ``AsyncVLLMLoRAUpdater``
+  keep a named adapter on the newest version, installed from memory (``lora_internals`` names
+  every vLLM internal that takes).
 
 Importing this package does not import vLLM: the names of ``transfer`` and ``trainer`` (which
 subclass vLLM's classes) load on first use, and raise ``MissingExtraError`` where vLLM is absent.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .lora_updater import AsyncVLLMLoRAUpdater, VLLMLoRAUpdater
 from .updater import AsyncVLLMUpdater, VLLMUpdater
 from .worker import DEFAULT_CACHE, EXTENSION, WBridgeWorkerExtension, hf_checkpoint_shapes, portable_to_tensor
 
@@ -29,9 +33,11 @@ _LAZY = {
 }
 
 __all__ = [
+    "AsyncVLLMLoRAUpdater",
     "AsyncVLLMUpdater",
     "DEFAULT_CACHE",
     "EXTENSION",
+    "VLLMLoRAUpdater",
     "VLLMUpdater",
     "WBridgeWorkerExtension",
     "hf_checkpoint_shapes",

@@ -121,7 +121,7 @@ class _Updater:
             raise UsageError(f"{who}: token must be a string or None, got {type(token).__name__}")
         timeout = _validate.timeout(timeout, f"{who} timeout", positive=True)
         poll = _validate.timeout(poll, f"{who} poll", positive=True)
-        options = check_subscriber_options(subscriber_options, who, also=("cache_dir",))
+        options = check_subscriber_options(channel, store, token, subscriber_options, who, also=("cache_dir",))
         # the workers' store connection waits no longer than the updater (the default is longer)
         options.setdefault("connect_timeout", timeout)
         _check_extension(engine, who)

@@ -34,7 +34,6 @@ the model config, the vLLM version and the rank.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import re
@@ -48,6 +47,7 @@ from ..follow import Watcher
 from ..remote import describe, tag
 from ..trace import TraceResult, trace_load_weights, traced
 from .commit import UNCHECKED, Reload, allocate_staging, check, commit, plan_commit, prepare
+from .lora import LoRAWorkerMixin
 from .state import Background, Fetched, WorkerState
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "wbridge", "traces")
@@ -62,14 +62,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def hf_checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """Canonical (checkpoint) names and shapes for a Hugging Face config, from transformers'
     model class built on the meta device (no memory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from ..transformers import config_shapes
 
-    from ..transformers import checkpoint_shapes
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return checkpoint_shapes(model)
+    return config_shapes(hf_config)
 
 
 def _portable(t: Any) -> tuple[str, list[int], bytes]:
@@ -90,18 +85,20 @@ def portable_to_tensor(x: tuple[str, list[int], bytes]) -> Any:
     return buf.view(getattr(torch, dtype)).reshape(shape)
 
 
-def check_subscriber_options(options: Mapping[str, Any], who: str, also: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``options`` as ``Subscriber`` keywords (and ``also``), or a ``UsageError`` naming the first
-    it does not take. (Their values are checked by the ``Subscriber`` they go to.)"""
+def check_subscriber_options(
+    channel: Any, store: Any, token: Any, options: Mapping[str, Any], who: str, also: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """``options`` (``Subscriber`` keywords, and ``also``) as a copy, once ``Subscriber`` would
+    take them with ``channel``, ``store`` and ``token`` (``Subscriber.check_arguments``: nothing is
+    opened); else a ``UsageError`` naming the first it refuses, prefixed with ``who``."""
     from ...subscriber import Subscriber
 
     if not isinstance(options, Mapping):
         raise UsageError(f"{who}: subscriber options must be a mapping of Subscriber keywords, got {options!r:.80}")
-    takes = set(inspect.signature(Subscriber.__init__).parameters) - {"self", "channel", "store", "token"}
-    takes |= set(also)
-    unknown = sorted(set(options) - takes)
-    if unknown:
-        raise UsageError(f"{who}: {unknown[0]!r} is no Subscriber keyword (it takes {sorted(takes)})")
+    try:
+        Subscriber.check_arguments(channel, store, token=token, **{k: v for k, v in options.items() if k not in also})
+    except UsageError as e:
+        raise UsageError(f"{who}: {e}") from None
     return dict(options)
 
 
@@ -150,11 +147,12 @@ def _min_version(value: Any, what: str) -> int | None:
     return None if value is None else _validate.integer(value, f"wbridge: {what}", minimum=1)
 
 
-class WBridgeWorkerExtension:
+class WBridgeWorkerExtension(LoRAWorkerMixin):
     """Mixed into vLLM's worker (``worker_extension_cls``); methods are called through
     ``LLM.collective_rpc`` on every rank. Every method checks its arguments (``UsageError``
     naming the argument); a wbridge error it raises reaches the caller as the same class
-    (``wbridge.integrations.remote``).
+    (``wbridge.integrations.remote``). Its LoRA adapter channels' RPCs (``wbridge_lora_*``)
+    come from ``lora.LoRAWorkerMixin``.
 
     ``wbridge_subscribe(channel, store, token=None, transport="auto")`` traces the layout, allocates
     the checkpoint-format destination tensors and joins the channel. ``wbridge_pull(timeout)``
@@ -233,16 +231,16 @@ class WBridgeWorkerExtension:
 
         from ...subscriber import Subscriber
 
-        options = check_subscriber_options(subscriber_kwargs, "wbridge_subscribe")
+        options = check_subscriber_options(
+            channel, store, token, {"transport": transport, **subscriber_kwargs}, "wbridge_subscribe"
+        )
         if cache_dir is not None and not isinstance(cache_dir, str):
             raise UsageError(f"wbridge: cache_dir must be a directory path or None, got {cache_dir!r:.80}")
         if self._wbridge is not None:
             self.wbridge_close()
         rank = self._wbridge_rank()
-        # first: its arguments are checked, and the store opened, before the trace
-        sub = Subscriber(
-            channel, store, token=token, transport=transport, **{"name": f"vllm-rank{rank}-{os.getpid()}", **options}
-        )
+        # first: the store is opened before the trace
+        sub = Subscriber(channel, store, token=token, **{"name": f"vllm-rank{rank}-{os.getpid()}", **options})
         try:
             trace = self.wbridge_trace(cache_dir=cache_dir)
             shapes = self._wbridge_checkpoint_shapes(trace)

@@ -1,0 +1,159 @@
+"""The vLLM engine of the LoRA test (run with the vLLM venv's python, the repo on PYTHONPATH).
+
+    python vllm_lora_roles.py engine BASE OUT PORT
+
+One ``LLM`` (enable_lora) serves two adapter channels (``lora_roles.CHANNELS``) through
+``VLLMLoRAUpdater``s. For versions 1..3 it asks the trainer (``want_<v>``), installs both, and
+records the greedy tokens and logprobs with each adapter, then with the same version loaded from
+the trainer's PEFT checkpoint on disk; it records every file the worker process opened for writing
+during the updates (an audit hook) and what TMPDIR holds; it subscribes to the adapters it must
+refuse and records the errors, and checks the vLLM internals the install names. Results go to
+``OUT/engine.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from lora_roles import CHANNELS, REFUSED, TOKEN
+
+PROMPTS = [[11, 42, 7, 99, 3, 58, 21, 5], [17, 3, 250, 9]]
+MAX_TOKENS = 8
+VERSIONS = 3
+
+
+def _wait_file(path: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path} within {timeout}s")
+        time.sleep(0.02)
+
+
+def _audit(worker) -> None:
+    """Runs in the worker process: records every path opened for writing (and every directory
+    made) from now on, in ``sys.wbridge_test_writes``."""
+    import sys as _sys
+
+    if hasattr(_sys, "wbridge_test_writes"):
+        _sys.wbridge_test_writes.clear()
+        return
+    writes: list = []
+    _sys.wbridge_test_writes = writes
+
+    def hook(event, args):
+        if event == "open" and args[1] is not None and any(c in str(args[1]) for c in "wax+"):
+            writes.append(str(args[0]))
+        elif event in ("os.mkdir", "os.rename", "shutil.copyfile"):
+            writes.append(f"{event}:{args[0]}")
+
+    _sys.addaudithook(hook)
+
+
+def _writes(worker) -> list:
+    import sys as _sys
+
+    return list(getattr(_sys, "wbridge_test_writes", []))
+
+
+def _outputs(llm, lora_request):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=lora_request, use_tqdm=False)
+    return [_record(o) for o in outs]
+
+
+def _record(out) -> dict:
+    c = out.outputs[0]
+    return {
+        "tokens": list(c.token_ids),
+        "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs],
+    }
+
+
+def engine(base: str, out: str, port: int) -> None:
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from wbridge.integrations.vllm import EXTENSION, VLLMLoRAUpdater
+
+    store = f"tcp://127.0.0.1:{port}"
+    llm = LLM(
+        model=base,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+        max_cpu_loras=6,
+        worker_extension_cls=EXTENSION,
+    )
+    res: dict = {"vllm": vllm.__version__, "steps": []}
+    try:
+        res["internals"] = llm.collective_rpc("wbridge_lora_internals")
+        res["base"] = _outputs(llm, None)
+        _wait_file(os.path.join(out, "registered"))
+        # the adapters this engine cannot serve are refused at subscribe, naming the module
+        res["refused"] = {}
+        for ch in REFUSED:
+            try:
+                VLLMLoRAUpdater(llm, ch, store, token=TOKEN, timeout=30.0, transport="tcp")
+                res["refused"][ch] = "accepted"
+            except Exception as e:  # noqa: BLE001 - the message is what the test checks
+                res["refused"][ch] = f"{type(e).__name__}: {e}"
+        open(os.path.join(out, "want_1"), "w").close()
+        updaters = [VLLMLoRAUpdater(llm, ch, store, token=TOKEN, timeout=120.0, transport="tcp") for ch in CHANNELS]
+        res["reprs"] = [repr(u) for u in updaters]
+        llm.collective_rpc(_audit)
+        res["tmpdir_before"] = sorted(os.listdir(os.environ["TMPDIR"]))  # vLLM's own, from its start
+        for v in range(1, VERSIONS + 1):
+            if v > 1:
+                open(os.path.join(out, f"want_{v}"), "w").close()
+            _wait_file(os.path.join(out, f"published_{v}"))
+            step: dict = {"version": v, "mem": {}, "disk": {}, "tags": {}, "requests": {}}
+            for name, u in zip("ab", updaters):
+                u.update(min_version=v)
+                step["tags"][name] = [tag for tag, _ in u.generate([{"prompt_token_ids": PROMPTS[0]}],
+                                      SamplingParams(temperature=0.0, max_tokens=2, detokenize=False))]  # fmt: skip
+                req = u.lora_request
+                step["requests"][name] = [req.lora_name, req.lora_int_id, req.lora_path]
+                step["mem"][name] = _outputs(llm, req)
+            # the same versions loaded by vLLM from the trainer's PEFT checkpoints on disk
+            for i, name in enumerate("ab"):
+                disk = LoRARequest(f"disk-{name}-v{v}", 10 * v + i + 1, os.path.join(out, name, f"v{v}"))
+                step["disk"][name] = _outputs(llm, disk)
+            res["steps"].append(step)
+        res["writes"] = llm.collective_rpc(_writes)
+        res["tmpdir"] = sorted(os.listdir(os.environ["TMPDIR"]))
+        res["stats"] = {ch: u.stats() for ch, u in zip(CHANNELS, updaters)}
+        res["nbytes"] = {ch: u.adapter and _nbytes(u.adapter) for ch, u in zip(CHANNELS, updaters)}
+        for u in updaters:
+            u.close()
+        res["closed"] = [repr(u) for u in updaters]
+    finally:
+        open(os.path.join(out, "stop"), "w").close()
+        with open(os.path.join(out, "engine.json"), "w") as f:
+            json.dump(res, f)
+
+
+def _nbytes(meta: dict) -> int:
+    from wbridge.integrations.lora import LoRAAdapter
+
+    return LoRAAdapter.from_metadata(meta).nbytes
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "engine":
+        engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        raise SystemExit(f"unknown role {sys.argv[1]}")

@@ -1,0 +1,7 @@
+"""``python -m transports.bench``: the same as ``wbridge bench transport``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
