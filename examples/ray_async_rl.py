@@ -146,6 +146,7 @@ class Rollout:
         return {
             "restarted": self.restarted, "started": self.started, "first": self.first,
             "completions": self.completions, "version": self.rollout.version, "greedy": greedy(self.llm),
+            "verified": self.rollout.verify(),  # wbridge: the engine runs on that version, bit for bit
         }  # fmt: skip
 
     def close(self) -> None:
@@ -241,7 +242,8 @@ def run(args: argparse.Namespace, work: str) -> None:
         for i, res in enumerate(results):
             versions = sorted({v for v, _ in res["completions"]})
             print(f"rollout {i}: {len(res['completions'])} completions on versions {versions}, "
-                  f"restarted={res['restarted']}, now v{res['version']}, greedy {res['greedy']}")  # fmt: skip
+                  f"restarted={res['restarted']}, now v{res['version']} (verified: {res['verified']['ok']}), "
+                  f"greedy {res['greedy']}")  # fmt: skip
         print(f"trainers: published v1..v{last}, longest publish wait {max(p[2] for p in published):.2f}s")
         out = {"published": published, "rollouts": results, "last": last, "killed": killed, "evicted": evicted}
         if args.check:

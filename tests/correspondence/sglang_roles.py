@@ -131,7 +131,7 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
     long requests run, then records greedy tokens, checksums and the requests' version spans."""
     import torch
 
-    from wbridge.integrations.sglang import server_stats
+    from wbridge.integrations.sglang import server_stats, verify
 
     _wait_file(os.path.join(out, "store_up"), 120)
     eng = _engine(ckpt, port, name, "swap")
@@ -162,6 +162,9 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
         res["steps"][-1]["token_version"] = eng.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 1})[
             "meta_info"
         ]["weight_version"]
+        t0 = time.monotonic()
+        res["steps"][-1]["verify"] = verify(eng)  # what the engine runs on, against the checksums
+        res["steps"][-1]["verify_s"] = time.monotonic() - t0
         held = want
         torch.save(res, os.path.join(out, f"{name}.pt"))
         open(os.path.join(out, f"{name}_done_{want}"), "w").close()

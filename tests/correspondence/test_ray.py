@@ -91,6 +91,8 @@ def test_ray_async_rl_with_rollout_restart(tmp_path):
         assert versions and all(type(v) is int and 1 <= v <= last for v in versions), "a version on every completion"
         assert versions == sorted(versions), "a rollout's versions never go back"
         assert r["version"] == last
+        # VLLMRollout.verify(): the kernels hold that version, checked against the trainers' checksums
+        assert r["verified"]["ok"] and r["verified"]["version"] == last, r["verified"]
     # rollout 0 generated across updates, without stopping for them
     assert len({v for v, _ in r0["completions"]}) >= 3, sorted({v for v, _ in r0["completions"]})
     # rollout 1 was killed mid-update and Ray restarted it: it rejoined on the newest version

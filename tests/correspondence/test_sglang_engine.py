@@ -129,6 +129,13 @@ def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path):
         assert step["checksums"] == ref[v]["checksums"], v
         assert step["tokens"] == ref[v]["tokens"], v
         assert pull["bytes"] > 0 and pull["pause_s"] < pull["pull_s"] + 1.0
+        # per update: why (not) a delta, the transport, the commit's time
+        assert pull["delta_reason"] and pull["transport"] in ("local", "tcp") and pull["time"] >= pull["pull_end"], pull
+        # verify(): staging against the publishers' checksums, the live parameters against staging
+        ver = step["verify"]
+        print(f"v{v}: verify {ver['ok']} in {step['verify_s']:.3f}s")
+        assert ver["ok"] and ver["version"] == v and set(ver["tensors"].values()) == {"ok"}, ver
+        assert len(ver["tensors"]) == 17
     assert ref[1]["tokens"] != eng["before"] or ref[2]["tokens"] != eng["before"]
     assert eng["steps"][0]["checksums"] != eng["steps"][1]["checksums"]
     # the killed engine, restarted from its old checkpoint, is on the newest version
@@ -151,10 +158,11 @@ def _post(url, body):
 def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
     """The HTTP server started with the same keywords: it pulls what the trainer publishes, its
     /generate outputs carry the version, and /server_info reports the stats; with a delta
-    publisher (``Staging(delta=Delta())``, small optimizer steps) the second pull applies deltas."""
+    publisher (``Staging(delta=Delta())``, small optimizer steps) the second pull applies deltas.
+    ``verify(url)`` checks the server over HTTP."""
     import urllib.request
 
-    from wbridge.integrations.sglang.client import server_stats
+    from wbridge.integrations.sglang.client import server_stats, verify
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
@@ -190,6 +198,7 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
             assert time.monotonic() < deadline, server_stats(url)
             time.sleep(0.2)
         second = _post(url + "/generate", body)
+        verified = verify(url)
         stats = server_stats(url)
     finally:
         (out / "stop").touch()
@@ -205,6 +214,9 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
     first, last = st["history"]
     assert first["version"] == 1 and first["bytes"] == st["staging_bytes"] > 0 and first["delta"] is False
     assert st["version"] == last["version"] == 2 and st["delta"] is True and last["delta"] is True
+    assert st["delta_reason"] == "delta" and first["delta_reason"] != "delta" and st["transport"] in ("local", "tcp")
+    print(f"verify over HTTP: {verified['ok']}, version {verified['version']}")
+    assert verified["ok"] and verified["version"] == 2 and set(verified["tensors"].values()) == {"ok"}
     assert 0 <= st["pause_s"] < st["pull_s"] + 1.0
 
 

@@ -27,7 +27,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "vllm_async_rl.py")
 @pytest.mark.timeout(600)
 def test_vllm_async_rl_example(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    # 7 s steps: above the watcher's 5 s wait slice (wbridge.integrations.vllm.watch), so idle waits time out
+    # 7 s steps: above the watcher's 5 s wait slice (wbridge.integrations.follow), so idle waits time out
     cmd = [VLLM_PY, EXAMPLE, "--steps", "3", "--interval", "7", "--check", "--out", str(tmp_path)]
     with open(tmp_path / "log", "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -179,10 +179,21 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
     print(f"\nMoE tokens before {eng['before']} after {eng['after']} reference {ref['tokens']}")
     assert eng["after"] == ref["tokens"] and eng["after"] != eng["before"]
     print(f"errors through vLLM's API: {eng['errors']}; stats {eng['stats']}")
-    # vLLM passes on only the worker error's message (not its type).
-    assert "wbridge: start_weight_update before init_weight_transfer_engine" in eng["errors"]["start_before_init"]
-    assert "wbridge backend, rank 0: AuthError:" in eng["errors"]["wrong_token"], eng["errors"]
-    assert "wrong token" in eng["errors"]["wrong_token"], eng["errors"]
+    # vLLM passes on only the worker error's message: it carries the class and the rank, and
+    # wbridge.integrations.remote.untag rebuilds the error
+    from wbridge.errors import AuthError, UsageError
+    from wbridge.integrations.remote import untag
+
+    start = untag(Exception(eng["errors"]["start_before_init"]))
+    assert isinstance(start, UsageError), eng["errors"]
+    assert "wbridge: start_weight_update before init_weight_transfer_engine" in str(start)
+    wrong = untag(Exception(eng["errors"]["wrong_token"]))
+    assert isinstance(wrong, AuthError) and "vLLM worker rank 0" in str(wrong), eng["errors"]
+    assert "wrong token" in str(wrong), eng["errors"]
+    # an engine started without worker_extension_cls: the updater says what to write, at once
+    print(f"no extension: {ref['no_extension']} after {ref['no_extension_s']:.3f}s")
+    assert ref["no_extension"].startswith("UsageError:") and "worker_extension_cls=EXTENSION" in ref["no_extension"]
+    assert ref["no_extension_s"] < 1.0
     assert eng["held"] == eng["version"]
     assert eng["names"] == ["moe-rollout"], eng["names"]
     # a healthy init logs no "Failed to load weights" (the trace loads nothing on purpose); a reload

@@ -276,14 +276,14 @@ def http_trainer(ckpt: str, out: str, port: int, url: str) -> None:
     torch.save({"rounds": rounds}, os.path.join(out, "http_trainer.pt"))
 
 
-def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | None = None):
+def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | None = None, dtype: str = "float32"):
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     kw = dict(
         model=ckpt,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         max_model_len=128,
@@ -368,10 +368,20 @@ def reference(ckpt: str, out: str) -> None:
 
 
 def moe_reference(ckpt: str, out: str) -> None:
+    """A fresh engine's tokens; started without the worker extension, it also shows what an
+    updater says to such an engine (at once, before any RPC)."""
     import torch
 
+    from wbridge.integrations.vllm import VLLMUpdater
+
     llm = _llm(ckpt, extension=False, in_process=True)
-    torch.save({"tokens": _generate(llm)}, os.path.join(out, "moe_reference.pt"))
+    t0 = time.monotonic()
+    no_extension = _error(lambda: VLLMUpdater(llm, CHANNEL, "tcp://127.0.0.1:9", timeout=5.0))
+    no_extension_s = time.monotonic() - t0
+    torch.save(
+        {"tokens": _generate(llm), "no_extension": no_extension, "no_extension_s": no_extension_s},
+        os.path.join(out, "moe_reference.pt"),
+    )
 
 
 if __name__ == "__main__":

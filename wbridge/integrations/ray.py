@@ -204,9 +204,18 @@ class VLLMRollout(VLLMUpdater):
     - ``channel``: the ``Channel`` to subscribe to.
     - ``timeout``: seconds to wait for the first version and for each pull.
     - ``subscriber_options``: more ``Subscriber`` keywords (``lease_ttl``, ``transport``, ``cache_dir``...).
+
+    As a ``VLLMUpdater`` it follows a store that was lost and came back (the trainers registered
+    again), raises a deterministic error its workers met at the next ``generate``, and ``verify()``
+    checks what the engine runs on.
     """
 
     def __init__(self, llm: Any, channel: Channel, *, timeout: float = 60.0, **subscriber_options: Any) -> None:
+        from .. import _validate
+
+        if not isinstance(channel, Channel):
+            raise UsageError(f"VLLMRollout: channel must be a Channel (host_channel), got {channel!r:.80}")
+        timeout = _validate.timeout(timeout, "VLLMRollout timeout", positive=True)
         self.channel = channel
         subscriber_options.setdefault("host", node_address())
         own = actor_subscriber_name() if "name" not in subscriber_options and _ray().is_initialized() else None

@@ -10,12 +10,13 @@ Usage (offline engine; the HTTP server takes the same arguments in its ``ServerA
     out = engine.generate(input_ids=ids, sampling_params={...})
     out["meta_info"]["weight_version"]      # the wbridge version that produced it ("default" before)
     server_stats(engine)                    # per rank: version, bytes, delta, pull_s, pause_s, history
+    verify(engine)                          # {"version", "tensors", "ok"}: what the engine runs on
 
 Each scheduler process subscribes at start, right after loading its checkpoint; a background
 thread pulls every newly published version into staging while the engine keeps generating, and
 the scheduler commits it between two steps (``runtime``). A restarted engine joins again and
-pulls the newest version. See docs/sglang.md. ``server_stats`` and ``wait_version`` also work
-without SGLang installed, on an HTTP server's URL (a trainer host polling its rollouts).
+pulls the newest version. See docs/sglang.md. ``server_stats``, ``wait_version`` and ``verify``
+also work without SGLang installed, on an HTTP server's URL (a trainer host polling its rollouts).
 ``SGLangLoRAUpdater`` (``lora``) keeps a LoRA adapter channel's newest version loaded in an
 engine, from memory (docs/lora.md).
 """
@@ -25,11 +26,11 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import MissingExtraError, UsageError
-from .client import server_stats, wait_version
+from .client import server_stats, verify, wait_version
 from .lora import SGLangLoRAUpdater
 from .options import SGLangOptions
 
-__all__ = ["SGLangLoRAUpdater", "SGLangOptions", "engine_args", "server_stats", "wait_version"]
+__all__ = ["SGLangLoRAUpdater", "SGLangOptions", "engine_args", "server_stats", "verify", "wait_version"]
 
 
 def engine_args(options: SGLangOptions, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Usage (the offline ``sgl.Engine``, in the process that holds it)::
         engine.generate(input_ids=ids, lora_path=lora.lora_path, ...)        # the same, by hand
 
 A ``Subscriber`` in this process reads the adapter's config from the channel's metadata, allocates
-its tensors and pulls each newly committed version on a watcher thread (``vllm.watch.Watcher``,
+its tensors and pulls each newly committed version on a watcher thread (``wbridge.integrations.follow.Watcher``,
 the same one vLLM's workers run), into a copy of its own. ``update()`` (and so each ``generate``)
 installs a pulled version with SGLang's public ``Engine.load_lora_adapter_from_tensors`` under
 the name ``<name>@v<version>``: the scheduler loads it between two steps, from memory (SGLang
@@ -99,7 +99,7 @@ class SGLangLoRAUpdater:
         **subscriber_options: Any,
     ) -> None:
         from ...subscriber import Subscriber
-        from ..vllm.watch import Watcher
+        from ..follow import Watcher
 
         self.engine, self.channel, self.timeout, self.poll = engine, channel, timeout, poll
         self.name = name or channel
@@ -118,6 +118,7 @@ class SGLangLoRAUpdater:
             self.staging = self.adapter.allocate()
             self.sub.register(self.adapter.entries(self.staging))
             self.watcher = Watcher(self.sub.wait_version, self._floor, self._pull, give_up_s=timeout)
+            self.watcher.start()
             self.update(wait=True, min_version=1)
         except BaseException:
             self.close()
@@ -132,8 +133,9 @@ class SGLangLoRAUpdater:
         with self._lock:
             return max(self.version or 0, self._staged[0] if self._staged else 0)
 
-    def _pull(self, want: int) -> None:
-        """On the watcher's thread: pulls ``want`` or newer into a copy of its own."""
+    def _pull(self, want: int) -> bool:
+        """On the watcher's thread: pulls ``want`` or newer into a copy of its own; a failure goes
+        to the watcher (retried after its backoff, or it stops on a deterministic one)."""
         try:
             t0 = time.perf_counter()
             v = self.sub.pull(min_version=want, timeout=self.timeout)
@@ -143,10 +145,12 @@ class SGLangLoRAUpdater:
             stats["pull_s"] = time.perf_counter() - t0
             with self._lock:
                 self._staged, self.error = (v, tensors, stats), None
+            self.watcher.succeeded()
         except Exception as e:  # noqa: BLE001 - reported by update(); pulled again
             self.error = f"{type(e).__name__}: {e}"
             log.warning("wbridge SGLang LoRA channel %r: the pull failed: %s", self.channel, self.error)
-            time.sleep(0.5)
+            self.watcher.failed(e)
+        return True
 
     def update(self, wait: bool = False, min_version: int | None = None) -> int | None:
         """Installs a pulled version and returns the installed one; ``wait=True`` waits for a pull

@@ -23,6 +23,13 @@ scheduler process (each tensor-parallel rank has its own):
    staging for the next pull.
 5. Stats go into the scheduler's internal state (``get_server_info()["internal_states"]``, HTTP
    ``/server_info``) under ``"wbridge"``.
+6. ``verify`` (the scheduler's ``wbridge_verify``, called through ``Engine.collective_rpc`` or the
+   HTTP ``/set_internal_state`` route, ``client.verify``) checks staging against the publishers'
+   checksums and the live parameters against staging; its result goes into the stats.
+
+The puller thread is a ``wbridge.integrations.follow.Watcher``: a deterministic error (a dtype
+the trainer does not publish, a wrong token) stops it, logged once and reported in the stats
+(``error``, ``error_type``, ``stopped``); transient ones are retried with backoff (``retries``).
 
 On this CPU (no AMX) SGLang computes with the parameters as loaded, so the copy reaches the
 kernels. Layers whose weights SGLang repacks after loading (``use_intel_amx_backend`` on CPU) are
@@ -37,7 +44,9 @@ import threading
 import time
 from typing import Any
 
-from ...errors import LayoutError, WaitTimeout, WBridgeError
+from ...errors import LayoutError, UsageError, WaitTimeout, WBridgeError
+from ..follow import Watcher
+from ..remote import describe, tag
 from ..trace import TraceResult, trace_load_weights, traced
 from .options import SGLangOptions
 
@@ -46,6 +55,10 @@ log = logging.getLogger("wbridge.sglang")
 #: Where the hooks go (SGLang's ``HookRegistry`` dotted targets).
 STEP_HOOK = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
 STATE_HOOK = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
+SET_STATE_HOOK = "sglang.srt.managers.scheduler.Scheduler.set_internal_state"
+#: The key of ``/set_internal_state``'s ``server_args`` that asks for a verification (its value:
+#: the timeout in seconds), and the scheduler method ``Engine.collective_rpc`` calls for it.
+VERIFY = "wbridge_verify"
 
 _RUNTIMES: list[Runtime] = []
 _hooks_lock = threading.Lock()
@@ -137,7 +150,8 @@ class Runtime:
         self.version: int | None = None  # what the live parameters hold
         self.staged: int | None = None  # a complete version in staging, not committed yet
         self.pulling: int | None = None  # the version a pull in flight waits for or reads
-        self.error: str | None = None  # the last failed pull
+        self.error: dict[str, Any] | None = None  # the last failed pull (``remote.describe``)
+        self.verified: dict[str, Any] | None = None  # the last ``verify`` (its result or error)
         self.history: list[dict[str, Any]] = []
         self._flush_pending = False
         # "free": staging may be pulled into; "staged": it holds ``staged``; "swapped": the
@@ -146,26 +160,26 @@ class Runtime:
         self._lock = threading.Lock()  # held by a pull writing staging and by a commit reading it
         self._phase_changed = threading.Condition(self._lock)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._follow, name=f"wbridge-sglang-{rank}", daemon=True)
-        self._thread.start()
+        self._failures = 0  # failed pulls since the last commit
+        self._watcher = Watcher(
+            self.sub.wait_version,
+            self._floor,
+            self._pull,
+            give_up_s=options.pull_timeout,
+            slice_s=1.0,
+            name=f"wbridge-sglang-{rank}",
+        )
+        self._watcher.start()
 
     # -- the puller thread -------------------------------------------------------------------
-    def _follow(self) -> None:
-        while not self._closed.is_set():
-            with self._lock:
-                self._copy_back()
-            try:
-                newest = self.sub.wait_version(after=max(self.staged or 0, self.version or 0), timeout=1.0)
-            except WaitTimeout:
-                continue
-            except WBridgeError as e:
-                if self._closed.is_set():
-                    return
-                self._failed(e)
-                continue
-            self._pull(newest)
+    def _floor(self) -> int:
+        """For the watcher: the version it pulls only above (an uncommitted version may be
+        overwritten by a newer one). First, ``swap``: staging copied back after a commit."""
+        with self._lock:
+            self._copy_back()
+        return max(self.staged or 0, self.version or 0)
 
-    def _pull(self, want: int) -> None:
+    def _pull(self, want: int) -> bool:
         with self._lock:
             # an uncommitted version may be overwritten by a newer one; staging the parameters
             # point at (swap) may not
@@ -173,7 +187,7 @@ class Runtime:
                 self._copy_back()
                 self._phase_changed.wait(0.5)
             if self._closed.is_set():
-                return
+                return True
             self.pulling, self.staged, self._phase = want, None, "free"  # staging is about to change
             t0 = time.time()
             try:
@@ -182,7 +196,8 @@ class Runtime:
                 self.pulling = None
                 if not self._closed.is_set():
                     self._failed(e)
-                return
+                return True
+            self._watcher.succeeded()
             last = self.sub.stats.last
             self.history.append(
                 {
@@ -192,12 +207,17 @@ class Runtime:
                     "pull_s": last.seconds if last else time.time() - t0,
                     "bytes": last.nbytes if last else 0,
                     "delta": bool(last and last.delta),
+                    "delta_reason": last.delta_reason if last else "",
+                    "transport": ",".join(sorted({name for name, _ in self.sub.stats.transports.values()})),
+                    "retries": self._failures,
                     "pause_s": None,
                     "committed_at": None,
+                    "time": None,
                 }
             )
             del self.history[:-64]
             self.staged, self.pulling, self._phase = v, None, "staged"
+        return True
 
     def _copy_back(self) -> None:
         """``swap``: after a commit pointed the parameters at staging, copies staging into their
@@ -210,9 +230,10 @@ class Runtime:
             self._phase = "copied"
 
     def _failed(self, e: BaseException) -> None:
-        self.error = f"{type(e).__name__}: {e}"
-        log.warning("wbridge SGLang rank %d: pull failed: %s", self.rank, self.error)
-        self._closed.wait(0.5)
+        """A pull failed: the watcher retries it after its backoff, or stops on it (then logged once)."""
+        self._failures += 1
+        self.error = describe(e, f"SGLang rank {self.rank}")
+        self._watcher.failed(e)
 
     # -- the scheduler thread ----------------------------------------------------------------
     def between_steps(self, scheduler: Any) -> None:
@@ -242,12 +263,13 @@ class Runtime:
             with torch.no_grad():
                 torch._foreach_copy_(self._live, self._staged)
             self._phase = "free"
-        self.version, self.staged = v, None
+        self.version, self.staged, self._failures = v, None, 0
         scheduler.record_weight_version_change(new_version=str(v))
         pause = time.perf_counter() - t0
         rec = next((h for h in reversed(self.history) if h["version"] == v), None)
         if rec is not None:
             rec["pause_s"], rec["committed_at"] = pause, time.time()
+            rec["time"] = rec["committed_at"]
         self._flush_pending = self.options.flush_cache
         self._phase_changed.notify_all()
 
@@ -256,8 +278,13 @@ class Runtime:
             p.data = t
 
     def stats(self) -> dict[str, Any]:
-        """JSON-safe: the held version, bytes, delta and pause of the last update, and history."""
+        """JSON-safe: the held version; of the last update its bytes, delta and why
+        (``delta_reason``), transport, commit time (``time``), pull and pause; the follower's
+        state (``error`` and ``error_type`` of the last failed pull, ``stopped``: it follows no
+        more, ``retries``); the last verification (``verify``); and the history of pulls."""
         last = next((h for h in reversed(self.history) if h["version"] == self.version), None)
+        stopped = self._watcher.error
+        err = describe(stopped, f"SGLang rank {self.rank}") if stopped is not None else self.error
         return {
             "rank": self.rank,
             "version": self.version,
@@ -265,23 +292,61 @@ class Runtime:
             "pulling": self.pulling,
             "bytes": last["bytes"] if last else 0,
             "delta": last["delta"] if last else False,
+            "delta_reason": last["delta_reason"] if last else "",
+            "transport": last["transport"] if last else "",
+            "time": last["time"] if last else None,
             "pull_s": last["pull_s"] if last else None,
             "pause_s": last["pause_s"] if last else None,
             "staging_bytes": self.nbytes,
             "subscribe_s": self.subscribe_s,
-            "error": self.error,
+            "error": None if err is None else err["message"],
+            "error_type": None if err is None else err["type"],
+            "stopped": stopped is not None,
+            "retries": self._watcher.retries,
+            "verify": self.verified,
             "history": [dict(h) for h in self.history],
         }
+
+    def verify(self, timeout: float) -> dict[str, Any]:
+        """Checks what the engine runs on (on the scheduler thread, between steps): staging
+        against the publishers' checksums of the version it holds (``Subscriber.verify``), then
+        every live parameter against staging, byte for byte (cast to the parameter's dtype, as the
+        commit casts). Waits at most ``timeout`` for a pull in flight (the scheduler waits too).
+        Returns and keeps (``stats()["verify"]``) ``{"version", "staged", "tensors", "ok"}``."""
+        import torch
+
+        if not self._lock.acquire(timeout=timeout):
+            raise WaitTimeout(f"wbridge SGLang rank {self.rank}: verify: a pull ran past {timeout:.1f}s")
+        try:
+            staged = None if self.sub.version is None else self.sub.verify(timeout=timeout)
+            tensors: dict[str, str] = {}
+            with torch.no_grad():
+                for name, live, stage in zip(self.staging, self._params, self._staged):
+                    same = torch.equal(
+                        live.data.contiguous().view(-1).view(torch.uint8),
+                        stage.to(live.dtype).contiguous().view(-1).view(torch.uint8),
+                    )
+                    tensors[name] = "ok" if same else "differs from staging"
+        finally:
+            self._lock.release()
+        if staged is None or staged != self.version:
+            held = "no known version" if self.version is None else f"version {self.version}"
+            why = f"staging holds version {staged}, the parameters {held}"
+            tensors = {k: f"{v} ({why})" for k, v in tensors.items()}
+        ok = staged is not None and staged == self.version and all(v == "ok" for v in tensors.values())
+        self.verified = {"version": self.version, "staged": staged, "tensors": tensors, "ok": ok, "at": time.time()}
+        return self.verified
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._watcher.close(timeout=0.0)
         try:
             self.sub.close()
         except WBridgeError as e:  # the publishers (and their store) may be gone already
             log.warning("wbridge SGLang rank %d: closing the subscriber: %s", self.rank, e)
-        self._thread.join(5.0)
+        self._watcher.close(timeout=5.0)
 
 
 # -- SGLang hooks ------------------------------------------------------------------------------
@@ -296,10 +361,49 @@ def _after_state(result: Any, *args: Any, **kwargs: Any) -> None:
         state["wbridge"] = [rt.stats() for rt in _RUNTIMES]
 
 
+def _verify_all(timeout: Any) -> None:
+    """Every runtime of this process verifies (``Runtime.verify``); a wbridge error is tagged for
+    the caller's side (``remote.untag``)."""
+    from ... import _validate
+
+    try:
+        timeout = _validate.timeout(timeout, "wbridge SGLang verify timeout", positive=True)
+        if not _RUNTIMES:
+            raise UsageError("this SGLang engine has no wbridge subscription (not started with engine_args?)")
+        for rt in _RUNTIMES:
+            rt.verify(timeout)
+    except WBridgeError as e:
+        raise tag(e, "SGLang scheduler") from e
+
+
+def _scheduler_verify(scheduler: Any, timeout: float = 60.0) -> None:
+    """``Scheduler.wbridge_verify``: what ``Engine.collective_rpc("wbridge_verify")`` calls."""
+    _verify_all(timeout)
+
+
+def _around_set_state(original: Any, scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """``/set_internal_state`` with ``{"server_args": {"wbridge_verify": timeout}}`` verifies
+    (the HTTP server has no RPC route); other keys go to SGLang."""
+    requested = getattr(recv_req, "server_args", None)
+    if not isinstance(requested, dict) or VERIFY not in requested:
+        return original(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    try:
+        _verify_all(requested[VERIFY])
+    except WBridgeError as e:
+        log.warning("wbridge SGLang: verify: %s", e)
+        for rt in _RUNTIMES:
+            rt.verified = {"error": describe(e, "SGLang scheduler"), "at": time.time()}
+        return SetInternalStateReqOutput(updated=False)
+    return SetInternalStateReqOutput(updated=all(rt.verified["ok"] for rt in _RUNTIMES))
+
+
 def start(model: Any, model_config: Any, options: SGLangOptions, rank: int, tp_size: int) -> Runtime:
     """Starts the runtime of this scheduler process and hooks it into SGLang's scheduler
     (``HookRegistry``: after ``ingest_requests`` and ``get_internal_state``; once per process)."""
     global _hooks_installed
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
 
     rt = Runtime(model, model_config, options, rank, tp_size)
@@ -308,7 +412,10 @@ def start(model: Any, model_config: Any, options: SGLangOptions, rank: int, tp_s
             source = HookSource("wbridge", "wbridge")
             HookRegistry.register(STEP_HOOK, _after_ingest, HookType.AFTER, source=source)
             HookRegistry.register(STATE_HOOK, _after_state, HookType.AFTER, source=source)
+            HookRegistry.register(SET_STATE_HOOK, _around_set_state, HookType.AROUND, source=source)
             HookRegistry.apply_hooks()
+            # a method of wbridge's own for Engine.collective_rpc (which calls scheduler methods by name)
+            setattr(Scheduler, VERIFY, _scheduler_verify)
             _hooks_installed = True
         _RUNTIMES.append(rt)
     return rt

@@ -3,7 +3,7 @@
 - ``worker``: ``WBridgeWorkerExtension``, mixed into vLLM's workers (``worker_extension_cls``).
 - ``updater``: ``VLLMUpdater`` and ``AsyncVLLMUpdater`` keep a ``vllm.LLM`` / ``AsyncLLM`` on the newest
   version in the background.
-- ``watch``: the workers' channel watcher, which starts each background pull.
+- ``state``: what one worker holds for its subscription (``WorkerState``).
 - ``commit``: how a pulled version reaches the kernels, with the engine paused only for the commit.
 - ``transfer``: the ``"wbridge"`` weight-transfer backend (``WeightTransferConfig(backend="wbridge")``).
 - ``trainer``: the trainer side of vLLM's weight-transfer API for that backend.
@@ -21,9 +21,7 @@ from typing import Any
 
 from .lora_updater import AsyncVLLMLoRAUpdater, VLLMLoRAUpdater
 from .updater import AsyncVLLMUpdater, VLLMUpdater
-from .worker import DEFAULT_CACHE, WBridgeWorkerExtension, hf_checkpoint_shapes, portable_to_tensor
-
-EXTENSION = "wbridge.integrations.vllm.WBridgeWorkerExtension"
+from .worker import DEFAULT_CACHE, EXTENSION, WBridgeWorkerExtension, hf_checkpoint_shapes, portable_to_tensor
 
 _LAZY = {
     "WBridgeInitInfo": "transfer",

@@ -135,26 +135,89 @@ def allocate_staging(model: Any, plan: CommitPlan, shapes: Mapping[str, tuple[in
     return staging
 
 
-def prepare(model: Any, plan: CommitPlan, staging: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``repack`` layers' new kernels, built from staging off the engine's critical path
-    (nothing live is touched): ``{module name: cpu_linear}``."""
+def prepare(
+    model: Any, plan: CommitPlan, staging: Mapping[str, Any], only: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The ``repack`` layers' new kernels (``only`` those named), built from staging off the
+    engine's critical path (nothing live is touched): ``{module name: cpu_linear}``."""
     import torch
 
     out: dict[str, Any] = {}
     with torch.no_grad():
         members = _by_module(staging)
-        for mod_name in plan.repack:
+        for mod_name in plan.repack if only is None else only:
             mod = model.get_submodule(mod_name)
             shadow = torch.nn.Module()
             for attr, t in members[mod_name].items():
                 # SGL's prepack may convert the bias in place (``.data = ...``): the stand-in's own
                 # Parameter takes it, not the staging tensor
                 shadow.register_parameter(attr, torch.nn.Parameter(t, requires_grad=False))
-            if hasattr(mod, "_cpu_skip_gemm_dispatch"):
-                shadow._cpu_skip_gemm_dispatch = mod._cpu_skip_gemm_dispatch
+            # MLA's kv_b_proj: vLLM marks the layers it leaves unpacked (no public accessor)
+            skip = getattr(mod, "_cpu_skip_gemm_dispatch", None)
+            if skip is not None:
+                shadow._cpu_skip_gemm_dispatch = skip
             mod.quant_method.process_weights_after_loading(shadow)
             out[mod_name] = shadow.cpu_linear
     return out
+
+
+#: How ``check`` marks a tensor whose kernel it cannot compare (its staging was checked only).
+UNCHECKED = "unchecked"
+PROBE_ROWS = 256  # rows of the identity probe run through a kernel at a time
+
+
+def check(model: Any, plan: CommitPlan, staging: Mapping[str, Any]) -> dict[str, str]:
+    """Whether the live model runs on ``staging``, per staged tensor: ``"ok"``, or why not.
+
+    ``direct`` parameters: byte for byte (cast to the live dtype where vLLM's processing changed
+    it, e.g. a bias the CPU kernel reads in fp32). ``repack`` layers: a kernel built from staging
+    by ``prepare`` (the commit's own path) and the live kernel are run on an identity probe (each
+    output row is one row of the weight, exactly) and must agree bit for bit. ``reload`` layers:
+    vLLM processed them its own way; they are marked ``UNCHECKED`` (their staging is what the
+    caller checks against the publishers' checksums)."""
+    import torch
+
+    out: dict[str, str] = {}
+    with torch.no_grad():
+        for name in plan.direct:
+            mod_name, attr = _split(name)
+            live = getattr(model.get_submodule(mod_name), attr).data
+            out[name] = "ok" if _same_bytes(live, staging[name].to(live.dtype)) else "differs from staging"
+        members = _by_module(staging)
+        for mod_name in plan.repack:
+            fresh = prepare(model, plan, staging, only=(mod_name,))[mod_name]
+            same = _same_kernel(model.get_submodule(mod_name), fresh, members[mod_name]["weight"])
+            for attr in members[mod_name]:
+                if f"{mod_name}.{attr}" not in plan.direct:  # (a kept bias was compared above)
+                    out[f"{mod_name}.{attr}"] = "ok" if same else "kernel differs from one built from staging"
+        for mod_name in plan.reload:
+            for attr in members[mod_name]:
+                out[f"{mod_name}.{attr}"] = f"{UNCHECKED}: reloaded through vLLM's own processing (staging checked)"
+    return out
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def _same_kernel(layer: Any, fresh: Any, weight: Any) -> bool:
+    """Whether ``layer``'s live kernel and ``fresh`` (built from the staged ``weight``) give the
+    same bytes on each row of the identity of the weight's input width. (A packed kernel ignores
+    the weight it is passed; a plain one reads the parameter.)"""
+    import torch
+
+    k = weight.shape[1]
+    for start in range(0, k, PROBE_ROWS):
+        rows = min(PROBE_ROWS, k - start)
+        x = torch.zeros(rows, k, dtype=weight.dtype)
+        x[torch.arange(rows), torch.arange(start, start + rows)] = 1
+        if not _same_bytes(layer.cpu_linear(x, layer.weight, None), fresh(x, weight, None)):
+            return False
+    return True
 
 
 def commit(
@@ -207,6 +270,14 @@ class _NothingLoaded(logging.Filter):
 _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
+def _original_loader(loader: Any) -> Any:
+    """``loader`` without vLLM's layerwise wrappers (``online_process_loader``, which
+    ``functools.wraps`` its original: ``__wrapped__``)."""
+    import inspect
+
+    return inspect.unwrap(loader, stop=lambda f: getattr(f, "__name__", "") != "online_process_loader")
+
+
 class Reload:
     """vLLM's layerwise reload of ``model`` (a model or one of its modules); inside it every layer
     holds its checkpoint-format parameters (restored on the meta device) and processing runs when
@@ -229,30 +300,22 @@ class Reload:
 
     def unwrapped(self) -> None:
         """Puts the original weight loaders back (for tracing, which must not trigger processing)."""
-        from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader
-
         for p in self.model.parameters():
             if hasattr(p, "weight_loader"):
-                p.weight_loader = _get_original_loader(p)
+                p.weight_loader = _original_loader(p.weight_loader)
 
     def copy_loaders(self) -> None:
         """Makes every parameter load a checkpoint-format tensor by plain copy, still deferred
         through vLLM's layerwise wrappers (so processing runs once a layer is complete)."""
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            _get_original_loader,
-            _wrap_parameters_weight_loader,
-        )
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
         from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
         from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
         for layer in self.model.modules():
-            tensors = get_layer_tensors(layer)
-            for name, t in tensors.items():
-                if name in SKIP_LOAD_TENSORS:
-                    continue
-                _get_original_loader(t)  # raises early on an odd loader chain
-                t.weight_loader = _copy_loader
-            _wrap_parameters_weight_loader(layer)
+            for name, t in get_layer_tensors(layer).items():
+                if name not in SKIP_LOAD_TENSORS:
+                    t.weight_loader = _copy_loader
+            initialize_online_processing(layer)  # wraps them again (and counts what the layer loads)
 
     def __exit__(self, *exc: Any) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

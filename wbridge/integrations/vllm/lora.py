@@ -3,7 +3,7 @@ installs it between two engine steps, from memory (no file on either side).
 
 Each adapter channel (``wbridge.integrations.lora``) a worker subscribes to gets two LoRA ids in
 the engine and a ``_Channel``: a ``Subscriber`` whose destination is the adapter's A/B tensors
-(allocated from the channel's metadata), and a watcher thread (``watch.Watcher``) that pulls each
+(allocated from the channel's metadata), and a watcher thread (``wbridge.integrations.follow.Watcher``) that pulls each
 newly committed version and builds vLLM's adapter object from the pulled tensors
 (``lora_internals.build``) while the engine generates. ``wbridge_lora_install`` (an engine RPC:
 it runs between two steps) puts the staged adapter under the id the newest version does not hold,
@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from ...errors import UsageError, WBridgeError
+from ..follow import Watcher
 from ..lora import LoRAAdapter
 from . import lora_internals as vl
-from .watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class _Channel:
         self.staging: dict[str, Any] = {}
         self._join(LoRAAdapter.from_metadata(subscriber.metadata(timeout), channel))
         self.watcher = Watcher(subscriber.wait_version, self._floor, self._pull, give_up_s=timeout)
+        self.watcher.start()
 
     def _join(self, adapter: LoRAAdapter) -> None:
         """Checks ``adapter`` against the engine and (re)registers its tensors as the destination."""
@@ -83,8 +84,9 @@ class _Channel:
         held = self.installed[1] if self.installed else self.ids[1]
         return self.ids[0] if held == self.ids[1] else self.ids[1]
 
-    def _pull(self, want: int) -> None:
-        """On the watcher's thread: pulls ``want`` or newer and builds its adapter."""
+    def _pull(self, want: int) -> bool:
+        """On the watcher's thread: pulls ``want`` or newer and builds its adapter; a failure goes
+        to the watcher (retried after its backoff, or it stops on a deterministic one)."""
         self.pulling = want
         try:
             adapter = LoRAAdapter.from_metadata(self.sub.metadata(self.timeout), self.channel)
@@ -105,12 +107,14 @@ class _Channel:
             }
             with self.lock:
                 self.staged, self._pending, self.error = (v, lora), stats, None
+            self.watcher.succeeded()
         except Exception as e:  # noqa: BLE001 - reported through wbridge_lora_staged; pulled again later
             self.error = f"{type(e).__name__}: {e}"
             log.warning("wbridge LoRA channel %r: the pull failed: %s", self.channel, self.error)
-            time.sleep(0.5)
+            self.watcher.failed(e)
         finally:
             self.pulling = None
+        return True
 
     def state(self) -> dict[str, Any]:
         with self.lock:

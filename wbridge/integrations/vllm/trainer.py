@@ -121,18 +121,25 @@ class WBridgeTrainerEngine(TrainerWeightTransferEngine[WBridgeTrainerInitInfo]):
         return f"WBridgeTrainerEngine({role}, channel={pub.channel!r}, version={self.version})"
 
 
+_REGISTERED: set[tuple[str, str]] = set()  # (factory, class) pairs this process registered
+
+
 def register_once(factory: Any, cls: type) -> None:
     """Registers ``cls`` as ``"wbridge"`` in one of vLLM's weight-transfer factories; idempotent,
-    and a ``UsageError`` if the name is taken by another class."""
-    registry = factory._registry  # the factories have no lookup by name
-    if BACKEND not in registry:
-        factory.register_engine(BACKEND, cls.__module__, cls.__name__)
+    and a ``UsageError`` if the name is taken by someone else. Through the factories' public
+    ``register_engine`` only (they offer no lookup by name: their registry is private): this
+    process remembers what it registered."""
+    key = (factory.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+    if key in _REGISTERED:
         return
-    existing = registry[BACKEND]()
-    if existing is not cls:
+    try:
+        factory.register_engine(BACKEND, cls.__module__, cls.__name__)
+    except ValueError as e:  # "... 'wbridge' is already registered": not by this process's wbridge
         raise UsageError(
-            f"vLLM's {factory.__name__} already maps {BACKEND!r} to {existing.__module__}.{existing.__qualname__}"
-        )
+            f"vLLM's {factory.__name__} has {BACKEND!r} registered already, not by wbridge.integrations.vllm "
+            f"in this process ({e}): another package took the name"
+        ) from e
+    _REGISTERED.add(key)
 
 
 def register_trainer() -> None:

@@ -46,7 +46,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ... import _validate
 from ...errors import StaleVersionError, UsageError, WBridgeError
+from ..remote import tag
+from .state import Fetched
 from .worker import DEFAULT_CACHE, WBridgeWorkerExtension
 
 BACKEND = "wbridge"
@@ -77,6 +80,8 @@ class WBridgeInitInfo(WeightTransferInitInfo):
                 raise UsageError(f"wbridge init_info: {name} must be a non-empty string, got {v!r}")
         if self.token is not None and not isinstance(self.token, str):
             raise UsageError(f"wbridge init_info: token must be a string or None, got {type(self.token).__name__}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, str):
+            raise UsageError(f"wbridge init_info: cache_dir must be a directory path or None, got {self.cache_dir!r}")
         opts = self.subscriber_options or {}
         if not isinstance(opts, dict) or set(opts) - SUBSCRIBER_OPTIONS:
             raise UsageError(f"wbridge init_info: subscriber_options takes {sorted(SUBSCRIBER_OPTIONS)}, got {opts!r}")
@@ -99,8 +104,8 @@ class WBridgeUpdateInfo(WeightTransferUpdateInfo):
             v = getattr(self, name)
             if v is not None and (type(v) is not int or v < 1):
                 raise UsageError(f"wbridge update_info: {name} must be a positive int, got {v!r}")
-        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise UsageError(f"wbridge update_info: timeout must be a positive number, got {self.timeout!r}")
+        self.timeout = _validate.timeout(self.timeout, "wbridge update_info: timeout", positive=True)
+        _validate.boolean(self.background, "wbridge update_info: background")
 
 
 @dataclass(frozen=True)
@@ -131,9 +136,8 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._wbridge_sub = None
-        self._wbridge_bg = None
-        self._wbridge_pending: tuple[int, float, float] | _InFlight | None = None
+        self._wbridge = None
+        self._wbridge_pending: Fetched | _InFlight | None = None  # fetched, not committed yet
 
     # The extension's accessors, answered from what vLLM hands the engine.
     def _wbridge_model(self) -> Any:
@@ -147,14 +151,12 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
 
     @contextlib.contextmanager
     def _named(self) -> Iterator[None]:
-        """vLLM hands the user only the message of a worker's error (not its type): say whose."""
+        """vLLM hands the user only the message of a worker's error (not its type): it carries
+        its class and whose it is (``wbridge.integrations.remote.untag`` rebuilds it)."""
         try:
             yield
         except WBridgeError as e:
-            if str(e).startswith("wbridge"):
-                raise
-            # the class name goes into the text too: vLLM's RPC keeps only the message
-            raise type(e)(f"wbridge backend, rank {self._wbridge_rank()}: {type(e).__name__}: {e}") from e
+            raise tag(e, f"wbridge backend, vLLM worker rank {self._wbridge_rank()}") from e
 
     def init_transfer_engine(self, init_info: WBridgeInitInfo) -> None:
         with self._named():
@@ -168,8 +170,9 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
             )
 
     def start_weight_update(self) -> None:
-        if self._wbridge_sub is None:
-            raise UsageError("wbridge: start_weight_update before init_weight_transfer_engine")
+        with self._named():
+            if self._wbridge is None:
+                raise UsageError("wbridge: start_weight_update before init_weight_transfer_engine")
         self._wbridge_pending = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -188,9 +191,9 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
                 self.wbridge_pull_start(update_info.timeout, want or update_info.min_version)
                 self._wbridge_pending = _InFlight(want, update_info.timeout)
                 return
-            pending = self._wbridge_fetch(update_info.timeout, want or update_info.min_version)
-            _check_exact(want, pending[0])
-            self._wbridge_pending = pending
+            fetched = self._wbridge_fetch(update_info.timeout, want or update_info.min_version)
+            _check_exact(want, fetched.version)
+            self._wbridge_pending = fetched
 
     def finish_weight_update(self) -> None:
         pending, self._wbridge_pending = self._wbridge_pending, None
@@ -198,28 +201,29 @@ class WBridgeWeightTransferEngine(WeightTransferEngine[WBridgeInitInfo, WBridgeU
             return
         with self._named():
             if isinstance(pending, _InFlight):
-                bg = self._wbridge_bg
+                state = self._wbridge_state("finish_weight_update")
+                bg = state.background
                 bg.thread.join(pending.timeout)
-                if bg.result is not None and pending.version not in (None, bg.result[0]):
-                    self._wbridge_bg = None  # dropped: staging holds a version nobody asked for
-                    _check_exact(pending.version, bg.result[0])
+                if bg.result is not None and pending.version not in (None, bg.result.version):
+                    state.background = None  # dropped: staging holds a version nobody asked for
+                    _check_exact(pending.version, bg.result.version)
                 self.wbridge_commit(timeout=0.0)
             else:
-                self._wbridge_commit(*pending)
+                self._wbridge_commit(pending)
 
     def shutdown(self) -> None:
         self._wbridge_pending = None
-        bg, self._wbridge_bg = getattr(self, "_wbridge_bg", None), None
-        if bg is not None:
-            bg.thread.join(5.0)  # a pull in flight ends within its own timeout; closing cuts it
+        state = self._wbridge
+        if state is not None and state.background is not None:
+            state.background.thread.join(5.0)  # a pull in flight ends within its own timeout; closing cuts it
         self.wbridge_close()
 
     def __repr__(self) -> str:
-        sub = self._wbridge_sub
-        state = "closed" if sub is None else f"subscribed {sub!r}"
+        state = self._wbridge
+        subscribed = "closed" if state is None else f"subscribed {state.sub!r}"
         p = self._wbridge_pending
-        pending = "" if p is None else f", pending v{p.version if isinstance(p, _InFlight) else p[0]}"
-        return f"WBridgeWeightTransferEngine(rank={self._wbridge_rank()}, {state}{pending})"
+        pending = "" if p is None else f", pending v{p.version}"
+        return f"WBridgeWeightTransferEngine(rank={self._wbridge_rank()}, {subscribed}{pending})"
 
 
 def register() -> None:

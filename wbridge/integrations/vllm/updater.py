@@ -38,7 +38,10 @@ from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import _validate
 from ...errors import UsageError, WaitTimeout, WBridgeError
+from ..remote import merge_verified, rebuild, untag
+from .worker import EXTENSION, WBridgeWorkerExtension, check_subscriber_options
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +113,23 @@ class _Updater:
         poll: float = 0.05,
         **subscriber_options: Any,
     ) -> None:
+        who = type(self).__name__
+        for name, value in (("channel", channel), ("store", store)):
+            if not isinstance(value, str) or not value:
+                raise UsageError(f"{who}: {name} must be a non-empty string, got {value!r:.80}")
+        if token is not None and not isinstance(token, (str, bytes)):
+            raise UsageError(f"{who}: token must be a string or None, got {type(token).__name__}")
+        timeout = _validate.timeout(timeout, f"{who} timeout", positive=True)
+        poll = _validate.timeout(poll, f"{who} poll", positive=True)
+        options = check_subscriber_options(channel, store, token, subscriber_options, who, also=("cache_dir",))
+        # the workers' store connection waits no longer than the updater (the default is longer)
+        options.setdefault("connect_timeout", timeout)
+        _check_extension(engine, who)
         self.engine, self.channel, self.timeout, self.poll = engine, channel, timeout, poll
         self.version: int | None = None  # what the kernels hold
         self.state = "new"  # as last seen: idle, pulling vN, staged vN, failed..., closed
-        self._subscription = (channel, store, {"token": token, **subscriber_options})
+        self.error: BaseException | None = None  # what stopped the updates, raised by every later call
+        self._subscription = (channel, store, {"token": token, **options})
         self._pauses: dict[int, float] = {}  # version -> seconds the engine was paused to commit it
         self._failing_since: float | None = None  # pulls have failed since, with no commit after
         self._closed = False
@@ -132,11 +148,18 @@ class _Updater:
 
     def _update_flow(self, wait: bool, min_version: int | None) -> _Flow:
         """Commits a staged pull; waits for one in flight (``wait``) or until the kernels hold at
-        least ``min_version``; returns the kernels' version."""
+        least ``min_version``; returns the kernels' version. A worker whose watcher stopped
+        (a deterministic error, or failures for ``timeout``) makes it raise that error, now and
+        at every later call."""
         deadline = time.monotonic() + self.timeout
         while True:
             states = yield _Op("rpc", "wbridge_staged")
             kinds = {s["state"] for s in states}
+            stopped = [s for s in states if s["state"] == "failed" and not s["retry"]]
+            if stopped:
+                self.state = f"failed: {stopped[0]['error']}"
+                self.error = _worker_error(stopped[0], self.channel)
+                raise self.error
             if kinds == {"ready"}:
                 versions = sorted({s["version"] for s in states})
                 if len(versions) > 1:  # a version was committed between two ranks' reads
@@ -147,16 +170,16 @@ class _Updater:
                 if min_version is None or self.version >= min_version:
                     return self.version
                 continue
-            if "failed" in kinds and "pulling" not in kinds:
-                rank, failed = next((i, s) for i, s in enumerate(states) if s["state"] == "failed")
+            if "failed" in kinds and "pulling" not in kinds:  # a pull started by hand failed
+                failed = next(s for s in states if s["state"] == "failed")
                 self.state = f"failed: {failed['error']}"
                 yield _Op("rpc", "wbridge_discard")  # no rank commits alone; the watchers pull again
-                err = f"vLLM worker rank {rank}, channel {self.channel!r}: {failed['error']}"
                 now = time.monotonic()
                 self._failing_since = self._failing_since or now
-                if not failed["retry"] or now - self._failing_since >= self.timeout:
-                    raise WBridgeError(err)
-                log.warning("wbridge: %s; pulling again", err)
+                if now - self._failing_since >= self.timeout:
+                    raise _worker_error(failed, self.channel)
+                log.warning("wbridge: channel %r: %s; pulling again", self.channel, failed["error"])
+                yield _Op("sleep", arg=self.poll)
                 continue
             self.state = _describe(states)
             behind = min_version is not None and (self.version or 0) < min_version
@@ -197,21 +220,84 @@ class _Updater:
             v = per_rank[0]["version"]
             merged = {"version": v, "delta": all(s["delta"] for s in per_rank)}
             merged["delta_reason"] = "; ".join(sorted({s.get("delta_reason") or "" for s in per_rank} - {""}))
-            merged.update({k: sum(s[k] for s in per_rank) for k in ("nbytes", "repaired")})
+            merged["transport"] = ",".join(sorted({t for s in per_rank for t in s["transport"].split(",") if t}))
+            merged["time"] = max(s["time"] for s in per_rank)
+            merged.update({k: sum(s[k] for s in per_rank) for k in ("nbytes", "repaired", "retries")})
             merged.update({k: max(s[k] for s in per_rank) for k in ("pull_s", "prepare_s", "commit_s")})
             merged["pause_s"] = self._pauses.get(v, merged["commit_s"])
             out.append(merged)
         return out
 
+    def _verify_flow(self, timeout: float | None) -> _Flow:
+        timeout = self.timeout if timeout is None else _validate.timeout(timeout, "verify() timeout", positive=True)
+        ranks = yield _Op("rpc", "wbridge_verify", kwargs={"timeout": timeout})
+        return merge_verified(ranks)
+
     def _check_open(self) -> None:
         if self._closed:
             raise UsageError(f"{type(self).__name__} of channel {self.channel!r} is closed")
+
+    def _check(self) -> None:
+        """Open, and no error stopped the updates (else that error, again)."""
+        self._check_open()
+        if self.error is not None:
+            raise self.error
+
+    @staticmethod
+    def _update_args(wait: Any, min_version: Any) -> None:
+        _validate.boolean(wait, "update() wait")
+        if min_version is not None:
+            _validate.integer(min_version, "update() min_version", minimum=1)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.channel!r}, version={self.version}, {self.state}, "
             f"updates={len(self._pauses)})"
         )
+
+
+def _worker_error(state: dict, channel: str) -> WBridgeError:
+    """The error a worker reported in ``wbridge_staged``, as its own wbridge class."""
+    return rebuild({"type": state["error_type"] or "WBridgeError", "message": state["error"]}, f"channel {channel!r}")
+
+
+def _check_extension(engine: Any, who: str) -> None:
+    """A ``UsageError`` if ``engine``'s workers were started without wbridge's worker extension
+    (read from its config; an engine object whose config is not found is left to the first RPC)."""
+    config = getattr(engine, "vllm_config", None) or getattr(getattr(engine, "llm_engine", None), "vllm_config", None)
+    parallel = getattr(config, "parallel_config", None)
+    if parallel is None:
+        return
+    ext = getattr(parallel, "worker_extension_cls", "") or ""
+    if ext == EXTENSION or ext is WBridgeWorkerExtension:
+        return
+    if isinstance(ext, str) and ext:
+        import importlib
+
+        module, _, name = ext.rpartition(".")
+        try:
+            ext = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return  # not importable here: the workers know
+    if isinstance(ext, type) and issubclass(ext, WBridgeWorkerExtension):
+        return
+    raise UsageError(
+        f"{who}: the engine's workers lack wbridge's worker extension (worker_extension_cls={ext!r}): "
+        f"start the engine with worker_extension_cls=EXTENSION (EXTENSION = {EXTENSION!r}, "
+        "from wbridge.integrations.vllm)"
+    )
+
+
+def _from_rpc(e: BaseException, method: str) -> BaseException | None:
+    """The wbridge error an engine RPC's exception carries (``remote.untag``), or a
+    ``UsageError`` for a worker without the extension; None: neither."""
+    err = untag(e)
+    if err is None and f"has no attribute '{method}'" in str(e):
+        err = UsageError(
+            f"the engine's workers have no {method!r}: start the engine with worker_extension_cls=EXTENSION "
+            f"(EXTENSION = {EXTENSION!r}, from wbridge.integrations.vllm)"
+        )
+    return err
 
 
 def _describe(states: list[dict]) -> str:
@@ -254,7 +340,13 @@ class VLLMUpdater(_Updater):
 
     def _do(self, op: _Op) -> Any:
         if op.kind == "rpc":
-            return self.llm.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+            try:
+                return self.llm.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+            except Exception as e:
+                err = _from_rpc(e, op.method)
+                if err is None:
+                    raise
+                raise err from e
         if op.kind == "reset":
             return self.llm.reset_prefix_cache()
         if op.kind == "label":
@@ -266,8 +358,10 @@ class VLLMUpdater(_Updater):
     def update(self, wait: bool = False, min_version: int | None = None) -> int | None:
         """Commits a pull the workers' watchers have staged and returns the version the kernels
         hold. ``wait=True`` also waits for a pull in flight; ``min_version`` waits (at most
-        ``timeout``) until the kernels hold at least that version."""
-        self._check_open()
+        ``timeout``) until the kernels hold at least that version. An error that stopped the
+        updates (a deterministic one, e.g. a ``PlanError``, at once) is raised, by every call."""
+        self._check()
+        self._update_args(wait, min_version)
         return self._drive(self._update_flow(wait, min_version))
 
     def staged(self) -> int | None:
@@ -283,12 +377,27 @@ class VLLMUpdater(_Updater):
         return [(v, out) for out in self.llm.generate(prompts, params, use_tqdm=False)]
 
     def stats(self) -> list[dict]:
-        """One dict per committed update, over the engine's workers: ``version``, ``nbytes`` (read
-        by all ranks), ``delta`` (every rank applied deltas) and ``delta_reason`` (why or why not,
-        where the subscribers say), ``repaired`` chunks, ``pull_s`` and ``prepare_s`` (in the
-        background while the engine generated), ``commit_s`` (the workers' commit) and ``pause_s``
-        (the engine's whole pause for it), each the slowest rank's."""
+        """One dict per committed update, over the engine's workers: ``version``, ``time`` (of the
+        commit, seconds since the epoch), ``transport`` (what the pulls read over), ``nbytes``
+        (read by all ranks), ``delta`` (every rank applied deltas) and ``delta_reason`` (why or
+        why not, where the subscribers say), ``repaired`` chunks, ``retries`` (failed pulls before
+        it, retried with backoff), ``pull_s`` and ``prepare_s`` (in the background while the
+        engine generated), ``commit_s`` (the workers' commit) and ``pause_s`` (the engine's whole
+        pause for it), each the slowest rank's."""
         return self._drive(self._stats_flow())
+
+    def verify(self, timeout: float | None = None) -> dict[str, Any]:
+        """Checks what the engine runs on: ``{"version": the kernels' version, "tensors": {name:
+        "ok" or why not}, "ok": bool}``. Each worker checks its checkpoint-format staging against
+        the publishers' checksums of the version it holds (``Subscriber.verify``), then that its
+        live tensors and kernels derive from that staging by the commit's own path (on vLLM's CPU
+        build the linear layers' weights live only inside repacked kernels: those are rebuilt from
+        staging and compared on an identity probe). A version staged but not committed yet makes
+        it ``ok=False`` (``update()`` commits it). ``timeout``: per worker (default: the
+        updater's). Raises ``IntegrityError`` (staging does not match the checksums),
+        ``StaleVersionError`` (they were collected: the engine is far behind)."""
+        self._check_open()
+        return self._drive(self._verify_flow(timeout))
 
     def close(self) -> None:
         """Commits a pull in flight, stops the workers' watchers and leaves the channel
@@ -297,7 +406,7 @@ class VLLMUpdater(_Updater):
             return
         self._closed = True
         try:
-            if self.version is not None:
+            if self.version is not None and self.error is None:
                 self._drive(self._update_flow(wait=True, min_version=None))
         finally:
             self.state = "closed"
@@ -328,7 +437,6 @@ class AsyncVLLMUpdater(_Updater):
     subscribes and waits for the first version.
     """
 
-    error: BaseException | None = None  # what stopped the background commits
     _task: asyncio.Task | None = None  # the background commits
     _starting: asyncio.Task | None = None  # start()'s work, awaited by every caller
     _lock: asyncio.Lock | None = None  # made by start(), in the running loop
@@ -346,7 +454,13 @@ class AsyncVLLMUpdater(_Updater):
 
     async def _do(self, op: _Op) -> Any:
         if op.kind == "rpc":
-            return await self.engine.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+            try:
+                return await self.engine.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+            except Exception as e:
+                err = _from_rpc(e, op.method)
+                if err is None:
+                    raise
+                raise err from e
         if op.kind == "pause":  # requests in flight stay queued and resume on the new weights
             return await self.engine.pause_generation(mode="keep", clear_cache=False)
         if op.kind == "resume":
@@ -393,11 +507,6 @@ class AsyncVLLMUpdater(_Updater):
             log.warning("wbridge: the vLLM updater of channel %r stopped committing: %s", self.channel, e)
             self.error = e
 
-    def _check(self) -> None:
-        self._check_open()
-        if self.error is not None:
-            raise self.error
-
     async def generate(
         self, prompt: Any, params: Any, request_id: str | None = None, **kwargs: Any
     ) -> AsyncIterator[tuple[int, Any]]:
@@ -406,6 +515,8 @@ class AsyncVLLMUpdater(_Updater):
         ``outputs[i].weight_versions``, have them all: a request in flight over a commit
         continues on the new weights); for a partial (streamed) output the version the kernels
         held when the request was sent, a lower bound."""
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise UsageError(f"AsyncVLLMUpdater.generate: request_id must be a non-empty string, got {request_id!r}")
         await self.start()
         self._check()
         sent = self.version
@@ -416,7 +527,9 @@ class AsyncVLLMUpdater(_Updater):
     async def update(self, wait: bool = False, min_version: int | None = None) -> int | None:
         """What the background task does, now: commits a staged pull and returns the kernels'
         version; ``wait=True`` also waits for a pull in flight; ``min_version`` waits (at most
-        ``timeout``) until the kernels hold at least that version."""
+        ``timeout``) until the kernels hold at least that version. An error that stopped the
+        updates is raised, by every call."""
+        self._update_args(wait, min_version)
         await self.start()
         self._check()
         return await self._locked(self._update_flow(wait, min_version))
@@ -430,6 +543,13 @@ class AsyncVLLMUpdater(_Updater):
         """One dict per committed update, as ``VLLMUpdater.stats``; ``pause_s`` is how long the
         engine's scheduler was paused for it."""
         return await self._drive(self._stats_flow())
+
+    async def verify(self, timeout: float | None = None) -> dict[str, Any]:
+        """What the engine runs on, checked as ``VLLMUpdater.verify`` does (never in the middle of a
+        commit)."""
+        await self.start()
+        self._check_open()
+        return await self._locked(self._verify_flow(timeout))
 
     async def close(self) -> None:
         """Stops the background commits, commits a pull in flight, stops the workers' watchers and
