@@ -32,14 +32,17 @@ def test_slot_reused_during_verification_retries(tmp_path) -> None:
         for r in range(2)
     ]
     paused, go = str(tmp_path / "paused"), str(tmp_path / "go")
-    # TP=1 reads column halves of o_proj/down_proj from each TP=2 rank: partly covered chunks, which
-    # verification re-reads (single-read batches). The first such re-read stops half-way.
+    # Version 1 is published before the subscriber announces its layout, so its slots are not packed
+    # for it: a TP=4 reader reads half of each TP=2 rank's row shards, chunks it covers only in part,
+    # which verification re-reads (single-read batches; packed slots are cut at the reader's cells and
+    # need none). The first such re-read stops half-way.
+    call_all(pubs, "publish", 1)  # slot 1
     fault = ("pause", {"signal_path": paused, "release_path": go, "on_reads": (1,), "max_ops": 1})
     sub = Worker(
         "sub",
         FaultSub,
         url,
-        1,
+        4,
         0,
         fused=False,
         model_kind="tiny",
@@ -49,7 +52,6 @@ def test_slot_reused_during_verification_retries(tmp_path) -> None:
         fault=fault,
     )
     try:
-        call_all(pubs, "publish", 1)  # slot 1
         sub.send("try_pull", timeout=30.0)
         wait_paused(paused, 1)  # reads done, fence checked, verifying
         call_all(pubs, "publish", 2)
