@@ -8,14 +8,17 @@ serving tcp and local) publish ``--versions`` versions of a synthetic model
 (``tiny``: 1.5 MiB). 3 subscriber processes pull them with ``verify=True``: TP=2 rank 0 fused
 (``auto``: local), TP=2 rank 1 fused and staged (tcp), TP=1 unfused (tcp), each reading from both
 DP replicas. The store is hosted by this driver process, outside everything that gets killed.
+Each store history (the versions between two store losses, counted from 1) publishes other
+weights: version ``v`` of the ``k``-th history holds the synthetic values of ``v + offset * k``
+(``offset`` 1000 up to 999 versions), so no two histories share a byte.
 
 Whenever a newer version is committed, every idle subscriber is told to pull it; before each pull
 its tensors are overwritten with garbage, after it every byte is compared with the values of the
-version the pull returned (``synthetic.mismatches``). With probability ``--kill-prob`` a pull is
-followed, after a random 0-50 ms, by SIGKILL of that subscriber (usually mid-pull) and a restart
-(a new process that registers under a new subscriber id; the dead one's lease lapses after
-``--lease-ttl``). Publishers keep going meanwhile: a dead subscriber holds them back at most until
-its lease lapses. ``max_staleness`` (3) exceeds the 2 slots, so publishers reuse slots under slow
+version the pull returned, in the history it came from (``_faults.content_of``). With probability
+``--kill-prob`` a pull is followed, after a random 0-50 ms, by SIGKILL of that subscriber (usually
+mid-pull) and a restart (a new process that registers under a new subscriber id; the dead one's
+lease lapses after ``--lease-ttl``). Publishers keep going meanwhile: a dead subscriber holds them
+back at most until its lease lapses. ``max_staleness`` (3) exceeds the 2 slots, so publishers reuse slots under slow
 readers: a ``StaleVersionError`` retry inside the pull (counted as "stale-version retries"), never a
 torn read (the slot stamps read from the publishers' memory after the data catch it, and a reuse
 during verification is staleness too, not an ``IntegrityError``).
@@ -34,24 +37,44 @@ Faults beyond the subscriber kills, spread evenly over the run:
   never authenticate (reconnecting when closed), for the whole run.
 - Relays of zone ``z`` (tcp, staged): a good one, one that is frozen (SIGSTOP) ``--frozen-relay``
   times for ``--freeze-s`` seconds (its lease outlives that: it still looks alive), and one whose
-  every data read has a bit flipped (``verify=False``: it serves corrupted bytes, ``--corrupt-relay``).
-  The TP=2 rank 1 and the TP=1 subscribers read through the zone (layouts the relays do not have:
-  the planner's path over whole relays; the relays read each other's ranges: the same-layout path).
-  The corrupting relay's own pulls are counted apart (``corrupt``: its bytes are the fault).
-- ``--replays`` of the store losses are replayed generation records: the driver (a store client
-  without the token) keeps the channel's signed generation record, puts it back into the emptied
-  store before anyone else writes one, and the trainer restarts (every publisher rank killed and
-  started again): the new trainer counts versions and epochs from 1 under the old generation.
+  every data read has a bit flipped (``verify=False``: it serves corrupted bytes); ``--relays 0``
+  runs without them. The TP=2 rank 1 and the TP=1 subscribers read through the zone (layouts the
+  relays do not have: the planner's path over whole relays; the relays read each other's ranges:
+  the same-layout path). The corrupting relay's own pulls are counted apart (``corrupt``: its
+  bytes are the fault).
+- ``--replays`` of the store losses are same-epoch trainer restarts under a replayed generation
+  record: the driver (a store client without the token) keeps the channel's signed generation
+  record, puts it back into the emptied store before anyone else writes one, and the trainer
+  restarts (every publisher rank killed and started again) and registers until it is at the epoch
+  number the old trainer had reached: the same generation, the same store keys and epoch, versions
+  from 1 again, other weights. Meanwhile the driver keeps every version's checksum records
+  (``v/<v>/sum/<rank>``, signed for that very key), and for ``--sum-replays`` versions of the new
+  history (every other one, never the last of the run) puts the old history's records back over
+  the new ones once the version is committed, before any subscriber is told to pull it; then every
+  subscriber pulls it: a verifying one must refuse the records (``IntegrityError``, a failed call)
+  or be bit-exact. The genuine records are put back after that round (the attacker leaves), so
+  that a subscriber restarted meanwhile, which holds nothing newer, is not left unable to catch up
+  (the publishers would wait on it: a denial of service the threat model grants this attacker).
+- ``--watchers`` processes (2) stand in for engines' watchers: a registered subscriber (TP=2 rank 0
+  fused over ``auto``; TP=1 unfused, staged, verifying, over tcp) whose own thread waits for a
+  version above the one it holds (``wait_version``) and pulls it, never told to by the driver, across
+  every store loss. Each pull is logged with the content it left, and checked as the subscribers'
+  are; at the end each must hold the last version, bit-exactly.
 
 Counted:
-- ``pulls``: pulls that returned a version; ``torn``: those whose bytes do not match the version
-  they returned (must be 0); ``stale``: those that returned a version without writing a byte of
-  it (the tensors still hold the garbage fill: stale weights reported as success; must be 0);
-- ``hangs``: calls (publish or pull) with no answer within their timeout plus a grace (must be 0);
-- ``restarts``: subscribers killed and restarted. Pulls that raised are listed by error type.
+- ``pulls``: pulls that returned a version, the subscribers' and the watchers'; ``torn``: those
+  whose bytes are no history's values of the version they returned (must be 0); ``stale``: those
+  that returned a version without writing a byte of it (the tensors still hold the garbage fill),
+  or with an older history's values of it although a newer history had committed a version before
+  the pull was asked for (a watcher's: before it began): stale weights reported as success (must be 0);
+- ``hangs``: calls (publish or pull, a watcher's included) with no answer within their timeout plus
+  a grace (must be 0);
+- ``restarts``: subscribers killed and restarted. Calls that raised are listed by error type
+  (``watcher ...`` for the watchers').
 
-Last line: ``soak: versions=<n> pulls=<n> torn=<n> hangs=<n> stale=<n> restarts=<n>``; exit status
-1 unless torn=0, hangs=0 and stale=0 (and every subscriber holds the last version).
+Last line: ``soak: versions=<n> pulls=<n> torn=<n> hangs=<n> stale=<n> restarts=<n> watchers=<k>/<n>``
+(``k``: watchers holding the last version bit-exactly); exit status 1 unless torn=0, hangs=0 and
+stale=0 and every subscriber and watcher holds the last version.
 """
 
 from __future__ import annotations
