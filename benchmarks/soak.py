@@ -43,18 +43,19 @@ Faults beyond the subscriber kills, spread evenly over the run:
   the same-layout path). The corrupting relay's own pulls are counted apart (``corrupt``: its
   bytes are the fault).
 - ``--replays`` of the store losses are same-epoch trainer restarts under a replayed generation
-  record: the driver (a store client without the token) keeps the channel's signed generation
-  record, puts it back into the emptied store before anyone else writes one, and the trainer
-  restarts (every publisher rank killed and started again) and registers until it is at the epoch
-  number the old trainer had reached: the same generation, the same store keys and epoch, versions
-  from 1 again, other weights. Meanwhile the driver keeps every version's checksum records
-  (``v/<v>/sum/<rank>``, signed for that very key), and for ``--sum-replays`` versions of the new
-  history (every other one, never the last of the run) puts the old history's records back over
-  the new ones once the version is committed, before any subscriber is told to pull it; then every
-  subscriber pulls it: a verifying one must refuse the records (``IntegrityError``, a failed call)
-  or be bit-exact. The genuine records are put back after that round (the attacker leaves), so
-  that a subscriber restarted meanwhile, which holds nothing newer, is not left unable to catch up
-  (the publishers would wait on it: a denial of service the threat model grants this attacker).
+  record: the trainer dies (every publisher rank killed), the driver (a store client without the
+  token) keeps the channel's signed generation record and puts it back into the emptied store before
+  anyone else writes one (subscribers and watchers are stopped, SIGSTOP, until it is back), and the
+  trainer restarts and registers until it is at the epoch number the old one had reached: the same
+  generation, the same store keys and epoch, versions from 1 again, other weights. Meanwhile the
+  driver keeps every version's checksum records (``v/<v>/sum/<rank>``, signed for that very key),
+  and for ``--sum-replays`` versions of the new history (every other one, never the last of the run)
+  puts the old history's records back over the new ones once the version is committed, before any
+  subscriber is told to pull it; then every subscriber pulls it: a verifying one must refuse the
+  records (``IntegrityError``, a failed call) or be bit-exact. The genuine records are put back
+  after that round (the attacker leaves), so that a subscriber restarted meanwhile, which holds
+  nothing newer, is not left unable to catch up (the publishers would wait on it: a denial of
+  service the threat model grants this attacker).
 - ``--watchers`` processes (2) stand in for engines' watchers: a registered subscriber (TP=2 rank 0
   fused over ``auto``; TP=1 unfused, staged, verifying, over tcp) whose own thread waits for a
   version above the one it holds (``wait_version``) and pulls it, never told to by the driver, across
@@ -457,25 +458,37 @@ class Soak:
 
     def lose_store(self, replay: bool = False) -> None:
         """The store comes back empty: a new generation, where versions count from 1 again. With
-        ``replay``, the old generation record is put back and the trainer restarts at the epoch
-        number the old one had reached (it registers again until it is there): the same
-        generation and epoch, versions counted from 1 again, other weights."""
+        ``replay``, the trainer dies, the old generation record is put back, and the trainer
+        restarts at the epoch number the old one had reached (it registers again until it is
+        there): the same generation and epoch, versions counted from 1 again, other weights. The
+        subscribers and watchers are stopped (SIGSTOP) while the store is down and until the record
+        is back, so none of them writes a generation record of its own first."""
         self.thaw()
-        epoch = self.pubs[0].call("epoch", call_timeout=self.args.timeout) if replay else 0
+        stopped: list[int] = []
+        if replay:
+            epoch = self.pubs[0].call("epoch", call_timeout=self.args.timeout)
+            for p in self.pubs:  # the trainer dies
+                self.calls.pop(p, None)
+                p.kill()
+            stopped = [w.proc.pid for w in [*self.subs, *self.watchers] if w is not None and w.proc.is_alive()]
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
         if self.spy is not None:
             self.spy.close()
             self.spy = None
-        self.store = lose_store(self.url, self.store, self.etcd, replay=replay)
+        try:
+            self.store = lose_store(self.url, self.store, self.etcd, replay=replay)
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         self.store_restarts += 1
         self.history += 1
         self.replayer.history_lost()
         self.replaying = replay
         if replay:
             self.replays += 1
-            for p in self.pubs:  # the trainer restarts
-                self.calls.pop(p, None)
-                p.kill()
-            self.pubs = [self.start_pub(r) for r in range(TP * DP)]
+            self.pubs = [self.start_pub(r) for r in range(TP * DP)]  # the trainer restarts
             while self.pubs[0].call("epoch", call_timeout=self.args.timeout) < epoch:
                 call_all(self.pubs, "reregister", call_timeout=self.args.timeout)
             self.same_epoch.append(epoch)
