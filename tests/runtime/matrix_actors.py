@@ -84,7 +84,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class MatrixPubs:
-    """The publisher ranks of every combination, ``WORLD`` per channel, in this process."""
+    """The publisher ranks of every combination, ``WORLD`` per channel, in this process.
+
+    - ``url``: the store's URL.
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -156,7 +159,10 @@ class MatrixPubs:
 
 
 class MatrixSubs:
-    """The readers of every combination (and a zone reader's relay), in this process."""
+    """The readers of every combination (and a zone reader's relay), in this process.
+
+    - ``url``: the store's URL.
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -222,7 +228,6 @@ class MatrixSubs:
                     "bad": bad,
                     "nbytes": last.nbytes,
                     "from_peers": last.nbytes_from_peers,
-                    "delta": last.delta,
                 }
             )
         return out

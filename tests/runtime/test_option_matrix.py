@@ -84,7 +84,6 @@ from __future__ import annotations
 import itertools
 import re
 import time
-from typing import Any
 
 import pytest
 
@@ -146,13 +145,13 @@ def all_pairs(factors: dict[str, list[str]]) -> list[dict[str, str]]:
     alone, spread over the other factors' values."""
     product = [dict(zip(factors, values)) for values in itertools.product(*factors.values())]
     works = [row for row in product if refusal(row) is None]
+    good = set().union(*map(_pairs, works))
     rows: list[dict[str, str]] = []
-    todo = set().union(*map(_pairs, works))
+    todo = set(good)
     while todo:
         best = max(works, key=lambda row: len(_pairs(row) & todo))
         rows.append(best)
         todo -= _pairs(best)
-    good = set().union(*map(_pairs, works))
     bad = set().union(*map(_pairs, product)) - good
     alone = [row for row in product if len(_pairs(row) & bad) == 1]
     held: set = set()  # pairs of the refused rows so far
@@ -189,7 +188,7 @@ def test_all_pairs_covered_and_documented() -> None:
         assert any(_pairs(r) & (every - good) == {pair} for r in ROWS), pair
     assert len(every) == 180 and len(every - good) == 10 and len(ROWS) == 35 < len(product) // 30
     documented = re.search(r"<!-- matrix -->\n(.*)\n<!-- /matrix -->", __doc__, re.S).group(1)
-    assert documented == table(), "the module docstring's table drifted: regenerate it (python -m ...)"
+    assert documented == table(), "the docstring's table drifted: python -m tests.runtime.test_option_matrix"
 
 
 def test_refused_values() -> None:
@@ -243,13 +242,14 @@ def _run_row(pubs: Worker, subs: Worker, k: int, row: dict[str, str]) -> list[st
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", FACTORS["transport"])
 def test_option_matrix(transport: str) -> None:
+    """The combinations of ``transport``, one after the other on one store and two processes."""
     rows = [(k, row) for k, row in enumerate(ROWS, 1) if row["transport"] == transport]
     store = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
     pubs = subs = None
     try:
         pubs = Worker("pubs", MatrixPubs, store.url)
         subs = Worker("subs", MatrixSubs, store.url)
-        failures: list[Any] = []
+        failures: list[str] = []
         for k, row in rows:
             failures += _run_row(pubs, subs, k, row)
         assert not failures, "\n".join(failures)
