@@ -188,9 +188,13 @@ class SoakSub(SubActor):
         super().__init__(*args, **kwargs)
         self.offset, self.histories = offset, histories
 
-    def pull(self, min_version: int | None = None, timeout: float = 30.0, **kwargs: Any) -> dict:
+    def pull(self, min_version: int | None = None, timeout: float = 30.0, history: int = 0, **kwargs: Any) -> dict:
+        """``SubActor.pull``, and ``content``: the content held (None: torn); ``bad`` lists the
+        tensors that differ from history ``history``'s values of the version pulled."""
         r = super().pull(min_version, timeout, **kwargs)
         r["content"] = None if r["untouched"] else content_of(self.tensors, r["v"], self.offset, self.histories)
+        if r["content"] is None:
+            r["bad"] = mismatches(self.tensors, r["v"] + self.offset * history)
         return r
 
 

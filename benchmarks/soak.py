@@ -280,7 +280,7 @@ class Soak:
         for i, w in enumerate(self.subs):
             if w is None or w in self.calls or self.have[i] >= self.committed or self.refused_at[i] >= self.committed:
                 continue
-            self.send(w, "pull", self.args.timeout, min_version=self.have[i] + 1)
+            self.send(w, "pull", self.args.timeout, min_version=self.have[i] + 1, history=self.history)
             self.sent_in[i] = self.history
             if self.rng.random() < self.args.kill_prob:
                 self.kill_at[i] = time.monotonic() + self.rng.uniform(0.0, 0.05)
