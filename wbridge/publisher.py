@@ -395,7 +395,7 @@ class Publisher(Closeable):
         v = self._next_version
         slot = v % self.slots
         self._wait_before_snapshot(v, slot, deadline)
-        gen, packed = 0, None
+        gen, packed, encode_s = 0, None, 0.0
         if reg.packer is not None:  # pack for the readers known now; later ones from the next version
             gen, packed = reg.packer.choose(reg.epoch, self.rank, list(self._tracker.reader_layouts()))
         t1 = time.perf_counter()
@@ -409,7 +409,7 @@ class Publisher(Closeable):
             t2 = time.perf_counter()
             if reg.delta is not None:  # both read the staging slots only: after the trainer's stall
                 slot_layout = packed.layout if packed is not None else reg.layout
-                reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen, slot_layout)
+                encode_s = reg.delta.encode(reg.slots, v, self.slots, reg.epoch, gen, slot_layout).seconds
                 sums = reg.delta.sums(reg.slots[slot], slot_layout)
         delta_s = time.perf_counter() - t2
         if sums is not None:
@@ -441,7 +441,7 @@ class Publisher(Closeable):
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
         wait_s = (t1 - t0) + (t3 - t2) - delta_s
-        self.stats.add(PublishStats(v, t2 - t1, wait_s, t3 - t0, nbytes, background, delta_s))
+        self.stats.add(PublishStats(v, t2 - t1, wait_s, t3 - t0, nbytes, background, delta_s, encode_s))
         return v
 
     def _collect(self, v: int, epoch: int) -> None:

@@ -128,11 +128,7 @@ class DeltaSub:
     def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
         v = self.sub.pull(min_version=min_version, timeout=timeout)
         last = self.sub.stats.last
-        # how the deltas were scattered: 2-byte words, or bytes where a read starts or ends on an odd byte
-        session = self.sub._ctx.session  # (an internal detail the test checks: wbridge.pull.delta)
-        geo = (session.delta or {}) if session is not None else {}
-        units = sorted({g.unit for g in geo.values() if g is not None})
-        out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
+        out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired}
         out["why"] = last.delta_reason
         return {**out, "retries": last.retries}
 

@@ -48,7 +48,7 @@ def test_delta_needs_a_staging_copy() -> None:
     [("tcp", False, False), ("local", True, False), ("tcp", True, False), ("tcp", False, True)],
 )
 def test_delta_pulls_are_bit_exact_and_read_little(transport: str, staged: bool, odd: bool) -> None:
-    # odd: a 1001-byte tensor last makes the slot end on an odd byte: deltas scatter bytes, not words
+    # odd: a 1001-byte tensor last makes the slot end on an odd byte (a short last pair)
     url = f"tcp://127.0.0.1:{free_port()}"
     pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport=transport, odd=odd)
     sub = Worker("sub", DeltaSub, url, transport=transport, staged=staged, odd=odd)
@@ -62,10 +62,9 @@ def test_delta_pulls_are_bit_exact_and_read_little(transport: str, staged: bool,
             assert pub.call("step", v, FRAC) == v
             got = sub.call("pull", min_version=v)
             assert got["v"] == v and got["delta"] and got["repaired"] == 0, got
-            assert got["units"] == ([1] if odd else [2]), got
             assert sub.call("bad", steps) == []
-            # 4-byte entries for ~2% of the 2-byte words, plus tables and headers
-            assert got["nbytes"] < 0.1 * first["nbytes"], (got, first)
+            # ~2 bytes per changed word for ~2% of the words (random new values), plus tables and headers
+            assert got["nbytes"] < 0.06 * first["nbytes"], (got, first)
     finally:
         sub.stop()
         pub.stop()
