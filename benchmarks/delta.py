@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import math
 import os
 import statistics
 import sys
@@ -234,7 +235,7 @@ def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
         "pulls": len(after),
         "encode_s": med(r["delta_encode"] for r in after),
         "bytes_per_changed": sum(r["delta_bytes"] for r in after) / max(1, sum(r["nchanged"] for r in after)),
-        "encode_gbps": full_bytes / med([r["delta_scan"] for r in after if r["delta_scan"] > 0] or [float("inf")]) / 1e9,
+        "encode_gbps": full_bytes / med([r["delta_scan"] for r in after if r["delta_scan"] > 0] or [math.inf]) / 1e9,
         "stall_s": med(r["full_stall"] for r in after),
         "pull_s": (med(r["full_pull"] for r in after), med(r["delta_pull"] for r in after)),
     }

@@ -66,6 +66,31 @@ _KDIFF = np.array(  # k -> its four byte differences as a little-endian uint32 (
 _RAWS = np.array([sum((k >> (2 * j)) & 3 == 3 for j in range(4)) for k in range(256)], dtype=np.int64)
 
 
+class Workspace:
+    """Arrays reused from one call to the next, grown and never shrunk: a fresh multi-megabyte
+    temporary costs its page faults each time, which on a virtual machine cost more than the
+    arithmetic on it (3 ms for one 4 MB temporary here). What ``encode`` and ``decode`` return may
+    be views of these arrays, valid until the workspace's next call."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
+        """``n`` elements of ``dtype`` (contents undefined) under ``name``."""
+        size = n * np.dtype(dtype).itemsize
+        a = self._arrays.get(name)
+        if a is None or len(a) < size:
+            a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
+        return a[:size].view(dtype)
+
+    def arange(self, n: int) -> np.ndarray:
+        """``0 .. n - 1`` as int64 (computed once per size class)."""
+        a = self._arrays.get("_arange")
+        if a is None or len(a) < 8 * n:
+            self._arrays["_arange"] = a = np.arange(max(1024, n + n // 4), dtype=np.int64).view(np.uint8)
+        return a[: 8 * n].view(np.int64)
+
+
 def table_bytes(nchunks: int) -> int:
     """Bytes of the header, dictionary and tables, rounded up to 8: what a reader reads first."""
     return (HEADER_BYTES + 12 * (nchunks + 1) + 7) // 8 * 8
@@ -93,34 +118,53 @@ def geometry(slot_bytes: int) -> Geometry | None:
     return Geometry(slot_bytes, pairs, -(-pairs // CHUNK_PAIRS), max(4096, slot_bytes // CAPACITY_FRACTION))
 
 
-def codes(diffs: np.ndarray) -> np.ndarray:
+def codes(diffs: np.ndarray, ws: Workspace | None = None) -> np.ndarray:
     """Per pair (rows of ``diffs``: its four byte differences ``d``, uint8 ``[n, 4]``) the byte
     ``k`` of its four 2-bit codes ``min(d + 1 mod 256, 3)`` (0: -1, 1: same, 2: +1, 3: other;
     byte ``j``'s at bits ``2j``, ``2j + 1``): a few vectorised byte and word operations."""
-    c = np.minimum(np.ascontiguousarray(diffs) + np.uint8(1), np.uint8(3))
-    return ((c.reshape(-1).view(np.uint32) * _SPREAD) >> 18).astype(np.uint8)
+    ws = ws or Workspace()
+    n = len(diffs)
+    c = np.add(np.ascontiguousarray(diffs).reshape(-1), np.uint8(1), out=ws.get("codes.c", 4 * n, np.uint8))
+    np.minimum(c, np.uint8(3), out=c)
+    x = np.multiply(c.view(np.uint32), _SPREAD, out=ws.get("codes.x", n, np.uint32))
+    np.right_shift(x, np.uint32(18), out=x)
+    k = ws.get("codes.k", n, np.uint8)
+    np.copyto(k, x, casting="unsafe")
+    return k
 
 
-def raw_pairs(k: np.ndarray) -> np.ndarray:
+def raw_pairs(k: np.ndarray, ws: Workspace | None = None) -> np.ndarray:
     """Which pairs (their codes ``k``) carry raw bytes (a byte coded 3)."""
-    return np.flatnonzero(k & (k >> 1) & np.uint8(0x55))
+    ws = ws or Workspace()
+    t = np.right_shift(k, np.uint8(1), out=ws.get("raw.t", len(k), np.uint8))
+    np.bitwise_and(t, k, out=t)
+    np.bitwise_and(t, np.uint8(0x55), out=t)
+    return np.flatnonzero(np.not_equal(t, 0, out=ws.get("raw.b", len(k), bool)))  # (of bools: the fast nonzero)
 
 
-def _pack_bits(values: np.ndarray, width: int) -> np.ndarray:
+def _pack_bits(values: np.ndarray, width: int, ws: Workspace | None = None) -> np.ndarray:
     """``values`` (int64, each < 2**width) as ``width``-bit fields, little-endian, in bytes."""
+    ws = ws or Workspace()
     n = len(values)
     if width == 0 or not n:
         return np.zeros(0, np.uint8)
     if width == 8:
-        return values.astype(np.uint8)
+        out = ws.get("pack.out", n, np.uint8)
+        np.copyto(out, values, casting="unsafe")
+        return out
     if width in (1, 2, 4):
         per = 8 // width
-        v = np.zeros(-(-n // per) * per, np.uint8)
-        v[:n] = values
-        v = v.reshape(-1, per)
-        out = v[:, 0].copy()
+        m = -(-n // per)
+        v = ws.get("pack.v", m * per, np.uint8)
+        np.copyto(v[:n], values, casting="unsafe")
+        v[n:] = 0
+        v = v.reshape(m, per)
+        out = ws.get("pack.out", m, np.uint8)
+        out[:] = v[:, 0]
+        t = ws.get("pack.t", m, np.uint8)
         for j in range(1, per):
-            out |= v[:, j] << (j * width)
+            np.left_shift(v[:, j], np.uint8(j * width), out=t)
+            np.bitwise_or(out, t, out=out)
         return out
     v = values.astype("<u2").view(np.uint8)  # any other width (at most 16): through single bits
     bits = np.unpackbits(v, bitorder="little").reshape(n, 16)[:, :width]
@@ -179,11 +223,13 @@ class Encoded:
         return sum((len(s) + 7) // 8 * 8 for s in self.streams)
 
 
-def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry) -> Encoded:
+def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace | None = None) -> Encoded:
     """Codes the changed pairs ``pairs_at`` (ascending pair indices, int64) whose byte differences
-    are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``."""
+    are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``. Its
+    streams may be views of ``ws``: write them (``write``) before ``ws`` is used again."""
+    ws = ws or Workspace()
     n = len(pairs_at)
-    k = codes(diffs)
+    k = codes(diffs, ws)
     # the dictionary: the 15 most frequent k (a sample of a few thousand pairs decides)
     step = max(1, n // 8192)
     counts = np.bincount(k[::step], minlength=256)
@@ -193,11 +239,13 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry) -> Encoded:
     lut[top] = np.arange(DICT_SIZE, dtype=np.uint8)
     dictionary = np.zeros(16, np.uint8)
     dictionary[:DICT_SIZE] = top
-    sym = np.take(lut, k)
-    escaped = np.flatnonzero(sym == ESCAPE)
+    sym = ws.get("enc.sym", n + 1, np.uint8)
+    np.take(lut, k, out=sym[:n])
+    sym[n] = 0  # (a last half byte of padding)
+    escaped = np.flatnonzero(np.equal(sym[:n], ESCAPE, out=ws.get("enc.b", n, bool)))
     esc = k[escaped]
     # raw bytes: the differences of bytes coded 3, in pair then byte order
-    with_raw = raw_pairs(k)
+    with_raw = raw_pairs(k, ws)
     some = diffs[with_raw]
     raw = some[(some != 0) & (some != 1) & (some != 0xFF)]
     # tables: cumulative counts at chunk starts
@@ -209,13 +257,15 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry) -> Encoded:
     # positions: Elias-Fano
     lb = low_bits_for(n, geo.pairs)
     buckets = -(-geo.pairs // (1 << lb))
-    high_bits = np.zeros(buckets + n, dtype=bool)
-    high_bits[(pairs_at >> lb) + np.arange(n, dtype=np.int64)] = True
+    high_bits = ws.get("enc.high", buckets + n, bool)
+    high_bits.fill(False)
+    q = np.right_shift(pairs_at, lb, out=ws.get("enc.q", n, np.int64))
+    high_bits[np.add(q, ws.arange(n), out=q)] = True
     high = np.packbits(high_bits, bitorder="little")
-    low = _pack_bits(pairs_at & ((1 << lb) - 1), lb)
-    if n % 2:
-        sym = np.append(sym, np.uint8(0))
-    packed_sym = sym[0::2] | (sym[1::2] << 4)
+    low = _pack_bits(np.bitwise_and(pairs_at, (1 << lb) - 1, out=q), lb, ws)
+    half = (n + 1) // 2
+    packed_sym = np.left_shift(sym[1 : 2 * half : 2], np.uint8(4), out=ws.get("enc.nib", half, np.uint8))
+    np.bitwise_or(packed_sym, sym[0 : 2 * half : 2], out=packed_sym)
     return Encoded(lb, dictionary, tables, (high, low, packed_sym, esc, raw))
 
 
@@ -275,9 +325,13 @@ def ranges(p: Parsed, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.nd
     return first + p.offsets[None, :], end - first
 
 
-def decode(p: Parsed, lo: int, hi: int, pieces: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+def decode(
+    p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], ws: Workspace | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The changed pairs of chunks ``lo..hi`` from their stream ``pieces`` (as ``ranges`` cut
-    them): ``(pair indices ascending, byte differences [n, 4] uint8)``; None where malformed."""
+    them): ``(pair indices ascending, byte differences [n, 4] uint8)``, views of ``ws`` (valid until
+    its next use); None where malformed."""
+    ws = ws or Workspace()
     t, lb = p.tables, p.low_bits
     p0, p1 = int(t[0, lo]), int(t[0, hi + 1])
     n = p1 - p0
@@ -286,26 +340,33 @@ def decode(p: Parsed, lo: int, hi: int, pieces: list[np.ndarray]) -> tuple[np.nd
     try:
         h0 = ((lo * CHUNK_PAIRS) >> lb) + p0
         bits = np.unpackbits(pieces[0], bitorder="little")[h0 % 8 :]
-        ones = np.flatnonzero(bits.view(bool))[:n]
-        if len(ones) != n:
+        at = np.flatnonzero(bits.view(bool))[:n]  # (unpacked bits are 0 or 1: valid bools)
+        if len(at) != n:
             return None
-        bucket = (ones + h0) - np.arange(p0, p1, dtype=np.int64)
-        at = (bucket << lb) | _unpack_bits(pieces[1], (p0 * lb) % 8, n, lb)
-        if np.any(np.diff(at) <= 0) or at[0] < lo * CHUNK_PAIRS or at[-1] >= min((hi + 1) * CHUNK_PAIRS, p.pairs):
+        np.add(at, h0 - p0, out=at)
+        np.subtract(at, ws.arange(n), out=at)  # the bucket of each pair
+        np.left_shift(at, lb, out=at)
+        np.bitwise_or(at, _unpack_bits(pieces[1], (p0 * lb) % 8, n, lb), out=at)
+        if np.any(np.less_equal(at[1:], at[:-1], out=ws.get("dec.b", n - 1, bool))):
+            return None
+        if at[0] < lo * CHUNK_PAIRS or at[-1] >= min((hi + 1) * CHUNK_PAIRS, p.pairs):
             return None
         nib = pieces[2]
-        both = np.empty(2 * len(nib), np.uint8)
-        both[0::2], both[1::2] = nib & 15, nib >> 4
+        both = ws.get("dec.both", 2 * len(nib), np.uint8)
+        np.bitwise_and(nib, np.uint8(15), out=both[0::2])
+        np.right_shift(nib, np.uint8(4), out=both[1::2])
         sym = both[p0 % 2 : p0 % 2 + n]
-        k = np.take(p.dictionary, sym)
-        escaped = np.flatnonzero(sym == ESCAPE)
-        if len(escaped) != len(pieces[3]) or len(sym) != n:
+        if len(sym) != n:
+            return None
+        k = np.take(p.dictionary, sym, out=ws.get("dec.k", n, np.uint8))
+        escaped = np.flatnonzero(np.equal(sym, ESCAPE, out=ws.get("dec.b", n, bool)))
+        if len(escaped) != len(pieces[3]):
             return None
         k[escaped] = pieces[3]
-        if np.any(k == SAME):
+        if np.any(np.equal(k, SAME, out=ws.get("dec.b", n, bool))):
             return None
-        diffs = np.take(_KDIFF, k).view(np.uint8).reshape(n, 4)
-        with_raw = raw_pairs(k)
+        diffs = np.take(_KDIFF, k, out=ws.get("dec.d", n, np.uint32)).view(np.uint8).reshape(n, 4)
+        with_raw = raw_pairs(k, ws)
         if len(with_raw):
             ks = k[with_raw]
             slots = ((ks[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3) == 3

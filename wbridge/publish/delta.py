@@ -58,6 +58,15 @@ class Encoding:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Staged:
+    """What one staging slot holds: its version, packing generation and slot layout."""
+
+    v: int
+    gen: int
+    layout: RankLayout | None
+
+
 @dataclass
 class DeltaRing:
     """The ``k`` delta buffers of one registration, their served regions, and which version (and
@@ -66,7 +75,8 @@ class DeltaRing:
     buffers: list[Any]  # torch uint8 host buffers, one per ring position
     geo: Geometry
     regions: dict[str, list[Any]] = field(default_factory=dict)  # transport -> ring position -> region
-    held: dict[int, tuple[int, int, Any]] = field(default_factory=dict)  # slot -> (version, packing gen, layout)
+    work: _format.Workspace = field(default_factory=_format.Workspace, repr=False)  # the scan's and coding's arrays
+    held: dict[int, Staged] = field(default_factory=dict)  # slot -> what it holds
     scratch: Any = None  # the previous slot remapped to a new packing (``remap``)
 
     def remap(self, prev: Any, cur: Any, was: RankLayout | None, now: RankLayout | None) -> Any:
@@ -114,26 +124,26 @@ class DeltaRing:
         t0 = time.perf_counter()
         slot = v % nslots
         base = self.held.get((v - 1) % nslots) if nslots >= 2 else None
-        self.held[slot] = (v, gen, layout)
+        self.held[slot] = Staged(v, gen, layout)
         i = v % len(self.buffers)
         head = self.header(i)
         head[:] = 0
         head[:8] = (DELTA_MAGIC, v, v - 1, DELTA_WRITING, epoch, gen, self.geo.nchunks, 0)
         none = Encoding(-1, 0, 0.0)
-        if base is None or base[0] != v - 1:
+        if base is None or base.v != v - 1:
             head[3] = DELTA_NONE
             return none
         prev, cur = slots[(v - 1) % nslots][0], slots[slot][0]
-        if base[1] != gen:
-            prev = self.remap(prev, cur, base[2], layout)
+        if base.gen != gen:
+            prev = self.remap(prev, cur, base.layout, layout)
             if prev is None:
                 head[3] = DELTA_NONE
                 return none
-        pairs_at, diffs = scan(prev, cur, self.geo.capacity * 2)
+        pairs_at, diffs = scan(prev, cur, self.geo.capacity * 2, self.work)
         if pairs_at is None:  # more changed pairs than 4 bits each fit
             head[3] = DELTA_NONE
             return none
-        coded = _format.encode(pairs_at, diffs, self.geo)
+        coded = _format.encode(pairs_at, diffs, self.geo, self.work)
         if coded.nbytes > self.geo.capacity:
             head[3] = DELTA_NONE
             return none
@@ -142,19 +152,27 @@ class DeltaRing:
         return Encoding(coded.pairs, coded.nbytes, time.perf_counter() - t0)
 
 
-def scan(prev: Any, cur: Any, most: int) -> tuple[np.ndarray | None, np.ndarray]:
+def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> tuple[np.ndarray | None, np.ndarray]:
     """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size): their
-    indices ascending, and their byte differences ``cur - prev`` (uint8 ``[n, 4]``); ``(None, _)``
-    where more than ``most`` changed. A short last pair is compared padded with zeros."""
+    indices ascending, and their byte differences ``cur - prev`` (uint8 ``[n, 4]``, maybe a view of
+    ``ws``); ``(None, _)`` where more than ``most`` changed. A short last pair is compared padded
+    with zeros."""
+    ws = ws or _format.Workspace()
     size = int(cur.numel())
     whole = size // PAIR * PAIR
     if cur.device.type == "cpu":
         a, b = prev.numpy(), cur.numpy()
         a4, b4 = a[:whole].view(np.uint32), b[:whole].view(np.uint32)
-        at = np.flatnonzero(a4 != b4)
+        at = np.flatnonzero(np.not_equal(a4, b4, out=ws.get("scan.mask", len(a4), bool)))
         if len(at) > most:
             return None, np.zeros((0, PAIR), np.uint8)
-        diffs = (b4[at].view(np.uint8) - a4[at].view(np.uint8)).reshape(-1, PAIR)
+        n = len(at)
+        old, new = (
+            np.take(a4, at, out=ws.get("scan.a", n, np.uint32)),
+            np.take(b4, at, out=ws.get("scan.b", n, np.uint32)),
+        )
+        diffs = np.subtract(new.view(np.uint8), old.view(np.uint8), out=ws.get("scan.d", 4 * n, np.uint8))
+        diffs = diffs.reshape(-1, PAIR)
     else:  # on the GPU: the same ops in torch, only the changed pairs come to the host
         import torch
 

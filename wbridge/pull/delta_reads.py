@@ -74,6 +74,7 @@ class SourceGeometry:
     head: Scratch
     check: Scratch
     streams: Scratch
+    work: _format.Workspace  # the decoder's arrays, reused from pull to pull
 
     @property
     def scratches(self) -> tuple[Scratch, ...]:
@@ -114,7 +115,7 @@ def source_geometry(src: Source, slot_bytes: int, descs: list[bytes], sum_starts
     partial = int(length[(covered > 0) & (covered < length)].sum())
     return SourceGeometry(
         soff, end, dreg, doff, run_lo.astype(np.int64), run_hi.astype(np.int64), perm, groups, partial,
-        int(n.sum()), geo, tuple(descs), Scratch(), Scratch(), Scratch(),
+        int(n.sum()), geo, tuple(descs), Scratch(), Scratch(), Scratch(), _format.Workspace(),
     )  # fmt: skip
 
 
@@ -271,17 +272,20 @@ def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write]
     g = session.delta[src.rank]
     out: list[Write] = []
     for i, p in enumerate(h.parsed):  # one step per delta version (k at most) and run, vectorised inside
-        decoded = [_format.decode(p, int(lo), int(hi), list(got.pieces[i][r])) for r, (lo, hi) in
-                   enumerate(zip(g.run_lo, g.run_hi))]  # fmt: skip
-        if any(d is None for d in decoded):
-            return None
-        if not decoded:
+        pos_runs, unit_runs = [], []
+        for r, (lo, hi) in enumerate(zip(g.run_lo, g.run_hi)):
+            decoded = _format.decode(p, int(lo), int(hi), list(got.pieces[i][r]), g.work)
+            if decoded is None:
+                return None
+            at, diffs = decoded  # (views of the workspace: turned into new arrays here)
+            flat = diffs.reshape(-1)
+            changed = np.flatnonzero(flat != 0)  # the bytes that changed, ascending
+            pos_runs.append(at[changed >> 2] * PAIR + (changed & (PAIR - 1)))
+            unit_runs.append(flat[changed])
+        if not pos_runs:
             continue
-        at = np.concatenate([d[0] for d in decoded])
-        diffs = np.concatenate([d[1] for d in decoded])
-        changed = np.flatnonzero(diffs.reshape(-1))  # the bytes that changed, ascending
-        pos = at[changed >> 2] * PAIR + (changed & (PAIR - 1))
-        units = diffs.reshape(-1)[changed]
+        pos = np.concatenate(pos_runs) if len(pos_runs) > 1 else pos_runs[0]
+        units = np.concatenate(unit_runs) if len(unit_runs) > 1 else unit_runs[0]
         # positions ascend: cut them at every read's start and end, then take each read's slice in
         # destination-region order (``perm``), so each region's bytes are contiguous
         cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
