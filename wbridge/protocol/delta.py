@@ -12,10 +12,10 @@ whose reads start or end on an odd byte applies them too. Coded as:
   (``low``), the rest as one unary bucket count per ``2**low_bits`` pairs (``high``: a one per
   pair, a zero closing each bucket). ``low_bits`` is chosen per delta as the one that makes the two
   smallest (computed exactly for every width); with 0 ``high`` is a bitmap with a zero after each pair.
-- **values**: each byte's difference as a 2-bit code (``0`` unchanged, ``1``: -1, ``2``: +1,
-  ``3``: other, its byte in ``raw``); a pair's four codes make one byte ``k``, which a per-delta
-  dictionary of the 15 most frequent ``k`` (``DICT``, in the header) turns into a 4-bit symbol
-  (``sym``); symbol 15 escapes, ``k`` in ``esc``.
+- **values**: each byte's difference ``d`` as a 2-bit code ``min(d + 1 mod 256, 3)`` (0: -1,
+  1: unchanged, 2: +1, 3: other, its byte in ``raw``); a pair's four codes make one byte ``k``,
+  which a per-delta dictionary of the 15 most frequent ``k`` (in the header, from a sample of the
+  pairs) turns into a 4-bit symbol (``sym``); symbol 15 escapes, its ``k`` in ``esc``.
 
 Layout of one delta buffer (native byte order, little-endian hosts)::
 
@@ -63,7 +63,7 @@ SAME = 0x55  # the ``k`` of a pair whose four bytes did not change (never coded)
 _KDIFF = np.array(  # k -> its four byte differences as a little-endian uint32 (raw bytes 0)
     [sum((0xFF, 0, 0x01, 0)[(k >> (2 * j)) & 3] << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32
 )
-_RAWS = np.array([sum((k >> (2 * j)) & 3 == 3 for j in range(4)) for k in range(256)], dtype=np.int64)
+_KCODES = np.array([sum(((k >> (2 * j)) & 3) << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32)
 
 
 class Workspace:
@@ -81,6 +81,17 @@ class Workspace:
         a = self._arrays.get(name)
         if a is None or len(a) < size:
             a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
+        return a[:size].view(dtype)
+
+    def full(self, name: str, n: int, value: int, dtype: type | np.dtype) -> np.ndarray:
+        """``n`` elements of ``dtype``, each ``value`` (numpy's minimum of a uint8 array and a
+        scalar runs an order of magnitude slower than of two arrays)."""
+        key = f"_full.{name}"
+        a = self._arrays.get(key)
+        size = n * np.dtype(dtype).itemsize
+        if a is None or len(a) < size:
+            a = self._arrays[key] = np.empty(max(4096, size + size // 4), np.uint8)
+            a.view(dtype)[:] = value
         return a[:size].view(dtype)
 
     def arange(self, n: int) -> np.ndarray:
@@ -118,19 +129,20 @@ def geometry(slot_bytes: int) -> Geometry | None:
     return Geometry(slot_bytes, pairs, -(-pairs // CHUNK_PAIRS), max(4096, slot_bytes // CAPACITY_FRACTION))
 
 
-def codes(diffs: np.ndarray, ws: Workspace | None = None) -> np.ndarray:
+def codes(diffs: np.ndarray, ws: Workspace | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per pair (rows of ``diffs``: its four byte differences ``d``, uint8 ``[n, 4]``) the byte
     ``k`` of its four 2-bit codes ``min(d + 1 mod 256, 3)`` (0: -1, 1: same, 2: +1, 3: other;
-    byte ``j``'s at bits ``2j``, ``2j + 1``): a few vectorised byte and word operations."""
+    byte ``j``'s at bits ``2j``, ``2j + 1``), and the codes themselves (uint8 ``[4 n]``): a few
+    vectorised byte and word operations."""
     ws = ws or Workspace()
     n = len(diffs)
     c = np.add(np.ascontiguousarray(diffs).reshape(-1), np.uint8(1), out=ws.get("codes.c", 4 * n, np.uint8))
-    np.minimum(c, np.uint8(3), out=c)
+    np.minimum(c, ws.full("three", 4 * n, 3, np.uint8), out=c)
     x = np.multiply(c.view(np.uint32), _SPREAD, out=ws.get("codes.x", n, np.uint32))
     np.right_shift(x, np.uint32(18), out=x)
     k = ws.get("codes.k", n, np.uint8)
     np.copyto(k, x, casting="unsafe")
-    return k
+    return k, c
 
 
 def raw_pairs(k: np.ndarray, ws: Workspace | None = None) -> np.ndarray:
@@ -229,7 +241,7 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace
     streams may be views of ``ws``: write them (``write``) before ``ws`` is used again."""
     ws = ws or Workspace()
     n = len(pairs_at)
-    k = codes(diffs, ws)
+    k, c = codes(diffs, ws)
     # the dictionary: the 15 most frequent k (a sample of a few thousand pairs decides)
     step = max(1, n // 8192)
     counts = np.bincount(k[::step], minlength=256)
@@ -246,11 +258,13 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace
     esc = k[escaped]
     # raw bytes: the differences of bytes coded 3, in pair then byte order
     with_raw = raw_pairs(k, ws)
-    some = diffs[with_raw]
-    raw = some[(some != 0) & (some != 1) & (some != 0xFF)]
+    some = np.take(np.ascontiguousarray(diffs).reshape(-1).view(np.uint32), with_raw).view(np.uint8)
+    is_raw = np.take(c.view(np.uint32), with_raw)  # their codes, four bytes per pair
+    raw = np.compress(is_raw.view(np.uint8) == 3, some)  # (compress: 7x a boolean index here)
     # tables: cumulative counts at chunk starts
     starts = np.searchsorted(pairs_at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
-    raw_cum = np.concatenate(([0], np.cumsum(np.take(_RAWS, k[with_raw]), dtype=np.int64)))
+    per = (((is_raw & np.uint32(0x01010101)) & (is_raw >> np.uint32(1))) * np.uint32(0x01010101)) >> np.uint32(24)
+    raw_cum = np.concatenate(([0], np.cumsum(per, dtype=np.int64)))  # (bytes coded 3: both code bits set)
     tables = np.stack([starts, np.searchsorted(escaped, starts), raw_cum[np.searchsorted(with_raw, starts)]]).astype(
         np.uint32
     )
@@ -367,16 +381,11 @@ def decode(
             return None
         diffs = np.take(_KDIFF, k, out=ws.get("dec.d", n, np.uint32)).view(np.uint8).reshape(n, 4)
         with_raw = raw_pairs(k, ws)
-        if len(with_raw):
-            ks = k[with_raw]
-            slots = ((ks[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3) == 3
-            if int(slots.sum()) != len(pieces[4]):
-                return None
-            some = diffs[with_raw]
-            some[slots] = pieces[4]
-            diffs[with_raw] = some
-        elif len(pieces[4]):
+        # the bytes coded 3 (in pair, then byte order) take the raw stream's bytes
+        byte = np.flatnonzero(np.take(_KCODES, np.take(k, with_raw)).view(np.uint8) == 3)
+        if len(byte) != len(pieces[4]):
             return None
+        diffs.reshape(-1)[np.take(with_raw, byte >> 2) * 4 + (byte & 3)] = pieces[4]
     except (ValueError, IndexError):
         return None
     return at, diffs
