@@ -42,8 +42,9 @@ Printed per learning rate, in ``--lr`` order (stdout, one line each; `` link=RAT
   (``read_ratio``'s numerator: everything, fallbacks included) over the published elements that
   changed in those versions.
 * ``encode_gbps``: the slot's bytes over the publisher's median delta encode (the scan of the two
-  staging slots and the coding, ``PublishStats.encode_s``; the checksums are not in it), on the
-  publisher's one thread.
+  staging slots and the coding, ``PublishStats.encode_s``: CPU seconds of the publishing thread,
+  one core's time, which a loaded host does not inflate by descheduling; the checksums are not in
+  it).
 
 The plot (``delta.png`` in ``--out``, default the current directory) shows per step the changed
 fraction and the read ratio for each learning rate.

@@ -51,7 +51,8 @@ from ..protocol.delta import (
 @dataclass(frozen=True)
 class Encoding:
     """What one ``DeltaRing.encode`` did: changed pairs (-1: no delta for the version, readers pull
-    in full), bytes of the coded streams, and the seconds the scan and coding took."""
+    in full), bytes of the coded streams, and the CPU seconds the scan and coding took on the
+    calling thread (one core's time: a loaded host's waits for a core are not in it)."""
 
     pairs: int
     nbytes: int
@@ -121,7 +122,7 @@ class DeltaRing:
         ``gen``) against ``v - 1`` into ring buffer ``v % k``, in ``v``'s slot byte order. Where
         ``v - 1`` was packed for other readers (another generation), its bytes are first moved to
         where ``v``'s packing holds them (``remap``), so a new reader layout costs no one their base."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         slot = v % nslots
         base = self.held.get((v - 1) % nslots) if nslots >= 2 else None
         self.held[slot] = Staged(v, gen, layout)
@@ -149,7 +150,7 @@ class DeltaRing:
             return none
         _format.write(self.buffers[i].numpy(), coded)
         head[3] = DELTA_STABLE  # last: the header says "stable" only once every byte is in place
-        return Encoding(coded.pairs, coded.nbytes, time.perf_counter() - t0)
+        return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
 
 
 def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> tuple[np.ndarray | None, np.ndarray]:
