@@ -41,7 +41,7 @@ def coded(a: np.ndarray, b: np.ndarray) -> tuple[F.Geometry, np.ndarray, np.ndar
     # (a publisher declines a delta larger than its buffer; the codec itself has no such limit)
     buf = np.zeros(max(geo.buffer_bytes, F.table_bytes(geo.nchunks) + e.nbytes), np.uint8)
     F.write(buf, e)
-    p = F.parse(buf[: F.table_bytes(geo.nchunks)], geo.nchunks, geo.pairs)
+    p = F.parse_buffer(buf, geo.nchunks, geo.pairs)
     assert p is not None and p.low_bits == e.low_bits
     return geo, at, diffs, buf, p
 
@@ -114,13 +114,21 @@ def test_adam_like_changes_cost_under_two_bytes_per_changed_word() -> None:
 def test_malformed_tables_and_streams_are_refused() -> None:
     a, b = changed(3 * F.CHUNK_BYTES, 0.05, 5, ulp=False)
     geo, at, diffs, buf, p = coded(a, b)
-    head = buf[: F.table_bytes(geo.nchunks)].copy()
-    bad = head.copy()
+    bad = buf.copy()
     bad[F.HEADER_BYTES + 4 : F.HEADER_BYTES + 8] = 0xFF  # the second chunk's first pair: past the total
-    assert F.parse(bad, geo.nchunks, geo.pairs) is None
-    bad = head.copy()
+    assert F.parse_buffer(bad, geo.nchunks, geo.pairs) is None
+    bad = buf.copy()
     bad[F.HEADER_BYTES - 16 - 8 * 8] = 14  # low width 14: beyond what any delta uses
-    assert F.parse(bad, geo.nchunks, geo.pairs) is None
+    assert F.parse_buffer(bad, geo.nchunks, geo.pairs) is None
+    # a run's own table entries are enough, and a run's entries that decrease are refused
+    lo, hi = np.array([1]), np.array([1])
+    offsets, lengths = F.table_rows(geo.nchunks, lo, hi)
+    entries = np.concatenate([buf[o : o + n] for o, n in zip(offsets, lengths)])
+    part = F.parse(buf[: F.HEADER_BYTES], entries, lo, hi, geo.nchunks, geo.pairs)
+    assert part is not None and np.array_equal(part.tables[:, 1:3], p.tables[:, 1:3])
+    assert np.all(part.tables[:, 0] == -1) and np.all(part.tables[:, 3:] == -1)
+    entries[:4] = 0xFF
+    assert F.parse(buf[: F.HEADER_BYTES], entries, lo, hi, geo.nchunks, geo.pairs) is None
     offsets, lengths = F.ranges(p, np.array([0]), np.array([geo.nchunks - 1]))
     pieces = [buf[o : o + n].copy() for o, n in zip(offsets[0], lengths[0])]
     for stream in (3, 4):  # an escape or raw byte short

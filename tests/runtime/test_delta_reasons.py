@@ -86,8 +86,9 @@ def test_publishers_registered_again_start_a_new_epoch() -> None:
 
 
 def test_a_malformed_table_is_not_decoded() -> None:
-    """A bit flipped in the tables of the first delta pull (its second read: headers and tables)
-    makes them decrease: no write, a full pull instead; the next pull takes deltas again."""
+    """A bit flipped in the tables of the first delta pull (its second read: the header, then the
+    table entries) makes them decrease: no write, a full pull instead; the next pull takes deltas
+    again."""
     url = f"tcp://127.0.0.1:{free_port()}"
     pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
     # the top byte of the second chunk's first pair (uint32 table entry 1): 2**24 more pairs

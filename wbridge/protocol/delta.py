@@ -306,24 +306,53 @@ class Parsed:
     low_bits: int
     pairs: int  # of the whole slot
     dictionary: np.ndarray  # uint8[16]
-    tables: np.ndarray  # int64[3, nchunks + 1]
+    tables: np.ndarray  # int64[3, nchunks + 1]; -1 where not read
     offsets: np.ndarray  # int64[5]: where each stream starts in the buffer
 
 
-def parse(raw: np.ndarray, nchunks: int, pairs: int) -> Parsed | None:
-    """The header and tables ``raw`` (``table_bytes(nchunks)`` bytes) of a delta of a slot of
-    ``pairs`` pairs; None where they do not make sense."""
-    head = raw[:HEADER_BYTES].view(np.uint64)
-    tables = raw[HEADER_BYTES : HEADER_BYTES + 12 * (nchunks + 1)].view(np.uint32).reshape(3, nchunks + 1)
-    tables = tables.astype(np.int64)
+def table_rows(nchunks: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where in a delta buffer the table entries of runs of chunks ``lo[i]..hi[i]`` are (entries
+    ``lo`` to ``hi + 1`` of each table): ``(offsets, lengths)`` in bytes, int64 ``[3 * runs]``,
+    table by table. A reader of a slice reads these, not the whole tables."""
+    base = HEADER_BYTES + 4 * (nchunks + 1) * np.arange(3, dtype=np.int64)
+    offsets = (base[:, None] + 4 * lo[None, :]).reshape(-1)
+    return offsets, np.tile(4 * (hi - lo + 2), 3)
+
+
+def parse(
+    header: np.ndarray, entries: np.ndarray, lo: np.ndarray, hi: np.ndarray, nchunks: int, pairs: int
+) -> Parsed | None:
+    """A delta's ``header`` (``HEADER_BYTES`` bytes) and the table ``entries`` of runs ``lo..hi``
+    as ``table_rows`` placed them (uint8, concatenated), of a slot of ``pairs`` pairs in
+    ``nchunks`` chunks; None where they do not make sense."""
+    head = header[:HEADER_BYTES].view(np.uint64)
     lb = int(head[LOW_BITS])
-    if lb > MAX_LOW_BITS or np.any(np.diff(tables, axis=1) < 0) or np.any(tables[:, 0] != 0):
+    totals = np.array([int(head[PAIRS]), int(head[ESCAPES]), int(head[RAWS])], dtype=np.int64)
+    if lb > MAX_LOW_BITS or len(entries) != int(np.sum(table_rows(nchunks, lo, hi)[1])):
         return None
-    if int(tables[0, -1]) != int(head[PAIRS]) or int(tables[1, -1]) != int(head[ESCAPES]):
-        return None
-    if int(tables[2, -1]) != int(head[RAWS]):
-        return None
-    return Parsed(lb, pairs, raw[DICT_AT : DICT_AT + 16].copy(), tables, head[OFFSETS : OFFSETS + 5].astype(np.int64))
+    tables = np.full((3, nchunks + 1), -1, dtype=np.int64)
+    values = entries.view(np.uint32).astype(np.int64)
+    at = 0
+    for t in range(3):  # (a step per table and run: runs are few, their entries vectorised)
+        for a, b in zip(lo, hi):
+            got = values[at : at + b - a + 2]
+            at += b - a + 2
+            if np.any(np.diff(got) < 0) or got[-1] > totals[t] or (a == 0 and got[0] != 0):
+                return None
+            if b + 1 == nchunks and got[-1] != totals[t]:
+                return None
+            tables[t, a : b + 2] = got
+    return Parsed(
+        lb, pairs, header[DICT_AT : DICT_AT + 16].copy(), tables, head[OFFSETS : OFFSETS + 5].astype(np.int64)
+    )
+
+
+def parse_buffer(buf: np.ndarray, nchunks: int, pairs: int) -> Parsed | None:
+    """``parse`` of a whole delta buffer (its header and every table entry)."""
+    lo, hi = np.array([0]), np.array([nchunks - 1])
+    offsets, lengths = table_rows(nchunks, lo, hi)
+    entries = np.concatenate([buf[o : o + n] for o, n in zip(offsets, lengths)])
+    return parse(buf[:HEADER_BYTES], entries, lo, hi, nchunks, pairs)
 
 
 def ranges(p: Parsed, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -409,7 +438,9 @@ __all__ = [
     "encode",
     "geometry",
     "parse",
+    "parse_buffer",
     "ranges",
+    "table_rows",
     "table_bytes",
     "write",
 ]

@@ -63,20 +63,28 @@ def usable(ctx: PullContext, session: Session, rec: Any, held: Held | None) -> b
     return why_not(ctx, session, rec, held) is None
 
 
-def choose(
-    ctx: PullContext, session: Session, rec: Any, held: Held | None, deadline: float
-) -> tuple[PullResult | None, str]:
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose`` did: the delta pull's result (None: the caller pulls in full), why
+    (``DELTA_REASONS``), and the bytes and reads it spent before declining (headers, tables)."""
+
+    result: PullResult | None
+    reason: str
+    nbytes: int = 0
+    ops: int = 0
+
+
+def choose(ctx: PullContext, session: Session, rec: Any, held: Held | None, deadline: float) -> Choice:
     """A delta pull of ``rec`` onto ``held`` where it is possible and estimated cheaper than a
-    full read on this link: ``(result, "delta")``; else ``(None, reason)`` (``DELTA_REASONS``)
-    before any write, and the caller pulls in full."""
+    full read on this link; else, before any write, why not (the caller pulls in full)."""
     reason = why_not(ctx, session, rec, held)
     if reason is not None:
-        return None, reason
+        return Choice(None, reason)
     cost = ctx.costs.setdefault(link(session), LinkCost())
     full_bytes = sum(session.delta[s.rank].full for s in session.sources)
     guess = before_tables(cost, rec.v - held.v, full_bytes, ctx.verify)
     if guess.declined:
-        return None, "cost"
+        return Choice(None, "cost")
     return _pull(ctx, session, rec, held.v, deadline, cost, guess)
 
 
@@ -88,7 +96,7 @@ def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: floa
         return None
     if not session.sources or any(rec.v - base > len(session.delta[s.rank].descs) for s in session.sources):
         return None
-    return _pull(ctx, session, rec, base, deadline, None, None)[0]
+    return _pull(ctx, session, rec, base, deadline, None, None).result
 
 
 def _setup_seconds(session: Session) -> float:
@@ -97,36 +105,41 @@ def _setup_seconds(session: Session) -> float:
 
 def _pull(
     ctx: PullContext, session: Session, rec: Any, base: int, deadline: float, cost: LinkCost | None, guess: Guess | None
-) -> tuple[PullResult | None, str]:
+) -> Choice:
     """The delta pull proper: headers and tables, the choice on their exact sizes (``cost`` and
     ``guess``; None: whatever it costs), streams, apply, verify-and-repair."""
     t0 = time.perf_counter()
     spent = _setup_seconds(session)
     geo = [session.delta[s.rank] for s in session.sources]
     got: dict[int, _reads.Fetched] = {}
+    hs: dict[int, _reads.Heads] = {}
+
+    def declined(reason: str) -> Choice:  # (with the bytes and reads spent so far)
+        spent = [got[r].nbytes if r in got else h.nbytes for r, h in hs.items()]
+        return Choice(None, reason, sum(spent), len(hs) + 2 * len(got))
+
     try:
-        hs: dict[int, _reads.Heads] = {}
         for src in session.sources:
             h = _reads.heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
             if isinstance(h, str):
-                return None, h
+                return declined(h)
             hs[src.rank] = h
         pairs, nbytes = sum(h.pairs for h in hs.values()), sum(h.stream_bytes for h in hs.values())
         full_bytes = sum(g.full for g in geo)
         reason = after_tables(cost, guess, pairs, nbytes, sum(g.partial for g in geo), rec.v - base, full_bytes)
         if reason is not None:
-            return None, reason
+            return declined(reason)
         for src in session.sources:
             r = _reads.fetch(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
             if r is None:
-                return None, "header-changed"
+                return declined("header-changed")
             got[src.rank] = r
     except TransportError:
-        return None, "source-failed"  # the full pull reads around a dead source (failover) or reports it
+        return declined("source-failed")  # the full pull reads around a dead source (failover) or reports it
     tr = time.perf_counter()
     writes = [_reads.writes(src, session, hs[src.rank], got[src.rank]) for src in session.sources]
     if any(w is None for w in writes):
-        return None, "malformed"  # before any write
+        return declined("malformed")  # before any write
     for w in (w for per in writes for w in per):
         _reads.apply(ctx.dest.buffers[w.region], w)
     t1 = time.perf_counter()
@@ -139,7 +152,7 @@ def _pull(
         cost.delta_pull(DeltaPull(pairs, nbytes, rec.v - base, reads, Timed(pairs, t1 - tr), check))
     read_bytes += repair.nbytes + STAMP_BYTES * len(session.sources)  # the stamp check that follows
     ops = sum(r.ops for r in got.values()) + repair.ops + len(session.sources)
-    return PullResult(read_bytes, 0, ops, repair.chunks, delta=True, reason="delta"), "delta"
+    return Choice(PullResult(read_bytes, 0, ops, repair.chunks, delta=True, reason="delta"), "delta")
 
 
 @dataclass(frozen=True)
@@ -183,4 +196,15 @@ def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadlin
     return Repair(repaired, nbytes, ops)
 
 
-__all__ = ["DELTA_REASONS", "LinkCost", "Repair", "choose", "link", "pull", "usable", "verify_repair", "why_not"]
+__all__ = [
+    "DELTA_REASONS",
+    "Choice",
+    "LinkCost",
+    "Repair",
+    "choose",
+    "link",
+    "pull",
+    "usable",
+    "verify_repair",
+    "why_not",
+]

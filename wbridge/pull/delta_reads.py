@@ -3,7 +3,8 @@ decoding them into writes, and applying the writes (the format: ``wbridge.protoc
 
 Per session and source, once (``prepare``): the source's reads sorted by slot offset, the runs of
 adjacent delta chunks they touch, and how they map onto the destination (``SourceGeometry``). Per
-pull: one batched read of the headers and tables of the deltas ``a + 1 .. v`` (``heads``), one of
+pull: one batched read of the headers of the deltas ``a + 1 .. v`` and of their table entries for
+those runs (``heads``: a reader of a slice reads its slice of the tables), one of
 the stream bytes of just the runs of chunks the reads cover, then the headers again: a buffer
 rewritten meanwhile is not used (``fetch``). Decoding is vectorised per delta and run
 (``protocol.delta.decode``), then cut at the reads and grouped per destination region
@@ -24,7 +25,7 @@ from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
 from ..protocol import checksum as _checksum
 from ..protocol import delta as _format
-from ..protocol.delta import CHUNK_BYTES, DELTA_MAGIC, DELTA_NONE, DELTA_STABLE, HEADER_BYTES, PAIR, table_bytes
+from ..protocol.delta import CHUNK_BYTES, DELTA_MAGIC, DELTA_NONE, DELTA_STABLE, HEADER_BYTES, PAIR, table_rows
 from ..protocol.records import unb64
 from .context import PullContext
 from .session import Session, Source
@@ -169,21 +170,26 @@ class Heads:
 
 
 def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> Heads | str:
-    """Reads the headers and tables of the deltas ``base + 1 .. rec.v`` of ``src`` (one batched
-    read); a reason (``DELTA_REASONS``) where they cannot be used."""
+    """Reads the headers of the deltas ``base + 1 .. rec.v`` of ``src`` and the table entries of
+    the runs of chunks its reads cover (one batched read); a reason (``DELTA_REASONS``) where they
+    cannot be used."""
     g = session.delta[src.rank]
-    k, tb = len(g.descs), table_bytes(g.geo.nchunks)
+    k, nchunks = len(g.descs), g.geo.nchunks
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
     m = len(us)
-    g.head.ensure(t, m * tb)
-    zeros = np.zeros(m, dtype=np.int64)
-    batch = ReadBatch(us % k, zeros, zeros, np.arange(m, dtype=np.int64) * tb, np.full(m, tb, dtype=np.int64))
+    rows_at, rows_n = table_rows(nchunks, g.run_lo, g.run_hi)
+    rows_at, rows_n = np.concatenate(([0], rows_at)), np.concatenate(([HEADER_BYTES], rows_n))
+    per = int(rows_n.sum())  # bytes per version: the header, then its runs' table entries
+    g.head.ensure(t, m * per)
+    r = len(rows_at)
+    dst = np.arange(m, dtype=np.int64)[:, None] * per + (np.cumsum(rows_n) - rows_n)[None, :]
+    batch = ReadBatch(np.repeat(us % k, r), np.tile(rows_at, m), np.zeros(m * r, np.int64), dst.reshape(-1),
+                      np.tile(rows_n, m))  # fmt: skip
     read(t, src, g.descs, g.head.region, batch, deadline)
-    raw = g.head.buf.numpy()[: m * tb].reshape(m, tb).copy()
+    raw = g.head.buf.numpy()[: m * per].reshape(m, per).copy()
     head = raw[:, :HEADER_BYTES].view(np.uint64)
     gen = session.gens[src.rank] if session.gens else 0
     want = np.stack([np.full(m, DELTA_MAGIC, np.uint64), us.astype(np.uint64), (us - 1).astype(np.uint64)], 1)
-    nchunks = g.geo.nchunks
     if not (head[:, :3] == want).all() or not (head[:, 4] == rec.epoch).all() or not (head[:, 6] == nchunks).all():
         return "header-changed"  # rewritten for a newer version, or another registration's
     if (head[:, 3] == DELTA_NONE).any():
@@ -192,7 +198,10 @@ def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
         return "header-changed"
     if not (head[:, 5] == gen).all():
         return "new-layout"  # a delta in between is in another packing generation's byte order
-    parsed = tuple(_format.parse(raw[i], nchunks, g.geo.pairs) for i in range(m))
+    parsed = tuple(
+        _format.parse(raw[i, :HEADER_BYTES], raw[i, HEADER_BYTES:], g.run_lo, g.run_hi, nchunks, g.geo.pairs)
+        for i in range(m)
+    )
     if any(p is None for p in parsed):
         return "malformed"
     cut = [_format.ranges(p, g.run_lo, g.run_hi) for p in parsed]
@@ -200,7 +209,7 @@ def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
     if np.any(lengths < 0) or np.any(offsets + lengths > g.geo.buffer_bytes):
         return "malformed"
     pairs = sum(int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum()) for p in parsed)
-    return Heads(us, raw, parsed, offsets, lengths, pairs, m * tb)
+    return Heads(us, raw, parsed, offsets, lengths, pairs, m * per)
 
 
 @dataclass(frozen=True)

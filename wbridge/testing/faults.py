@@ -57,9 +57,10 @@ class Delegating(Transport):
 
 
 class FlipBit(Delegating):
-    """Flips one bit of byte ``at`` (0: the first) of the first read, on reads number ``on_reads``
-    (1-based), counting only batches of at least ``min_ops`` reads (to skip verification re-reads,
-    say) and ``min_bytes`` bytes (to skip the few bytes of stamps)."""
+    """Flips one bit of the byte ``at`` bytes past where the first read of a batch lands (0: its
+    first byte; further on, bytes of the batch's next reads where they land after it), on reads
+    number ``on_reads`` (1-based), counting only batches of at least ``min_ops`` reads (to skip
+    verification re-reads, say) and ``min_bytes`` bytes (to skip the few bytes of stamps)."""
 
     def __init__(
         self, inner: Transport, on_reads: Sequence[int] = (1,), min_ops: int = 1, min_bytes: int = 0, at: int = 0
@@ -79,8 +80,8 @@ class FlipBit(Delegating):
             region = local[int(batch.dst_region[0])]
             if region.device != "cpu":
                 raise NotImplementedError("FlipBit corrupts host memory only")
-            if not 0 <= self.at < int(batch.nbytes[0]):
-                raise ValueError(f"FlipBit: byte {self.at} is outside the first read ({int(batch.nbytes[0])} bytes)")
+            if not 0 <= self.at < batch.total_bytes:
+                raise ValueError(f"FlipBit: byte {self.at} is past the batch's {batch.total_bytes} bytes")
             byte = ctypes.c_uint8.from_address(region.addr + int(batch.dst_offset[0]) + self.at)
             byte.value ^= 0x01
 
