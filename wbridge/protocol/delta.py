@@ -94,6 +94,13 @@ class Workspace:
             a.view(dtype)[:] = value
         return a[:size].view(dtype)
 
+    def lookup(self, table: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out[:] = table[index]`` for small unsigned ``index``: numpy's take first converts such
+        indices to a fresh intp array, so they are widened into a reused one here."""
+        wide = self.get("_lookup", len(index), np.intp)
+        np.copyto(wide, index, casting="unsafe")
+        return np.take(table, wide, out=out)
+
     def arange(self, n: int) -> np.ndarray:
         """``0 .. n - 1`` as int64 (computed once per size class)."""
         a = self._arrays.get("_arange")
@@ -252,7 +259,7 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace
     dictionary = np.zeros(16, np.uint8)
     dictionary[:DICT_SIZE] = top
     sym = ws.get("enc.sym", n + 1, np.uint8)
-    np.take(lut, k, out=sym[:n])
+    ws.lookup(lut, k, sym[:n])
     sym[n] = 0  # (a last half byte of padding)
     escaped = np.flatnonzero(np.equal(sym[:n], ESCAPE, out=ws.get("enc.b", n, bool)))
     esc = k[escaped]
@@ -401,14 +408,14 @@ def decode(
         sym = both[p0 % 2 : p0 % 2 + n]
         if len(sym) != n:
             return None
-        k = np.take(p.dictionary, sym, out=ws.get("dec.k", n, np.uint8))
+        k = ws.lookup(p.dictionary, sym, ws.get("dec.k", n, np.uint8))
         escaped = np.flatnonzero(np.equal(sym, ESCAPE, out=ws.get("dec.b", n, bool)))
         if len(escaped) != len(pieces[3]):
             return None
         k[escaped] = pieces[3]
         if np.any(np.equal(k, SAME, out=ws.get("dec.b", n, bool))):
             return None
-        diffs = np.take(_KDIFF, k, out=ws.get("dec.d", n, np.uint32)).view(np.uint8).reshape(n, 4)
+        diffs = ws.lookup(_KDIFF, k, ws.get("dec.d", n, np.uint32)).view(np.uint8).reshape(n, 4)
         with_raw = raw_pairs(k, ws)
         # the bytes coded 3 (in pair, then byte order) take the raw stream's bytes
         byte = np.flatnonzero(np.take(_KCODES, np.take(k, with_raw)).view(np.uint8) == 3)

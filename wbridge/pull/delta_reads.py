@@ -266,6 +266,9 @@ def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadB
         t.release(prep)
 
 
+FEW_READS = 64  # a source with at most this many reads gets a write per read (else one per region)
+
+
 @dataclass(frozen=True)
 class Write:
     """Byte differences to add at byte offsets of one destination region."""
@@ -288,17 +291,28 @@ def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write]
                 return None
             at, diffs = decoded  # (views of the workspace: turned into new arrays here)
             flat = diffs.reshape(-1)
-            changed = np.flatnonzero(flat != 0)  # the bytes that changed, ascending
-            pos_runs.append(at[changed >> 2] * PAIR + (changed & (PAIR - 1)))
-            unit_runs.append(flat[changed])
+            changed = np.flatnonzero(np.not_equal(flat, 0, out=g.work.get("w.nz", len(flat), bool)))
+            unit_runs.append(np.take(flat, changed))  # the bytes that changed, ascending
+            pair = np.right_shift(changed, 2, out=g.work.get("w.pair", len(changed), np.int64))
+            np.take(at, pair, out=pair)
+            np.bitwise_and(changed, PAIR - 1, out=changed)
+            pos_runs.append(np.add(changed, np.multiply(pair, PAIR, out=pair), out=changed))
         if not pos_runs:
             continue
         pos = np.concatenate(pos_runs) if len(pos_runs) > 1 else pos_runs[0]
         units = np.concatenate(unit_runs) if len(unit_runs) > 1 else unit_runs[0]
-        # positions ascend: cut them at every read's start and end, then take each read's slice in
-        # destination-region order (``perm``), so each region's bytes are contiguous
+        # positions ascend: cut them at every read's start and end
         cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
         lo_, hi_ = cut[0::2][g.perm], cut[1::2][g.perm]
+        if len(lo_) <= FEW_READS:  # a write per read: slices, no index arrays
+            shift = (g.doff - g.soff)[g.perm]
+            for r in np.flatnonzero(hi_ > lo_):
+                a, b = int(lo_[r]), int(hi_[r])
+                pos[a:b] += shift[r]  # (slot offsets become destination offsets, in place)
+                out.append(Write(int(g.dreg[g.perm[r]]), pos[a:b], units[a:b]))
+            continue
+        # many reads: each read's slice in destination-region order (``perm``), so that each
+        # region's bytes are contiguous, then a write per region
         n = hi_ - lo_
         at_read = np.cumsum(n) - n
         idx = np.arange(int(n.sum())) - np.repeat(at_read - lo_, n)
