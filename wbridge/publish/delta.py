@@ -153,6 +153,9 @@ class DeltaRing:
         return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
 
 
+SCAN_BLOCK = 1 << 18  # pairs compared and gathered at a time (1 MiB of each slot)
+
+
 def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> tuple[np.ndarray | None, np.ndarray]:
     """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size): their
     indices ascending, and their byte differences ``cur - prev`` (uint8 ``[n, 4]``, maybe a view of
@@ -164,14 +167,20 @@ def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) ->
     if cur.device.type == "cpu":
         a, b = prev.numpy(), cur.numpy()
         a4, b4 = a[:whole].view(np.uint32), b[:whole].view(np.uint32)
-        at = np.flatnonzero(np.not_equal(a4, b4, out=ws.get("scan.mask", len(a4), bool)))
-        if len(at) > most:
-            return None, np.zeros((0, PAIR), np.uint8)
+        mask = ws.get("scan.mask", min(len(a4), SCAN_BLOCK), bool)
+        ats, olds, news = [np.zeros(0, np.int64)], [np.zeros(0, np.uint32)], [np.zeros(0, np.uint32)]
+        for s in range(0, len(a4), SCAN_BLOCK):  # (a block's pairs are still in cache for the gathers)
+            pa, pb = a4[s : s + SCAN_BLOCK], b4[s : s + SCAN_BLOCK]
+            got = np.flatnonzero(np.not_equal(pa, pb, out=mask[: len(pa)]))
+            olds.append(np.take(pa, got))
+            news.append(np.take(pb, got))
+            ats.append(np.add(got, s, out=got))
+            if sum(len(x) for x in ats) > most:
+                return None, np.zeros((0, PAIR), np.uint8)
+        at = np.concatenate(ats)
         n = len(at)
-        old, new = (
-            np.take(a4, at, out=ws.get("scan.a", n, np.uint32)),
-            np.take(b4, at, out=ws.get("scan.b", n, np.uint32)),
-        )
+        old = np.concatenate(olds, out=ws.get("scan.a", n, np.uint32))
+        new = np.concatenate(news, out=ws.get("scan.b", n, np.uint32))
         diffs = np.subtract(new.view(np.uint8), old.view(np.uint8), out=ws.get("scan.d", 4 * n, np.uint8))
         diffs = diffs.reshape(-1, PAIR)
     else:  # on the GPU: the same ops in torch, only the changed pairs come to the host
