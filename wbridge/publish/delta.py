@@ -71,14 +71,22 @@ class Staged:
 @dataclass
 class DeltaRing:
     """The ``k`` delta buffers of one registration, their served regions, and which version (and
-    packing generation) each staging slot holds, so ``v``'s delta is encoded only from ``v - 1``."""
+    packing generation) each staging slot holds, so ``v``'s delta is encoded only from ``v - 1``.
 
-    buffers: list[Any]  # torch uint8 host buffers, one per ring position
+    - ``buffers``: torch uint8 host buffers, one per ring position (``geo.buffer_bytes`` each).
+    - ``geo``: the delta geometry of the registration's slots (``protocol.delta.geometry``).
+    - ``regions``: transport name -> ring position -> registered region.
+    - ``work``: the arrays the scan and the coding reuse from version to version.
+    - ``held``: staging slot -> what it holds (``Staged``).
+    - ``scratch``: the previous slot remapped to a new packing (``remap``), once the packing changed.
+    """
+
+    buffers: list[Any]
     geo: Geometry
-    regions: dict[str, list[Any]] = field(default_factory=dict)  # transport -> ring position -> region
-    work: _format.Workspace = field(default_factory=_format.Workspace, repr=False)  # the scan's and coding's arrays
-    held: dict[int, Staged] = field(default_factory=dict)  # slot -> what it holds
-    scratch: Any = None  # the previous slot remapped to a new packing (``remap``)
+    regions: dict[str, list[Any]] = field(default_factory=dict)
+    work: _format.Workspace = field(default_factory=_format.Workspace, repr=False)
+    held: dict[int, Staged] = field(default_factory=dict)
+    scratch: Any = None
 
     def remap(self, prev: Any, cur: Any, was: RankLayout | None, now: RankLayout | None) -> Any:
         """``prev`` (a slot laid out as ``was``) with its bytes moved to where ``now`` holds them,
