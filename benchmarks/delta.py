@@ -1,12 +1,14 @@
 """Delta updates on a real training run: bytes a one-version-behind subscriber reads, and their cost.
 
 Run: ``PYTHONPATH=. .venv/bin/python benchmarks/delta.py [--lr 1e-6 1e-5] [--transport tcp|local]
-[--link 1gbit]``.
+[--link 1gbit] [--fp8]``.
 
 The trainer (this process) trains a small transformers Llama (random init: hidden 256, 4 layers,
 vocabulary 4096, about 5 M parameters) with fp32 master weights and AdamW at each ``--lr`` for
 ``--steps`` steps on random tokens, and after the initial weights and after every step publishes
-them, cast to bf16 (``register(dtype=torch.bfloat16)``), on two channels side by side: one
+them, cast to bf16 (``register(dtype=torch.bfloat16)``; with ``--fp8`` every 2-D weight as
+DeepSeek-style FP8 blocks, ``transforms={name: "fp8_block128"}``, the rest bf16), on two channels
+side by side: one
 ``Publisher(delta=True)`` and one without deltas (the baseline). One subscriber process per channel
 pulls every version as soon as it is published, so it is always exactly one version behind when
 it pulls, and hashes what it holds; the trainer checks that hash against its own bf16 copy (bit
@@ -18,11 +20,12 @@ with ``tc ... tbf rate RATE`` on both ends (``zones.Link``; this kernel has no n
 delay): a link between clusters.
 
 Printed per learning rate, in ``--lr`` order (stdout, one line each; `` link=RATE`` appended with
-``--link``)::
+``--link``, `` fp8`` with ``--fp8``)::
 
-    delta: changed=<f> read_ratio=<r> snapshot_overhead=<x> pull_speedup=<s>
+    delta: changed=<f> read_ratio=<r> snapshot_overhead=<x> pull_speedup=<s> bytes_per_changed=<b> encode_gbps=<g>
 
-* ``changed``: the mean fraction of bf16 elements that differ from the version before (per step).
+* ``changed``: the mean fraction of published elements (bf16; with ``--fp8`` FP8, their float32
+  scales and the bf16 rest) that differ from the version before (per step).
 * ``read_ratio``: bytes the delta subscriber read (``PullStats.nbytes``: headers, tables, entries,
   stamps and any repair) averaged over its pulls after the first, fallbacks included, over the
   bytes of a full pull.
@@ -35,6 +38,13 @@ Printed per learning rate, in ``--lr`` order (stdout, one line each; `` link=RAT
 * ``pull_speedup``: the baseline subscriber's median pull time over the delta subscriber's. The
   delta subscriber chooses per pull between deltas and a full read by what each costs on its link
   (``wbridge.pull.delta.choose``); stderr says how often it chose what (``delta_reason``).
+* ``bytes_per_changed``: the bytes the delta subscriber read over its pulls after the first
+  (``read_ratio``'s numerator: everything, fallbacks included) over the published elements that
+  changed in those versions.
+* ``encode_gbps``: the slot's bytes over the publisher's median delta encode (the scan of the two
+  staging slots and the coding, ``PublishStats.encode_s``: CPU seconds of the publishing thread,
+  one core's time, which a loaded host does not inflate by descheduling; the checksums are not in
+  it).
 
 The plot (``delta.png`` in ``--out``, default the current directory) shows per step the changed
 fraction and the read ratio for each learning rate; ``delta.json`` there holds every pull (per
@@ -51,6 +61,7 @@ import argparse
 import collections
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -98,7 +109,7 @@ class SubActor:
     ``net``: (namespace, address) to enter and bind (``--link``), else None (loopback)."""
 
     def __init__(
-        self, url: str, channel: str, shapes: dict[str, tuple[int, ...]], transport: str, net: tuple | None
+        self, url: str, channel: str, shapes: dict[str, tuple[tuple[int, ...], str]], transport: str, net: tuple | None
     ) -> None:
         if net is not None:
             enter(net[0])  # before any socket is opened
@@ -106,7 +117,7 @@ class SubActor:
 
         from wbridge import Shard, Subscriber
 
-        self.tensors = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        self.tensors = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in shapes.items()}
         host = net[1] if net is not None else "127.0.0.1"
         self.sub = Subscriber(channel, url, token=TOKEN, transport=transport, host=host)
         self.sub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in self.tensors.items()})
@@ -121,6 +132,41 @@ class SubActor:
         self.sub.close()
 
 
+def published(params: dict[str, Any], fp8: bool) -> dict[str, Any]:
+    """What the publishers publish of ``params`` (fp32 masters): bf16, or with ``fp8`` each 2-D
+    weight as FP8 blocks and their scales (the snapshot's own quantiser), the rest bf16."""
+    import torch
+
+    from wbridge.publish.transforms import SCALE_SUFFIX, Fp8Block128, blocks
+
+    out = {}
+    for n, t in params.items():
+        if fp8 and t.dim() == 2:
+            w = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
+            scale = torch.empty(blocks(t.shape[0]), blocks(t.shape[1]), dtype=torch.float32)
+            Fp8Block128(w, scale).copy_(t)
+            out[n], out[n + SCALE_SUFFIX] = w, scale
+        else:
+            out[n] = t.to(torch.bfloat16)
+    return out
+
+
+def changed_elements(now: dict[str, Any], prev: dict[str, Any]) -> int:
+    """Elements of ``now`` whose bytes differ from ``prev``'s (each in its own dtype)."""
+    total = 0
+    for n, t in now.items():
+        w = t.element_size()
+        a = t.reshape(-1).view(torch_int(w))
+        total += int((a != prev[n].reshape(-1).view(torch_int(w))).sum())
+    return total
+
+
+def torch_int(size: int) -> Any:
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[size]
+
+
 def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
     """One learning rate's run; with ``link`` this process (the trainer) is in its "train"
     namespace already and the subscribers enter its "rollout" one."""
@@ -130,7 +176,9 @@ def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
 
     model = build_model(args.seed)
     params = {n: p.data for n, p in model.named_parameters()}
-    shapes = {n: tuple(t.shape) for n, t in params.items()}
+    transforms = {n: "fp8_block128" for n, t in params.items() if args.fp8 and t.dim() == 2}
+    prev = published(params, args.fp8)
+    shapes = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in prev.items()}
     host = link.addr["train"] if link is not None else "127.0.0.1"
     net = (link.ns["rollout"], link.addr["rollout"]) if link is not None else None
     url = f"tcp://{host}:{free_port()}"
@@ -143,31 +191,31 @@ def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
     actors = []
     try:
         for pub in pubs.values():
-            pub.register({n: (t, Shard(n, tuple(t.shape))) for n, t in params.items()}, dtype=torch.bfloat16)
+            tensors = {n: (t, Shard(n, tuple(t.shape))) for n, t in params.items()}
+            pub.register(tensors, dtype=torch.bfloat16, transforms=transforms or None)
         actors = start_actors([(f"sub-{c}", SubActor, (url, c, shapes, args.transport, net), {}) for c in pubs])
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         gen = torch.Generator().manual_seed(args.seed + 1)
-        prev = {n: t.to(torch.bfloat16) for n, t in params.items()}
         rows: list[dict] = []
         for step in range(args.steps + 1):
-            changed = 0.0
+            changed, nchanged = 0.0, 0
             if step:  # one optimizer step on random tokens
                 ids = torch.randint(0, VOCAB, (8, 64), generator=gen)
                 loss = model(input_ids=ids, labels=ids).loss
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                now = {n: t.to(torch.bfloat16) for n, t in params.items()}
-                diff = sum(int((now[n].view(torch.int16) != prev[n].view(torch.int16)).sum()) for n in now)
-                changed = diff / sum(t.numel() for t in now.values())
+                now = published(params, args.fp8)
+                nchanged = changed_elements(now, prev)
+                changed = nchanged / sum(t.numel() for t in now.values())
                 prev = now
             want = digest(prev)
             order = ["delta", "full"] if step % 2 else ["full", "delta"]  # neither always goes first
-            row: dict[str, Any] = {"step": step, "changed": changed}
+            row: dict[str, Any] = {"step": step, "changed": changed, "nchanged": nchanged}
             for c in order:
                 v = pubs[c].publish(timeout=60.0)
                 st = pubs[c].stats.last
-                row[f"{c}_stall"], row[f"{c}_encode"] = st.stall_s, st.delta_s
+                row[f"{c}_stall"], row[f"{c}_encode"], row[f"{c}_scan"] = st.stall_s, st.delta_s, st.encode_s
                 got = actors[list(pubs).index(c)].call("pull", v, call_timeout=120.0)
                 if got["hash"] != want or got["v"] != v:
                     raise SystemExit(f"delta benchmark: {c} subscriber does not hold version {v} bit for bit")
@@ -193,6 +241,8 @@ def run_lr(lr: float, args: argparse.Namespace, link: NetnsLink | None) -> dict:
         "reasons": dict(collections.Counter(r["delta_why"] for r in after)),
         "pulls": len(after),
         "encode_s": med(r["delta_encode"] for r in after),
+        "bytes_per_changed": sum(r["delta_bytes"] for r in after) / max(1, sum(r["nchanged"] for r in after)),
+        "encode_gbps": full_bytes / med([r["delta_scan"] for r in after if r["delta_scan"] > 0] or [math.inf]) / 1e9,
         "stall_s": med(r["full_stall"] for r in after),
         "pull_s": (med(r["full_pull"] for r in after), med(r["delta_pull"] for r in after)),
     }
@@ -231,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.getcwd(), help="directory for delta.png (default: the current one)")
     p.add_argument("--quiet", action="store_true", help="only the summary lines")
+    p.add_argument("--fp8", action="store_true", help='publish 2-D weights as FP8 blocks (transforms "fp8_block128")')
     p.add_argument(
         "--link",
         default=None,
@@ -258,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace, link: NetnsLink | None) -> list[dict]:
     """Every ``--lr`` in turn, each printing its line."""
-    suffix = f" link={args.link}" if args.link is not None else ""
+    suffix = (f" link={args.link}" if args.link is not None else "") + (" fp8" if args.fp8 else "")
     results = []
     for lr in args.lr:
         t0 = time.monotonic()
@@ -276,7 +327,8 @@ def run_all(args: argparse.Namespace, link: NetnsLink | None) -> list[dict]:
             )
         print(
             f"delta: changed={r['changed']:.4f} read_ratio={r['read_ratio']:.4f} "
-            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f}{suffix}",
+            f"snapshot_overhead={r['snapshot_overhead']:.2f} pull_speedup={r['pull_speedup']:.2f} "
+            f"bytes_per_changed={r['bytes_per_changed']:.3f} encode_gbps={r['encode_gbps']:.2f}{suffix}",
             flush=True,
         )
     return results

@@ -28,6 +28,7 @@ class PublishStats:
     nbytes: int  # bytes copied into the staging slot (0 with zero_copy=True)
     background: bool = False  # run by publish_async(): stall_s overlapped the caller's compute
     delta_s: float = 0.0  # Publisher(delta=True): the delta and checksums of the staged copy (not in stall_s)
+    encode_s: float = 0.0  # the delta's scan and coding: CPU seconds of the publishing thread (0: no delta)
 
 
 @dataclass

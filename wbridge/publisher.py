@@ -421,7 +421,7 @@ class Publisher(Closeable):
         t3 = time.perf_counter()
         nbytes = 0 if self.zero_copy else reg.layout.nbytes
         wait_s = (t1 - t0) + (t3 - t2)
-        self.stats.add(PublishStats(v, snap.copy_s, wait_s, t3 - t0, nbytes, background, snap.seal_s))
+        self.stats.add(PublishStats(v, snap.copy_s, wait_s, t3 - t0, nbytes, background, snap.seal_s, snap.encode_s))
         return v
 
     def wait_acked(self, version: int, timeout: float = 60.0) -> None:

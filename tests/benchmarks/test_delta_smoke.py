@@ -46,12 +46,27 @@ def test_delta_benchmark_prints_its_line(tmp_path) -> None:
     lines = run_benchmark("delta.py", "--lr", "1e-6", "--steps", "2", "--out", str(tmp_path), timeout=280)
     assert len(lines) == 1, lines
     assert re.fullmatch(
-        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM}", lines[0]
+        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
+        rf"bytes_per_changed={NUM} encode_gbps={NUM}",
+        lines[0],
     ), lines
     # deltas or full reads, as the cost choice finds them on this link and this load (bit-exact
     # either way: the benchmark exits non-zero otherwise), each costing what it should
     check_bytes(lines[0], tmp_path)
     assert os.path.exists(tmp_path / "delta.png")
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # trains the small Llama in real processes
+@pytest.mark.timeout(300)
+def test_delta_benchmark_publishes_fp8_blocks(tmp_path) -> None:
+    lines = run_benchmark("delta.py", "--lr", "1e-6", "--steps", "2", "--fp8", "--out", str(tmp_path), timeout=280)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(
+        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
+        rf"bytes_per_changed={NUM} encode_gbps={NUM} fp8",
+        lines[0],
+    ), lines
 
 
 @pytest.mark.slow
@@ -67,7 +82,9 @@ def test_delta_benchmark_over_a_shaped_link(tmp_path) -> None:
     lines = run_benchmark("delta.py", *args, timeout=280)
     assert len(lines) == 1, lines
     assert re.fullmatch(
-        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} link=1gbit", lines[0]
+        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
+        rf"bytes_per_changed={NUM} encode_gbps={NUM} link=1gbit",
+        lines[0],
     ), lines
     # a full version takes ~80 ms over the link, its deltas a few: chosen every time (how much faster
     # they are is the benchmark's pull_speedup, its target in benchmarks/delta.py)

@@ -69,6 +69,10 @@ class DeltaPub:
     def publish(self, timeout: float = 30.0) -> int:
         return self.pub.publish(timeout=timeout)
 
+    def register_again(self) -> None:
+        """Registers the same tensors again: a new publisher epoch."""
+        self.pub.register(self.tensors)
+
     def stats(self) -> dict:
         st = self.pub.stats.last
         return {"stall_s": st.stall_s, "delta_s": st.delta_s}
@@ -81,27 +85,33 @@ LINK_GBPS = 0.1  # the emulated link of the delta tests: deltas pay on it, also 
 
 
 class Link(Delegating):
-    """A link of ``gbps`` Gbit/s: every read returns only once its bytes would have crossed it
-    (loopback and shared memory are so fast here that a full read beats decoding deltas, and the
-    subscriber rightly chooses full pulls there: ``PullStats.delta_reason == "cost"``)."""
+    """A link of ``gbps`` Gbit/s (None: as fast as the transport) and ``latency`` seconds per read:
+    every read returns only once its bytes would have crossed it (loopback and shared memory are
+    so fast here that a full read beats decoding deltas, and the subscriber rightly chooses full
+    pulls there: ``PullStats.delta_reason == "cost"``)."""
 
-    def __init__(self, inner: Any, gbps: float) -> None:
+    def __init__(self, inner: Any, gbps: float | None, latency: float = 0.0) -> None:
         super().__init__(inner)
-        self.rate = gbps * 1e9 / 8
+        self.rate = gbps * 1e9 / 8 if gbps is not None else float("inf")
+        self.latency = latency
+        self.reads = 0
 
     def read(self, prepared: Any, *, timeout: float) -> None:
         import time
 
         t0 = time.monotonic()
+        self.reads += 1
         self.inner.read(prepared[0], timeout=timeout)
-        left = prepared[2].total_bytes / self.rate - (time.monotonic() - t0)
+        left = self.latency + prepared[2].total_bytes / self.rate - (time.monotonic() - t0)
         if left > 0:
             time.sleep(min(left, timeout))
 
 
 class DeltaSub:
     """A subscriber of TP rank ``rank`` of ``tp`` (unfused), tensors filled with garbage first,
-    reading over a ``LINK_GBPS`` link (``link_gbps=None``: as fast as the transport goes)."""
+    reading over a ``LINK_GBPS`` link (``link_gbps=None``: as fast as the transport goes) with
+    ``latency`` seconds per read; ``twice``: one tensor registered a second time (its bytes read
+    into two destinations)."""
 
     def __init__(
         self,
@@ -111,6 +121,8 @@ class DeltaSub:
         fault: tuple[str, dict] | None = None,
         odd: bool = False,
         link_gbps: float | None = LINK_GBPS,
+        latency: float = 0.0,
+        twice: bool = False,
         **kwargs,
     ) -> None:
         from wbridge.testing.faults import inject, wrapper
@@ -119,21 +131,24 @@ class DeltaSub:
         self.tensors = tensors_of(tp, rank, odd, version=None, fill_value=0x5A)
         self.sub = Subscriber("d", url, token=TOKEN, **kwargs)
         wrap = wrapper(fault[0], **fault[1]) if fault is not None else (lambda t: t)
-        if link_gbps is not None:
-            inject(self.sub, lambda t: Link(wrap(t), link_gbps))
+        self.links: list[Link] = []
+        if link_gbps is not None or latency:
+            inject(self.sub, lambda t: self.links.append(Link(wrap(t), link_gbps, latency)) or self.links[-1])
         elif fault is not None:
             inject(self.sub, wrap)
-        self.sub.register(self.tensors)
+        registered = dict(self.tensors)
+        if twice:
+            name, (t, decl) = sorted(self.tensors.items())[0]
+            registered[name + ".again"] = (t.clone(), decl)
+        self.sub.register(registered)
 
     def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
+        before = sum(link.reads for link in self.links)
         v = self.sub.pull(min_version=min_version, timeout=timeout)
         last = self.sub.stats.last
-        # how the deltas were scattered: 2-byte words, or bytes where a read starts or ends on an odd byte
-        session = self.sub._ctx.session  # (an internal detail the test checks: wbridge.pull.delta)
-        geo = (session.delta or {}) if session is not None else {}
-        units = sorted({g.unit for g in geo.values() if g is not None})
-        out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired, "units": units}
+        out = {"v": v, "delta": last.delta, "nbytes": last.nbytes, "repaired": last.repaired}
         out["why"] = last.delta_reason
+        out["link_reads"] = sum(link.reads for link in self.links) - before  # (reads over the link, stamps too)
         return {**out, "retries": last.retries}
 
     def bad(self, steps: Sequence[tuple[int, float]]) -> list[str]:

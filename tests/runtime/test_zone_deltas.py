@@ -102,6 +102,7 @@ class ZoneSub:
             "v": got,
             "digest": _digest(self.t),
             "delta": s.delta,
+            "why": s.delta_reason,
             "from_publishers": s.nbytes_from_publishers,
             "from_peers": s.nbytes_from_peers,
         }
@@ -150,6 +151,7 @@ def test_relays_pull_deltas_across_the_link(url: str) -> None:
             _exact(rs, v, want)
             assert all(r["delta"] for r in rs[:3]), [r["delta"] for r in rs]
             assert rs[3]["from_publishers"] == 0 and rs[3]["from_peers"] == MODEL, rs[3]
+            assert rs[3]["why"] == "zone" and {r["why"] for r in rs[:3]} == {"delta"}, rs
             assert 0 < _link(rs) <= 0.05, _link(rs)
         fresh = Worker("fresh", ZoneSub, url, True)
         want = pub.call("publish", 4)

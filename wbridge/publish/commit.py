@@ -62,7 +62,8 @@ class Committer:
 @dataclass(frozen=True)
 class Snapshot:
     """What ``snapshot`` made of version ``v``: its slot, the rank's part of it, its checksum
-    record (None: none kept), and the seconds of the copy (the stall) and of the work after it."""
+    record (None: none kept), and the seconds of the copy (the stall) and of the work after it
+    (delta and checksums), and the CPU seconds of the delta's encoding alone."""
 
     v: int
     slot: int
@@ -70,6 +71,7 @@ class Snapshot:
     sums: dict | None
     copy_s: float
     seal_s: float
+    encode_s: float = 0.0
 
 
 def snapshot(
@@ -97,8 +99,9 @@ def snapshot(
         stamp[1:] = (v, STAMP_STABLE, reg.epoch)
         t1 = time.perf_counter()
         # both read the staging slot only: after the trainer's stall
+        encode_s = 0.0
         if reg.delta is not None:
-            reg.delta.encode(reg.slots, v, c.nslots, reg.epoch, gen, slot_layout)
+            encode_s = reg.delta.encode(reg.slots, v, c.nslots, reg.epoch, gen, slot_layout).seconds
         buffers = reg.slots[0] if reg.zero_copy else reg.slots[slot]
         sums = _checksum.slot_sums(buffers, slot_layout) if c.checksums else None
     if gen not in reg.layout_hashes:
@@ -106,7 +109,7 @@ def snapshot(
     part = RankPart(v, reg.epoch, reg.inc, gen, reg.layout_hashes[gen])
     if sums is not None:
         sums = _checksum.bind(sums, v, reg.inc, part.layout)
-    return Snapshot(v, slot, part, sums, t1 - t0, time.perf_counter() - t1)
+    return Snapshot(v, slot, part, sums, t1 - t0, time.perf_counter() - t1, encode_s)
 
 
 def commit(c: Committer, snap: Snapshot) -> bool:

@@ -1,29 +1,26 @@
-"""Delta updates, publisher side: the on-wire format of a version's delta and its encoding.
+"""Delta updates, publisher side: the ring of delta buffers and the scan that fills them.
 
-A publisher with ``delta=True`` keeps a ring of ``k`` delta buffers in registered memory next to its
-staging slots. After version ``v`` is snapshotted into slot ``v % slots``, and when the slot of
-``v - 1`` still holds ``v - 1`` of the same registration, it compares the two staging slots (never
-the live tensors: the trainer's stall does not grow) as 2-byte words and writes what changed into
-buffer ``v % k``, in ``v``'s slot byte order. Where ``v - 1`` was packed for other readers (another
-packing generation), its bytes are first moved to where ``v``'s packing holds them (``remap``):
-a new reader layout, a repack, a late joiner or a rejoin costs no subscriber its base. The chunk
-checksums of every staged slot are cut at its cells (``protocol.checksum.slot_sums``), so a reader
-packed for verifies whole chunks only. Layout of one delta buffer (native byte order)::
+A publisher with ``Staging(delta=Delta(history=k))`` keeps a ring of ``k`` delta buffers in
+registered memory next to its staging slots. After version ``v`` is snapshotted into slot
+``v % slots``, and when the slot of ``v - 1`` still holds ``v - 1`` of the same registration, it
+compares the two staging slots (never the live tensors: the trainer's stall does not grow) and
+writes what changed into buffer ``v % k``, in ``v``'s slot byte order, coded as
+``wbridge.protocol.delta`` says (the format and its codec live there). Where ``v - 1`` was packed
+for other readers (another packing generation), its bytes are first moved to where ``v``'s packing
+holds them (``remap``): a new reader layout, a repack, a late joiner or a rejoin costs no
+subscriber its base. The chunk checksums of every staged slot are cut at its cells
+(``wbridge.protocol.checksum.slot_sums``), so a reader packed for verifies whole chunks only.
 
-    header   8 x uint64   magic, version v, base v - 1, state, epoch, packing gen of v, nchunks, nentries
-    table    uint32[nchunks + 1] at byte 64: entries of chunk c are [table[c], table[c + 1])
-    entries  uint32 at byte ``entries_at``: word index within its chunk (low 16 bits) | new word << 16
-
-A chunk is ``CHUNK_WORDS`` 2-byte words of the slot, so a reader slices the entries by the chunks
-its own reads cover and reads nothing of other readers' changes. The header says ``WRITING`` while
-the buffer is rewritten and ``NONE`` where the version has no delta (no base, or more changes than
-the buffer holds: readers then pull in full); readers read it before and after the entries (a
-seqlock, like the slot stamps). Encoding is vectorised: one compare, ``nonzero``, ``bincount``,
-``cumsum`` (numpy on the host, torch on a GPU).
+The scan is one pass over the two slots as 4-byte pairs: one compare, ``flatnonzero``, two gathers
+and a byte-wise subtraction (numpy on the host; torch on a GPU, only the changed pairs come to the
+host); the coding then works on the changed pairs alone (``protocol.delta.encode``). The header
+says ``WRITING`` while the buffer is rewritten and ``NONE`` where the version has no delta (no base,
+or more changes than the buffer holds: readers then pull in full).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,33 +34,58 @@ from transports._copy import CopyPlan
 
 from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
+from ..protocol import delta as _format
 from ..protocol.delta import (
-    CHUNK_WORDS,
     DELTA_MAGIC,
     DELTA_NONE,
     DELTA_STABLE,
     DELTA_WRITING,
     HEADER_BYTES,
+    PAIR,
+    Geometry,
     geometry,
-    table_bytes,
 )
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """What one ``DeltaRing.encode`` did: changed pairs (-1: no delta for the version, readers pull
+    in full), bytes of the coded streams, and the CPU seconds the scan and coding took on the
+    calling thread (one core's time: a loaded host's waits for a core are not in it)."""
+
+    pairs: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What one staging slot holds: its version, packing generation and slot layout."""
+
+    v: int
+    gen: int
+    layout: RankLayout | None
 
 
 @dataclass
 class DeltaRing:
     """The ``k`` delta buffers of one registration, their served regions, and which version (and
-    packing generation) each staging slot holds, so ``v``'s delta is encoded only from ``v - 1``."""
+    packing generation) each staging slot holds, so ``v``'s delta is encoded only from ``v - 1``.
 
-    buffers: list[Any]  # torch uint8 host buffers, one per ring position
-    nchunks: int
-    capacity: int
-    regions: dict[str, list[Any]] = field(default_factory=dict)  # transport -> ring position -> region
-    held: dict[int, tuple[int, int, Any]] = field(default_factory=dict)  # slot -> (version, packing gen, layout)
-    scratch: Any = None  # the previous slot remapped to a new packing (``remap``)
+    - ``buffers``: torch uint8 host buffers, one per ring position (``geo.buffer_bytes`` each).
+    - ``geo``: the delta geometry of the registration's slots (``protocol.delta.geometry``).
+    - ``regions``: transport name -> ring position -> registered region.
+    - ``work``: the arrays the scan and the coding reuse from version to version.
+    - ``held``: staging slot -> what it holds (``Staged``).
+    - ``scratch``: the previous slot remapped to a new packing (``remap``), once the packing changed.
+    """
 
-    @property
-    def entries_at(self) -> int:
-        return table_bytes(self.nchunks)
+    buffers: list[Any]
+    geo: Geometry
+    regions: dict[str, list[Any]] = field(default_factory=dict)
+    work: _format.Workspace = field(default_factory=_format.Workspace, repr=False)
+    held: dict[int, Staged] = field(default_factory=dict)
+    scratch: Any = None
 
     def remap(self, prev: Any, cur: Any, was: RankLayout | None, now: RankLayout | None) -> Any:
         """``prev`` (a slot laid out as ``was``) with its bytes moved to where ``now`` holds them,
@@ -93,61 +115,89 @@ class DeltaRing:
 
     def encode(
         self, slots: list[Any], v: int, nslots: int, epoch: int, gen: int, layout: RankLayout | None = None
-    ) -> int:
+    ) -> Encoding:
         """Encodes ``v`` (in slot ``v % nslots``, laid out as ``layout``: packing generation
-        ``gen``) against ``v - 1`` into ring buffer ``v % k``, in ``v``'s slot byte order; returns
-        the number of changed words (-1: no delta for ``v``, readers pull in full). Where ``v - 1``
-        was packed for other readers (another generation), its bytes are first moved to where
-        ``v``'s packing holds them (``remap``), so a new reader layout costs no one their base."""
+        ``gen``) against ``v - 1`` into ring buffer ``v % k``, in ``v``'s slot byte order. Where
+        ``v - 1`` was packed for other readers (another generation), its bytes are first moved to
+        where ``v``'s packing holds them (``remap``), so a new reader layout costs no one their base."""
+        t0 = time.thread_time()
         slot = v % nslots
         base = self.held.get((v - 1) % nslots) if nslots >= 2 else None
-        self.held[slot] = (v, gen, layout)
+        self.held[slot] = Staged(v, gen, layout)
         i = v % len(self.buffers)
         head = self.header(i)
-        head[:] = (DELTA_MAGIC, v, v - 1, DELTA_WRITING, epoch, gen, self.nchunks, 0)
-        if base is None or base[0] != v - 1:
+        head[:] = 0
+        head[:8] = (DELTA_MAGIC, v, v - 1, DELTA_WRITING, epoch, gen, self.geo.nchunks, 0)
+        none = Encoding(-1, 0, 0.0)
+        if base is None or base.v != v - 1:
             head[3] = DELTA_NONE
-            return -1
+            return none
         prev, cur = slots[(v - 1) % nslots][0], slots[slot][0]
-        if base[1] != gen:
-            prev = self.remap(prev, cur, base[2], layout)
+        if base.gen != gen:
+            prev = self.remap(prev, cur, base.layout, layout)
             if prev is None:
                 head[3] = DELTA_NONE
-                return -1
-        even = int(cur.numel()) // 2 * 2
-        if even != int(cur.numel()) and bool(prev[-1] != cur[-1]):  # the odd last byte: in no word
+                return none
+        pairs_at, diffs = scan(prev, cur, self.geo.capacity * 2, self.work)
+        if pairs_at is None:  # more changed pairs than 4 bits each fit
             head[3] = DELTA_NONE
-            return -1
-        prev, cur = prev[:even], cur[:even]
-        if cur.device.type == "cpu":
-            a, b = prev.numpy().view(np.uint16), cur.numpy().view(np.uint16)
-            idx = np.flatnonzero(a != b)
-            if len(idx) > self.capacity:
-                head[3] = DELTA_NONE
-                return -1
-            counts = np.bincount(idx >> 12, minlength=self.nchunks)
-            entries = (idx & (CHUNK_WORDS - 1)).astype(np.uint32) | (b[idx].astype(np.uint32) << 16)
-        else:  # on the GPU: the same ops in torch, only the (small) result comes to the host
-            import torch
-
-            a, b = prev.view(torch.int16), cur.view(torch.int16)
-            idx = torch.nonzero(a != b).squeeze(1)
-            if int(idx.numel()) > self.capacity:
-                head[3] = DELTA_NONE
-                return -1
-            counts = torch.bincount(idx >> 12, minlength=self.nchunks).cpu().numpy()
-            words = (b[idx].to(torch.int32) & 0xFFFF) << 16
-            entries = (words | (idx & (CHUNK_WORDS - 1)).to(torch.int32)).cpu().numpy().view(np.uint32)
-        n = len(entries)
-        buf = self.buffers[i].numpy()
-        table = buf[HEADER_BYTES : HEADER_BYTES + 4 * (self.nchunks + 1)].view(np.uint32)
-        table[0] = 0
-        np.cumsum(counts, out=table[1:])
-        at = self.entries_at
-        buf[at : at + 4 * n].view(np.uint32)[:] = entries
-        head[7] = n
+            return none
+        coded = _format.encode(pairs_at, diffs, self.geo, self.work)
+        if coded.nbytes > self.geo.capacity:
+            head[3] = DELTA_NONE
+            return none
+        _format.write(self.buffers[i].numpy(), coded)
         head[3] = DELTA_STABLE  # last: the header says "stable" only once every byte is in place
-        return n
+        return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
+
+
+SCAN_BLOCK = 1 << 18  # pairs compared and gathered at a time (1 MiB of each slot)
+
+
+def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+    """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size): their
+    indices ascending, and their byte differences ``cur - prev`` (uint8 ``[n, 4]``, maybe a view of
+    ``ws``); ``(None, _)`` where more than ``most`` changed. A short last pair is compared padded
+    with zeros."""
+    ws = ws or _format.Workspace()
+    size = int(cur.numel())
+    whole = size // PAIR * PAIR
+    if cur.device.type == "cpu":
+        a, b = prev.numpy(), cur.numpy()
+        a4, b4 = a[:whole].view(np.uint32), b[:whole].view(np.uint32)
+        mask = ws.get("scan.mask", min(len(a4), SCAN_BLOCK), bool)
+        ats, olds, news = [np.zeros(0, np.int64)], [np.zeros(0, np.uint32)], [np.zeros(0, np.uint32)]
+        for s in range(0, len(a4), SCAN_BLOCK):  # (a block's pairs are still in cache for the gathers)
+            pa, pb = a4[s : s + SCAN_BLOCK], b4[s : s + SCAN_BLOCK]
+            got = np.flatnonzero(np.not_equal(pa, pb, out=mask[: len(pa)]))
+            olds.append(np.take(pa, got))
+            news.append(np.take(pb, got))
+            ats.append(np.add(got, s, out=got))
+            if sum(len(x) for x in ats) > most:
+                return None, np.zeros((0, PAIR), np.uint8)
+        at = np.concatenate(ats)
+        n = len(at)
+        old = np.concatenate(olds, out=ws.get("scan.a", n, np.uint32))
+        new = np.concatenate(news, out=ws.get("scan.b", n, np.uint32))
+        diffs = np.subtract(new.view(np.uint8), old.view(np.uint8), out=ws.get("scan.d", 4 * n, np.uint8))
+        diffs = diffs.reshape(-1, PAIR)
+    else:  # on the GPU: the same ops in torch, only the changed pairs come to the host
+        import torch
+
+        a4, b4 = prev[:whole].view(torch.int32), cur[:whole].view(torch.int32)
+        found = torch.nonzero(a4 != b4).squeeze(1)
+        if int(found.numel()) > most:
+            return None, np.zeros((0, PAIR), np.uint8)
+        rows_a, rows_b = prev[:whole].view(-1, PAIR), cur[:whole].view(-1, PAIR)
+        at, diffs = found.cpu().numpy(), (rows_b[found] - rows_a[found]).cpu().numpy()
+    if whole < size:  # the slot's short last pair
+        ta, tb = np.zeros(PAIR, np.uint8), np.zeros(PAIR, np.uint8)
+        ta[: size - whole] = prev[whole:].cpu().numpy()
+        tb[: size - whole] = cur[whole:].cpu().numpy()
+        if np.any(ta != tb):
+            at = np.append(at, whole // PAIR)
+            diffs = np.concatenate([diffs, (tb - ta)[None, :]])
+    return at.astype(np.int64, copy=False), diffs
 
 
 def build_ring(
@@ -158,15 +208,15 @@ def build_ring(
     geo = geometry(slot_bytes)
     if geo is None:
         return None
-    nchunks, capacity = geo
-    size = table_bytes(nchunks) + 4 * capacity
+    size = geo.buffer_bytes
     if old is not None and len(old.buffers) == k and all(int(b.numel()) == size for b in old.buffers):
         buffers = old.buffers
     else:
         buffers = [staging_buffer(transports, size, "cpu") for _ in range(k)]
-    ring = DeltaRing(buffers, nchunks, capacity)
+    ring = DeltaRing(buffers, geo)
     for i in range(k):
-        ring.header(i)[:] = (DELTA_MAGIC, 0, 0, DELTA_NONE, 0, 0, nchunks, 0)
+        ring.header(i)[:] = 0
+        ring.header(i)[:8] = (DELTA_MAGIC, 0, 0, DELTA_NONE, 0, 0, geo.nchunks, 0)
     try:
         for name, t in transports.items():
             ring.regions[name] = [t.register(address(b), int(b.numel()), device="cpu") for b in buffers]
@@ -185,4 +235,4 @@ def release_ring(ring: DeltaRing | None, transports: Mapping[str, Any]) -> None:
             quietly(transports[name].deregister, r)
 
 
-__all__ = ["DeltaRing", "build_ring", "release_ring"]
+__all__ = ["DeltaRing", "Encoding", "build_ring", "release_ring", "scan"]

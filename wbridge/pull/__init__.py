@@ -15,7 +15,8 @@ destination, session), never the subscriber.
     3. ``apply.apply``, which runs the rest:
        a. ``connect.setup``: once per publisher epoch (or packing generation), reads the publishers'
           records, plans (``planner``), picks and connects a transport per source (``session``).
-       b. ``delta``: where the destination holds a recent version whole, reads only what changed;
+       b. ``delta``: where the destination holds a recent version whole and ``delta_cost`` finds it
+          cheaper on the link, reads only what changed (``delta_reads``);
           else ``zone`` (relays of the zone first, ``ranges`` splits them) or ``reads`` (every
           source's prepared batch; ``connect.failover`` reads around a dead source).
        c. ``reads.verify_sources`` (with ``verify``) and ``reads.check_stamps``: the seqlock check

@@ -134,18 +134,18 @@ def _read(
     """The reads of ``rec``: deltas onto ``held`` where possible and cheaper, else through the
     zone, else from every source (failing over to replicas); the session (a new one after a
     failover) and result, whose ``reason`` says why it was a delta or a full pull."""
-    reason = "zone"
+    choice = delta.Choice(None, "zone")
     if zone is None:  # a zone's readers take deltas in ``zone`` (its relays pull them over the link)
         try:
-            result, reason = delta.choose(ctx, session, rec, held, deadline)
+            choice = delta.choose(ctx, session, rec, held, deadline)
         except IntegrityError:
             check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
             raise
         except TransportError as e:  # a source died mid-pull: the full read below fails over
             log.warning("subscriber %s: delta pull of version %d failed (%s); pulling in full", ctx.name, rec.v, e)
-            result, reason = None, "source-failed"
-        if result is not None:
-            return ctx.session or session, result
+            choice = delta.Choice(None, "source-failed")
+        if choice.result is not None:
+            return ctx.session or session, choice.result
     if zone is not None:  # relays of the zone first (deltas over the link), publishers for the rest
         try:
             session, result = zone.read(session, rec, held, deadline)
@@ -163,7 +163,9 @@ def _read(
             session = failover(ctx, session, failed, deadline)
     seconds = time.perf_counter() - t0  # what a full read costs on this link (deltas or full: ``delta.choose``)
     ctx.costs.setdefault(delta.link(session), delta.LinkCost()).full_read(session.plan.total_bytes, seconds)
-    return session, PullResult(session.plan.total_bytes, 0, len(session.plan), reason=reason)
+    # (a declined delta pull's headers and tables were read too)
+    nbytes, ops = session.plan.total_bytes + choice.nbytes, len(session.plan) + choice.ops
+    return session, PullResult(nbytes, 0, ops, reason=choice.reason)
 
 
 __all__ = ["apply", "check_options"]

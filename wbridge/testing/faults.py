@@ -57,14 +57,17 @@ class Delegating(Transport):
 
 
 class FlipBit(Delegating):
-    """Flips one bit of the first byte of the first read, on reads number ``on_reads`` (1-based),
-    counting only batches of at least ``min_ops`` reads (to skip verification re-reads, say) and
-    ``min_bytes`` bytes (to skip the few bytes of stamps)."""
+    """Flips one bit of the byte ``at`` bytes past where the first read of a batch lands (0: its
+    first byte; further on, bytes of the batch's next reads where they land after it), on reads
+    number ``on_reads`` (1-based), counting only batches of at least ``min_ops`` reads (to skip
+    verification re-reads, say) and ``min_bytes`` bytes (to skip the few bytes of stamps)."""
 
-    def __init__(self, inner: Transport, on_reads: Sequence[int] = (1,), min_ops: int = 1, min_bytes: int = 0) -> None:
+    def __init__(
+        self, inner: Transport, on_reads: Sequence[int] = (1,), min_ops: int = 1, min_bytes: int = 0, at: int = 0
+    ) -> None:
         super().__init__(inner)
         self.on_reads = set(on_reads)
-        self.min_ops, self.min_bytes = min_ops, min_bytes
+        self.min_ops, self.min_bytes, self.at = min_ops, min_bytes, at
         self.reads = 0
 
     def read(self, prepared: Any, *, timeout: float) -> None:
@@ -77,7 +80,9 @@ class FlipBit(Delegating):
             region = local[int(batch.dst_region[0])]
             if region.device != "cpu":
                 raise NotImplementedError("FlipBit corrupts host memory only")
-            byte = ctypes.c_uint8.from_address(region.addr + int(batch.dst_offset[0]))
+            if not 0 <= self.at < batch.total_bytes:
+                raise ValueError(f"FlipBit: byte {self.at} is past the batch's {batch.total_bytes} bytes")
+            byte = ctypes.c_uint8.from_address(region.addr + int(batch.dst_offset[0]) + self.at)
             byte.value ^= 0x01
 
 

@@ -49,7 +49,7 @@ test_gpu_check.py``), so the references cannot rot. What only a GPU run exercise
 2. the packed copy as torch strided views (``publish.packing.copy_torch``);
 3. the delta encode in torch (``publish.delta.DeltaRing.encode``'s GPU branch), its checksums through a
    host copy (``protocol.checksum.host_array``), and the delta scatter into CUDA memory
-   (``pull.delta._scatter``);
+   (``pull.delta_reads.apply``);
 4. nixl's VRAM registrations and NCCL process groups on CUDA memory (``transports._nccl_group``),
    and the staged subscriber's commit as device copies (``_tensors.commit_pairs``);
 5. host staging (tcp, local, auto without RDMA): pinned host memory (``_tensors.alloc_bytes(pinned=

@@ -1,0 +1,140 @@
+"""The delta format's codec (``wbridge.protocol.delta``) on its own: every change found by the scan
+is decoded back exactly, from the whole buffer or from any run of chunks alone, at every density
+(every Elias-Fano width), with short last pairs, escapes and raw bytes; tables or streams that do
+not make sense are refused, never decoded into wrong writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from wbridge.protocol import delta as F
+from wbridge.publish.delta import scan
+
+
+def changed(size: int, frac: float, seed: int, ulp: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Two slots of ``size`` bytes; ``frac`` of the 2-byte words differ (by +-1 in the low byte,
+    as Adam steps move bf16 words, or by anything)."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, size, dtype=np.uint8)
+    b = a.copy()
+    words = size // 2
+    hit = np.flatnonzero(rng.random(words) < frac)
+    if ulp:
+        step = rng.choice(np.array([1, 255, 2, 254], dtype=np.uint8), len(hit), p=[0.45, 0.45, 0.05, 0.05])
+        b[2 * hit] += step
+        big = hit[rng.random(len(hit)) < 0.05]  # some words move in both bytes
+        b[2 * big + 1] += np.uint8(1)
+    else:
+        b[2 * hit] = rng.integers(0, 256, len(hit), dtype=np.uint8)
+        b[2 * hit + 1] = rng.integers(0, 256, len(hit), dtype=np.uint8)
+    if size % 2 and rng.random() < 0.5:
+        b[-1] ^= 0x40  # the odd last byte too
+    return a, b
+
+
+def coded(a: np.ndarray, b: np.ndarray) -> tuple[F.Geometry, np.ndarray, np.ndarray, np.ndarray, F.Parsed]:
+    geo = F.geometry(len(a))
+    at, diffs = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40)
+    e = F.encode(at, diffs, geo)
+    # (a publisher declines a delta larger than its buffer; the codec itself has no such limit)
+    buf = np.zeros(max(geo.buffer_bytes, F.table_bytes(geo.nchunks) + e.nbytes), np.uint8)
+    F.write(buf, e)
+    p = F.parse_buffer(buf, geo.nchunks, geo.pairs)
+    assert p is not None and p.low_bits == e.low_bits
+    return geo, at, diffs, buf, p
+
+
+def decoded(p: F.Parsed, buf: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+    offsets, lengths = F.ranges(p, np.array([lo]), np.array([hi]))
+    return F.decode(p, lo, hi, [buf[o : o + n] for o, n in zip(offsets[0], lengths[0])])
+
+
+def applied(a: np.ndarray, at: np.ndarray, diffs: np.ndarray) -> np.ndarray:
+    out = np.concatenate([a, np.zeros(-len(a) % 4, np.uint8)])
+    out.reshape(-1, 4)[at] += diffs
+    return out[: len(a)]
+
+
+@pytest.mark.parametrize("frac", [0.0, 1e-5, 3e-4, 0.003, 0.015, 0.1, 0.3, 0.9])
+@pytest.mark.parametrize("size", [1, 6, 4093, 300_001])
+def test_every_change_decodes_back_exactly(size: int, frac: float) -> None:
+    for seed, ulp in ((1, True), (2, False)):
+        a, b = changed(size, frac, seed, ulp)
+        geo, at, diffs, buf, p = coded(a, b)
+        got = decoded(p, buf, 0, geo.nchunks - 1)
+        assert got is not None
+        assert np.array_equal(got[0], at) and np.array_equal(got[1], diffs)
+        assert np.array_equal(applied(a, *got), b)
+
+
+def test_every_elias_fano_width_is_used_and_chosen_by_size() -> None:
+    pairs = 1 << 20
+    widths = {F.low_bits_for(n, pairs) for n in (1, 100, 1000, 10_000, 100_000, 500_000, pairs)}
+    assert {0, 1, F.MAX_LOW_BITS} <= widths and len(widths) >= 5, widths
+    for n in (10, 5000, 200_000):  # the width chosen makes high + low smallest
+        sizes = [-(-pairs // (1 << lb)) + n * (1 + lb) for lb in range(F.MAX_LOW_BITS + 1)]
+        assert sizes[F.low_bits_for(n, pairs)] == min(sizes)
+
+
+@pytest.mark.parametrize("width", range(1, F.MAX_LOW_BITS + 1))
+def test_fields_of_every_width_unpack_from_any_entry(width: int) -> None:
+    rng = np.random.default_rng(width)
+    values = rng.integers(0, 1 << width, 1001).astype(np.int64)
+    packed = F._pack_bits(values, width)
+    assert len(packed) == -(-1001 * width // 8)
+    for first in (0, 1, 7, 8, 333):
+        bit = first * width
+        got = F._unpack_bits(packed[bit // 8 :], bit % 8, 1001 - first, width)
+        assert np.array_equal(got, values[first:])
+
+
+def test_a_run_of_chunks_decodes_alone_from_its_own_ranges() -> None:
+    a, b = changed(9 * F.CHUNK_BYTES + 1234, 0.02, 3)
+    geo, at, diffs, buf, p = coded(a, b)
+    for lo, hi in ((0, 0), (2, 4), (5, 5), (8, 9), (3, 9)):
+        keep = (at >= lo * F.CHUNK_PAIRS) & (at < (hi + 1) * F.CHUNK_PAIRS)
+        got = decoded(p, buf, lo, hi)
+        assert got is not None and np.array_equal(got[0], at[keep]) and np.array_equal(got[1], diffs[keep])
+    # the ranges of a run stay inside the streams its chunks use
+    offsets, lengths = F.ranges(p, np.array([2]), np.array([4]))
+    whole_o, whole_n = F.ranges(p, np.array([0]), np.array([geo.nchunks - 1]))
+    assert np.all(lengths[0] < whole_n[0]) and np.all(offsets[0] >= whole_o[0])
+
+
+def test_adam_like_changes_cost_under_two_bytes_per_changed_word() -> None:
+    a, b = changed(4 << 20, 0.015, 4)
+    geo, at, diffs, buf, p = coded(a, b)
+    words = int((a.view(np.uint16) != b.view(np.uint16)).sum())
+    e = F.encode(at, diffs, geo)
+    assert (e.nbytes + F.table_bytes(geo.nchunks)) / words < 2.0
+
+
+def test_malformed_tables_and_streams_are_refused() -> None:
+    a, b = changed(3 * F.CHUNK_BYTES, 0.05, 5, ulp=False)
+    geo, at, diffs, buf, p = coded(a, b)
+    bad = buf.copy()
+    bad[F.HEADER_BYTES + 4 : F.HEADER_BYTES + 8] = 0xFF  # the second chunk's first pair: past the total
+    assert F.parse_buffer(bad, geo.nchunks, geo.pairs) is None
+    bad = buf.copy()
+    bad[F.HEADER_BYTES - 16 - 8 * 8] = 14  # low width 14: beyond what any delta uses
+    assert F.parse_buffer(bad, geo.nchunks, geo.pairs) is None
+    # a run's own table entries are enough, and a run's entries that decrease are refused
+    lo, hi = np.array([1]), np.array([1])
+    offsets, lengths = F.table_rows(geo.nchunks, lo, hi)
+    entries = np.concatenate([buf[o : o + n] for o, n in zip(offsets, lengths)])
+    part = F.parse(buf[: F.HEADER_BYTES], entries, lo, hi, geo.nchunks, geo.pairs)
+    assert part is not None and np.array_equal(part.tables[:, 1:3], p.tables[:, 1:3])
+    assert np.all(part.tables[:, 0] == -1) and np.all(part.tables[:, 3:] == -1)
+    entries[:4] = 0xFF
+    assert F.parse(buf[: F.HEADER_BYTES], entries, lo, hi, geo.nchunks, geo.pairs) is None
+    offsets, lengths = F.ranges(p, np.array([0]), np.array([geo.nchunks - 1]))
+    pieces = [buf[o : o + n].copy() for o, n in zip(offsets[0], lengths[0])]
+    for stream in (3, 4):  # an escape or raw byte short
+        short = [x.copy() for x in pieces]
+        short[stream] = short[stream][:-1]
+        assert F.decode(p, 0, geo.nchunks - 1, short) is None
+    broken = [x.copy() for x in pieces]
+    broken[0][:] = 0  # no pair at all in the high bits
+    assert F.decode(p, 0, geo.nchunks - 1, broken) is None

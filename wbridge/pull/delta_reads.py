@@ -1,0 +1,353 @@
+"""Delta pulls on the wire: what a source's reads cover, reading its deltas' tables and streams,
+decoding them into writes, and applying the writes (the format: ``wbridge.protocol.delta``).
+
+Per session and source, once (``prepare``): the source's reads sorted by slot offset, the runs of
+adjacent delta chunks they touch, and how they map onto the destination (``SourceGeometry``). Per
+pull: one batched read of the headers of the deltas ``a + 1 .. v`` and of their table entries for
+those runs (``heads``: a reader of a slice reads its slice of the tables), one of
+the stream bytes of just the runs of chunks the reads cover, then the headers again: a buffer
+rewritten meanwhile is not used (``fetch``). Decoding is vectorised per delta and run
+(``protocol.delta.decode``), then cut at the reads and grouped per destination region
+(``writes``); each write adds byte differences at its offsets (``apply``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transports.base import ReadBatch
+
+from .._lifecycle import quietly
+from .._tensors import address, alloc_bytes
+from ..protocol import checksum as _checksum
+from ..protocol import delta as _format
+from ..protocol.delta import CHUNK_BYTES, DELTA_MAGIC, DELTA_NONE, DELTA_STABLE, HEADER_BYTES, PAIR, table_rows
+from ..protocol.records import unb64
+from .context import PullContext
+from .session import Session, Source
+
+
+@dataclass
+class Scratch:
+    """A host buffer registered with one transport (grown on demand)."""
+
+    buf: Any = None
+    region: Any = None
+    spent: float = 0.0  # seconds spent allocating and registering (not a delta's cost: done once)
+
+    def ensure(self, t: Any, n: int) -> None:
+        if self.buf is not None and int(self.buf.numel()) >= n:
+            return
+        t0 = time.perf_counter()
+        self.release(t)
+        self.buf = alloc_bytes(max(n, 4096), "cpu")
+        self.region = t.register(address(self.buf), int(self.buf.numel()))
+        self.spent += time.perf_counter() - t0
+
+    def release(self, t: Any) -> None:
+        if self.region is not None:
+            quietly(t.deregister, self.region)
+        self.buf = self.region = None
+
+
+@dataclass(frozen=True)
+class SourceGeometry:
+    """What one source's plan batch covers, computed once per session: its reads sorted by slot
+    offset, the runs of adjacent delta chunks they touch (inclusive chunk indices), and the
+    scratch buffers its delta reads land in."""
+
+    soff: np.ndarray
+    end: np.ndarray
+    dreg: np.ndarray
+    doff: np.ndarray
+    run_lo: np.ndarray
+    run_hi: np.ndarray
+    perm: np.ndarray  # reads ordered by destination region (stable), so one scatter per region
+    groups: np.ndarray  # in ``perm`` order: the index of each region's first read, and len(perm)
+    partial: int  # bytes of the checksum chunks these reads cover only in part (re-read to verify)
+    full: int  # bytes of a full read
+    geo: _format.Geometry
+    descs: tuple[bytes, ...]
+    head: Scratch
+    check: Scratch
+    streams: Scratch
+    work: _format.Workspace  # the decoder's arrays, reused from pull to pull
+
+    @property
+    def scratches(self) -> tuple[Scratch, ...]:
+        return (self.head, self.check, self.streams)
+
+
+def source_geometry(src: Source, slot_bytes: int, descs: list[bytes], sum_starts: np.ndarray) -> SourceGeometry | None:
+    """``src``'s delta geometry over a slot of ``slot_bytes``; None where its plan reads one slot
+    byte twice or from another region than the slot's first."""
+    b = src.batch
+    geo = _format.geometry(slot_bytes)
+    if geo is None or (len(b) and np.any(b.src_region != 0)):
+        return None
+    order = np.argsort(b.src_offset, kind="stable")
+    soff, n = b.src_offset[order], b.nbytes[order]
+    end = soff + n
+    if len(soff) > 1 and np.any(soff[1:] < end[:-1]):
+        return None  # overlapping reads of one source: one slot byte, two destinations
+    keep = n > 0
+    c0, c1 = soff[keep] // CHUNK_BYTES, np.minimum((end[keep] - 1) // CHUNK_BYTES, geo.nchunks - 1)
+    # merge [c0, c1] ranges that overlap or touch into runs
+    reach = np.maximum.accumulate(c1) if len(c1) else c1
+    starts = np.ones(len(c0), dtype=bool)
+    starts[1:] = c0[1:] > reach[:-1] + 1
+    first = np.flatnonzero(starts)
+    last = np.append(first[1:] - 1, len(c0) - 1).astype(np.int64) if len(first) else first
+    run_lo, run_hi = c0[first], reach[last] if len(last) else last
+    doff, dreg = b.dst_offset[order], b.dst_region[order]
+    perm = np.argsort(dreg, kind="stable")
+    groups = np.append(np.flatnonzero(np.diff(dreg[perm], prepend=-1)), len(perm))
+    # bytes covered below x: cum[i] + (x - soff[i]) clipped, for the last read starting below x
+    cum = np.concatenate(([0], np.cumsum(n)))
+    edges = np.append(sum_starts, slot_bytes)  # the checksum chunks (``checksum.slot_edges``)
+    i = np.searchsorted(soff, edges, side="right") - 1
+    j = np.maximum(i, 0)
+    below = np.where(i >= 0, cum[j] + np.clip(edges - soff[j], 0, n[j]), 0)
+    covered, length = np.diff(below), np.diff(edges)
+    partial = int(length[(covered > 0) & (covered < length)].sum())
+    return SourceGeometry(
+        soff, end, dreg, doff, run_lo.astype(np.int64), run_hi.astype(np.int64), perm, groups, partial,
+        int(n.sum()), geo, tuple(descs), Scratch(), Scratch(), Scratch(), _format.Workspace(),
+    )  # fmt: skip
+
+
+def prepare(ctx: PullContext, session: Session) -> dict[int, SourceGeometry | str]:
+    """Each source's delta geometry (or why it has none: a ``DELTA_REASONS`` value), computed once
+    per session (its scratch buffers are released with the session)."""
+    if session.delta is not None:
+        return session.delta
+    geo: dict[int, SourceGeometry | str] = {}
+    for src in session.sources:
+        served = session.records[src.rank]["transports"].get(src.transport, {})
+        descs = served.get("delta")
+        sizes = session.layouts[src.rank].region_sizes
+        if not isinstance(descs, list) or not descs or not sizes:
+            geo[src.rank] = "publisher-no-delta"
+            continue
+        size = int(sizes[0])
+        starts = _checksum.slot_edges(session.layouts[src.rank], size)
+        geo[src.rank] = source_geometry(src, size, [unb64(d) for d in descs], starts) or "unsupported-plan"
+    endpoints = ctx.endpoints
+
+    def release() -> None:
+        for src in session.sources:
+            g, t = geo.get(src.rank), endpoints.get(src.transport)
+            if isinstance(g, SourceGeometry) and t is not None:
+                for scratch in g.scratches:
+                    scratch.release(t)
+
+    session.delta = geo
+    session.closers.append(release)
+    return geo
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What one source's delta headers and tables said: the versions, the headers as read (compared
+    again after the streams), each delta's parsed tables, and per delta, run and stream the byte
+    range to read (``offsets``, ``lengths``: ``[versions, runs, 5]``)."""
+
+    us: np.ndarray
+    raw: np.ndarray
+    parsed: tuple[_format.Parsed, ...]
+    offsets: np.ndarray
+    lengths: np.ndarray
+    pairs: int  # changed pairs the reads' runs cover, over every delta
+    nbytes: int  # bytes read for the headers and tables
+
+    @property
+    def stream_bytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> Heads | str:
+    """Reads the headers of the deltas ``base + 1 .. rec.v`` of ``src`` and the table entries of
+    the runs of chunks its reads cover (one batched read); a reason (``DELTA_REASONS``) where they
+    cannot be used."""
+    g = session.delta[src.rank]
+    k, nchunks = len(g.descs), g.geo.nchunks
+    us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
+    m = len(us)
+    rows_at, rows_n = table_rows(nchunks, g.run_lo, g.run_hi)
+    rows_at, rows_n = np.concatenate(([0], rows_at)), np.concatenate(([HEADER_BYTES], rows_n))
+    per = int(rows_n.sum())  # bytes per version: the header, then its runs' table entries
+    g.head.ensure(t, m * per)
+    r = len(rows_at)
+    dst = np.arange(m, dtype=np.int64)[:, None] * per + (np.cumsum(rows_n) - rows_n)[None, :]
+    batch = ReadBatch(np.repeat(us % k, r), np.tile(rows_at, m), np.zeros(m * r, np.int64), dst.reshape(-1),
+                      np.tile(rows_n, m))  # fmt: skip
+    read(t, src, g.descs, g.head.region, batch, deadline)
+    raw = g.head.buf.numpy()[: m * per].reshape(m, per).copy()
+    head = raw[:, :HEADER_BYTES].view(np.uint64)
+    gen = session.gens[src.rank] if session.gens else 0
+    want = np.stack([np.full(m, DELTA_MAGIC, np.uint64), us.astype(np.uint64), (us - 1).astype(np.uint64)], 1)
+    if not (head[:, :3] == want).all() or not (head[:, 4] == rec.epoch).all() or not (head[:, 6] == nchunks).all():
+        return "header-changed"  # rewritten for a newer version, or another registration's
+    if (head[:, 3] == DELTA_NONE).any():
+        return "no-delta"
+    if not (head[:, 3] == DELTA_STABLE).all():
+        return "header-changed"
+    if not (head[:, 5] == gen).all():
+        return "new-layout"  # a delta in between is in another packing generation's byte order
+    parsed = tuple(
+        _format.parse(raw[i, :HEADER_BYTES], raw[i, HEADER_BYTES:], g.run_lo, g.run_hi, nchunks, g.geo.pairs)
+        for i in range(m)
+    )
+    if any(p is None for p in parsed):
+        return "malformed"
+    cut = [_format.ranges(p, g.run_lo, g.run_hi) for p in parsed]
+    offsets, lengths = np.stack([c[0] for c in cut]), np.stack([c[1] for c in cut])
+    if np.any(lengths < 0) or np.any(offsets + lengths > g.geo.buffer_bytes):
+        return "malformed"
+    pairs = sum(int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum()) for p in parsed)
+    return Heads(us, raw, parsed, offsets, lengths, pairs, m * per)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One source's stream bytes as read: per delta and run its five stream pieces, plus the bytes
+    and reads the fetch took (headers and tables included)."""
+
+    pieces: tuple[tuple[tuple[np.ndarray, ...], ...], ...]
+    nbytes: int
+    ops: int
+
+
+def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: float) -> Fetched | None:
+    """Reads the stream bytes of the runs of chunks ``src``'s reads cover (one row per delta, run
+    and stream), then the headers again; None where a delta was rewritten under the reads."""
+    g = session.delta[src.rank]
+    k, m = len(g.descs), len(h.us)
+    g.check.ensure(t, m * HEADER_BYTES)
+    zeros = np.zeros(m, dtype=np.int64)
+    n = h.lengths.reshape(-1)
+    which = np.repeat(np.arange(m), h.lengths.shape[1] * h.lengths.shape[2])
+    rows = n > 0
+    at = np.concatenate(([0], np.cumsum(n)))
+    total = int(at[-1])
+    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
+    if total:
+        g.streams.ensure(t, total)
+        batch = ReadBatch(
+            (h.us % k)[which[rows]], h.offsets.reshape(-1)[rows], np.zeros(int(rows.sum()), dtype=np.int64),
+            at[:-1][rows], n[rows],
+        )  # fmt: skip
+        read(t, src, g.descs, g.streams.region, batch, deadline)
+        nbytes, ops = nbytes + total, ops + len(batch)
+    # the headers again: a delta rewritten under the reads is not used
+    again = ReadBatch(h.us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, HEADER_BYTES))
+    read(t, src, g.descs, g.check.region, again, deadline)
+    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), h.raw[:, :HEADER_BYTES]):
+        return None
+    got = g.streams.buf.numpy()[:total].copy() if total else np.zeros(0, np.uint8)
+    shape = h.lengths.shape
+    pieces = tuple(
+        tuple(tuple(got[at[(i * shape[1] + r) * 5 + s] : at[(i * shape[1] + r) * 5 + s + 1]] for s in range(5))
+              for r in range(shape[1]))
+        for i in range(shape[0])
+    )  # fmt: skip
+    return Fetched(pieces, nbytes, ops)
+
+
+def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadBatch, deadline: float) -> None:
+    prep = t.prepare(src.peer, list(descs), [local], batch)
+    try:
+        t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        t.release(prep)
+
+
+FEW_READS = 64  # a source with at most this many reads gets a write per read (else one per region)
+
+
+@dataclass(frozen=True)
+class Write:
+    """Byte differences to add at byte offsets of one destination region."""
+
+    region: int
+    offsets: np.ndarray
+    values: np.ndarray  # uint8
+
+
+def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write] | None:
+    """The writes of ``src``'s fetched deltas (each delta's, in order; byte differences add, so
+    their order does not matter); None where a delta is malformed."""
+    g = session.delta[src.rank]
+    out: list[Write] = []
+    for i, p in enumerate(h.parsed):  # one step per delta version (k at most) and run, vectorised inside
+        pos_runs, unit_runs = [], []
+        for r, (lo, hi) in enumerate(zip(g.run_lo, g.run_hi)):
+            decoded = _format.decode(p, int(lo), int(hi), list(got.pieces[i][r]), g.work)
+            if decoded is None:
+                return None
+            at, diffs = decoded  # (views of the workspace: turned into new arrays here)
+            flat = diffs.reshape(-1)
+            changed = np.flatnonzero(np.not_equal(flat, 0, out=g.work.get("w.nz", len(flat), bool)))
+            unit_runs.append(np.take(flat, changed))  # the bytes that changed, ascending
+            pair = np.right_shift(changed, 2, out=g.work.get("w.pair", len(changed), np.int64))
+            np.take(at, pair, out=pair)
+            np.bitwise_and(changed, PAIR - 1, out=changed)
+            pos_runs.append(np.add(changed, np.multiply(pair, PAIR, out=pair), out=changed))
+        if not pos_runs:
+            continue
+        pos = np.concatenate(pos_runs) if len(pos_runs) > 1 else pos_runs[0]
+        units = np.concatenate(unit_runs) if len(unit_runs) > 1 else unit_runs[0]
+        # positions ascend: cut them at every read's start and end
+        cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
+        lo_, hi_ = cut[0::2][g.perm], cut[1::2][g.perm]
+        if len(lo_) <= FEW_READS:  # a write per read: slices, no index arrays
+            shift = (g.doff - g.soff)[g.perm]
+            for r in np.flatnonzero(hi_ > lo_):
+                a, b = int(lo_[r]), int(hi_[r])
+                pos[a:b] += shift[r]  # (slot offsets become destination offsets, in place)
+                out.append(Write(int(g.dreg[g.perm[r]]), pos[a:b], units[a:b]))
+            continue
+        # many reads: each read's slice in destination-region order (``perm``), so that each
+        # region's bytes are contiguous, then a write per region
+        n = hi_ - lo_
+        at_read = np.cumsum(n) - n
+        idx = np.arange(int(n.sum())) - np.repeat(at_read - lo_, n)
+        doff = pos[idx] + np.repeat((g.doff - g.soff)[g.perm], n)
+        units = units[idx]
+        ends = np.append(at_read, len(idx))[g.groups]
+        for r, a, b in zip(g.groups[:-1], ends[:-1], ends[1:]):  # one write per destination region
+            if b > a:
+                out.append(Write(int(g.dreg[g.perm[r]]), doff[a:b], units[a:b]))
+    return out
+
+
+def apply(dst: Any, w: Write) -> None:
+    """Adds ``w``'s byte differences into ``dst`` (a uint8 region, host or device), mod 256."""
+    if isinstance(dst, np.ndarray) or dst.device.type == "cpu":
+        arr = _checksum.host_array(dst)
+        arr[w.offsets] += w.values
+        return
+    import torch
+
+    idx = torch.from_numpy(w.offsets).to(dst.device)
+    dst[idx] = dst[idx] + torch.from_numpy(w.values).to(dst.device)
+
+
+__all__ = [
+    "Fetched",
+    "Heads",
+    "Scratch",
+    "SourceGeometry",
+    "Write",
+    "apply",
+    "fetch",
+    "heads",
+    "prepare",
+    "read",
+    "source_geometry",
+    "writes",
+]
