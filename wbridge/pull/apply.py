@@ -14,6 +14,9 @@
    stamp confirmed what it sent (during a delta pull's repairs, say) is failed over: its replicas
    stand in and the version is read again in full.
 5. Staged: copies the private buffer into the live tensors; then acks ``v`` in the state key.
+
+The reads and checks of one try share its ``context.Attempt`` (the record, the session, the version
+held before, the pull's deadline); a failover that connects a new session replaces it.
 """
 
 from __future__ import annotations

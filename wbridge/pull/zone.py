@@ -1,19 +1,21 @@
 """Zones and relays: each version crosses the link between clusters once, not once per replica.
 
 A subscriber with ``zone=Z, relay=True`` (always staged) serves its staging buffer, the version it
-is assembling or holds, to subscribers of zone Z. ``RelayServer`` is that serving side: the buffer
+is assembling or holds, to subscribers of zone Z. ``RelayServer`` (``wbridge.pull.relay``) is that
+serving side: the buffer
 and a stamp (``protocol.stamps``: magic, version, state, epoch) registered with the subscriber's
 own served transports (tcp and local by default, bound to its ``host``), and a sealed record under
 ``Keys.zone_relay(Z, k)``: its layout hash, endpoints, region descriptors, the version ``v`` it holds
 and ``held``, the byte ranges of its buffer that hold ``v`` and were verified.
 
-``ZoneReader.read`` replaces a zone subscriber's publisher reads of one version:
+``ZoneReader.read`` replaces a zone subscriber's publisher reads of one version (its relays as it sees
+them: ``wbridge.pull.peers``; what it reads from the publishers: ``relay.Fetcher``):
 
 1. A version held whole by relays of Z with the same layout (same bytes at the same offsets) is read
    from them, split evenly.
 2. Otherwise the live relays of Z with that layout split the buffer into equal byte ranges (ordered
    by relay record): relay i of N reads range i from the publishers (the publisher plan clipped to
-   it) in a background thread, in ``OWN_CHUNKS`` chunks, and announces each chunk once the
+   it) in a background thread, in ``relay.OWN_CHUNKS`` chunks, and announces each chunk once the
    publishers' stamps are checked; a non-relay subscriber reads no range.
 3. Meanwhile each reads the ranges it misses from the peers that announce them, as they appear,
    checking each peer's stamp after the data; in between it blocks on the store until a relay of
@@ -44,7 +46,8 @@ and publisher checksums, also against the checksums; a peer whose bytes fail the
 Before a relay writes a new version into its buffer it withdraws its ranges (``held = []``) and sets
 its stamp to the new version; a reader reads the stamp after the data and drops ranges whose stamp
 does not say "version v, stable, epoch e" (the seqlock of publisher slots), re-reading them
-elsewhere. A peer that fails at the transport is dropped for the pull. Readers never read another
+elsewhere. A peer that fails at the transport, is slow or serves bad bytes is not read for
+``peers.DISTRUST_S``. Readers never read another
 zone's relays (the zone is part of the key) and use publishers whatever the publishers' zone.
 Relays whose lease lapsed are skipped and their record deleted by whoever sees it first (and by
 publisher rank 0 with the subscriber's keys).
