@@ -229,7 +229,7 @@ class Publisher(Closeable):
         """Works in ``chan``'s store generation from here on: its keys, and the subscriber tracker
         (rank 0 aggregates subscriber progress for every rank, ``wbridge.publish.tracker``), waits and
         committer over it."""
-        self._chan, self.keys = chan, chan.keys
+        self.keys = chan.keys
         self._tracker = SubscriberTracker(chan, aggregator=self.rank == 0, others=self.world_size > 1)
         who, stopped = f"publisher rank {self.rank}", self._flight.check_stopped
         self._waits = SyncWaits(self._tracker, who, self.mode, self.max_staleness, self.slots, self.zero_copy, stopped)
