@@ -40,6 +40,15 @@ def integer(value: Any, what: str, minimum: int = 0) -> int:
     return n
 
 
+def rank(rank: Any, world_size: Any) -> tuple[int, int]:
+    """``rank`` among ``world_size`` ranks: integers, ``0 <= rank < world_size``."""
+    rank = integer(rank, "rank")
+    world_size = integer(world_size, "world_size", minimum=1)
+    if rank >= world_size:
+        raise UsageError(f"rank {rank} outside world_size {world_size}")
+    return rank, world_size
+
+
 def token(value: Any) -> bytes | None:
     if value is None or isinstance(value, bytes):
         return value

@@ -38,6 +38,7 @@ from typing import Any
 from planner.layout import Declaration
 
 from . import _validate
+from ._deadline import Deadline
 from ._lifecycle import Closeable, quietly
 from ._selection import memory_kinds, rdma_present, subscriber_placement
 from ._stats import PullStats, SubscriberStats
@@ -311,18 +312,15 @@ class Subscriber(Closeable):
         ``register()``: an engine learns from it what to allocate and pull (a LoRA adapter's
         config, ``wbridge.integrations.lora``), even before a first version is published."""
         self._check_open()
-        timeout = _validate.timeout(timeout, "metadata() timeout")
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(_validate.timeout(timeout, "metadata() timeout"))
         try:
-            with self._store.deadline(deadline):
+            with self._store.deadline(deadline.at):
                 while True:
                     chan = self._channel()
                     raw = None if chan is None else self._store.get(chan.keys.meta)
                     if raw is not None:
                         return _meta.parse(chan, raw)[1]
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise WaitTimeout("no metadata")
+                    left = deadline.check("no metadata")
                     if chan is None:  # no generation in the store yet: nothing to block on
                         time.sleep(min(left, 0.05))
                         continue
@@ -334,7 +332,8 @@ class Subscriber(Closeable):
                         pass  # (re-checked above)
         except WaitTimeout:
             raise WaitTimeout(
-                f"subscriber {self.name}: no publisher registered on channel {self.channel!r} within {timeout:.1f}s"
+                f"subscriber {self.name}: no publisher registered on channel {self.channel!r} "
+                f"within {deadline.seconds:.1f}s"
             ) from None
 
     def wait_version(self, after: int | None = None, timeout: float = 60.0) -> int:
@@ -349,20 +348,17 @@ class Subscriber(Closeable):
         if type(floor) is not int or floor < 0:  # noqa: E721 - bool is no version
             raise UsageError(f"subscriber {self.name}: wait_version(after=) needs an int >= 0, got {after!r}")
 
-        timeout = _validate.timeout(timeout, "wait_version() timeout")
-        deadline = time.monotonic() + timeout
-        with self._store.deadline(deadline):
+        deadline = Deadline.after(_validate.timeout(timeout, "wait_version() timeout"))
+        with self._store.deadline(deadline.at):
             while True:
                 keys, rec = self._follow()
                 floor = self._ctx.floor(floor)
                 if rec is not None and rec.v > floor:
                     return rec.v
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WaitTimeout(
-                        f"subscriber {self.name}: no version > {floor} on channel {self.channel!r} "
-                        f"within {timeout:.1f}s"
-                    )
+                left = deadline.check(
+                    f"subscriber {self.name}: no version > {floor} on channel {self.channel!r} "
+                    f"within {deadline.seconds:.1f}s"
+                )
                 if keys is None:  # no generation in the store yet: nothing to block on
                     time.sleep(min(left, 0.05))
                     continue
@@ -417,12 +413,12 @@ class Subscriber(Closeable):
         timeout = self._check_args(min_version, timeout)
         if self._ctx.dest is None:
             raise UsageError(f"subscriber {self.name}: pull() before register()")
-        deadline = time.monotonic() + timeout
-        with self._pull_lock, self._store.deadline(deadline):
-            return self._pull(min_version, deadline, timeout)
+        deadline = Deadline.after(timeout)
+        with self._pull_lock, self._store.deadline(deadline.at):
+            return self._pull(min_version, deadline)
 
     # ------------------------------------------------------------------------------------------
-    def _pull(self, min_version: int | None, deadline: float, timeout: float) -> int:
+    def _pull(self, min_version: int | None, deadline: Deadline) -> int:
         want = max(1, min_version or 1)
         retries = 0
         lost = self._ctx.losses
@@ -440,7 +436,7 @@ class Subscriber(Closeable):
                 lost, want = self._ctx.losses, 1
             first, known = known, None
             try:
-                rec, fence = next_version(self._ctx, want, deadline, timeout, first, self._check_membership)
+                rec, fence = next_version(self._ctx, want, deadline, first, self._check_membership)
             except GenerationChanged:
                 continue
             if self._ctx.holds(rec):  # the same version (number, epoch, nonce): nothing to read
@@ -456,10 +452,10 @@ class Subscriber(Closeable):
             except StaleVersionError:
                 retries += 1
                 want = rec.v + 1
-                if time.monotonic() >= deadline:
+                if deadline.expired:
                     raise StaleVersionError(
                         f"subscriber {self.name}: version {rec.v} was overwritten while being read "
-                        f"and no newer version arrived within {timeout:.1f}s"
+                        f"and no newer version arrived within {deadline.seconds:.1f}s"
                     ) from None
                 continue
             self.stats.add(done.stats(rec.v, time.perf_counter() - t0, retries))
@@ -473,8 +469,8 @@ class Subscriber(Closeable):
         checksums (``Staging(checksums=False)``); ``StaleVersionError`` where that version's
         checksums were collected since (``slots + 2`` newer versions replaced it: pull again)."""
         self._check_open()
-        deadline = time.monotonic() + _validate.timeout(timeout, "verify() timeout")
-        with self._pull_lock, self._store.deadline(deadline):
+        deadline = Deadline.after(_validate.timeout(timeout, "verify() timeout"))
+        with self._pull_lock, self._store.deadline(deadline.at):
             return verify_held(self._ctx, deadline)
 
     def _leave(self) -> None:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from ..errors import StoreError
 from .channel import ChannelStore
 from .keys import Keys
+from .stamps import Stamp
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class VersionRecord:
     def identity(self) -> tuple[int, int, str]:
         """What a subscriber holds a version by: its number, publisher epoch and nonce."""
         return self.v, self.epoch, self.nonce
+
+    @property
+    def stamp(self) -> Stamp:
+        """What the stamp of this version's slot says while the slot holds it."""
+        return Stamp(self.v, self.epoch, self.slot)
 
     @classmethod
     def read(cls, chan: ChannelStore) -> VersionRecord | None:

@@ -76,9 +76,21 @@ def staging_buffer(transports: Mapping[str, Any], size: int, device: str, pinned
     return buf
 
 
+def writes_end(device: str) -> Any:
+    """Where the caller's writes to the live tensors end, for ``snapshot`` to wait on: a CUDA event
+    recorded on the caller's current stream of ``device``; None on the host."""
+    if device == "cpu":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def snapshot(reg: Registration, slot: int, ready: Any, packed: Any) -> None:
     """Copies the live tensors into ``slot`` (nothing for zero copy). On CUDA the copy waits for
-    ``ready`` (the caller's writes) on its own stream, and returns only when the bytes have landed:
+    ``ready`` (the caller's writes: ``writes_end``) on its own stream, and returns only when the bytes have landed:
     the stamp is about to say "stable"."""
     if reg.device != "cpu":
         import torch

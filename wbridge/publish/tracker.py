@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._deadline import Deadline
 from ..errors import StoreError, UsageError, WaitTimeout
 from ..protocol import generation as _generation
 from ..protocol.channel import ChannelStore
@@ -224,13 +225,13 @@ class SubscriberTracker:
         self,
         key: str,
         pred: Callable[[SubscriberView], bool],
-        deadline: float,
+        deadline: Deadline,
         what: str,
         check_stop: Callable[[], None],
     ) -> None:
         """Returns once ``pred(view)`` held for every live subscriber in one scan (this rank's or
         another's: then ``key`` exists); ``check_stop`` may raise to give up. ``WaitTimeout`` at
-        ``deadline`` (``time.monotonic()``)."""
+        ``deadline``."""
         poll, started, fallback = 0.0005, time.monotonic(), FALLBACK_S
         next_scan = time.monotonic() + (0.0 if self.aggregator else FALLBACK_S)
         # the aggregator's next beat (the first soon: a wait that ends at once costs none); the
@@ -261,10 +262,10 @@ class SubscriberTracker:
                 else:
                     next_scan, fallback = now + fallback, fallback * 2
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline.at:
                 who = ", ".join(f"{s.name or s.id} (id {s.id}, acked {s.acked})" for s in behind[:4])
                 raise WaitTimeout(f"timed out waiting for {what}" + (f"; behind: {who}" if who else ""))
-            pause = max(0.0, min(next_scan, deadline) - now)
+            pause = max(0.0, min(next_scan, deadline.at) - now)
             if self.aggregator:
                 time.sleep(pause)
                 continue

@@ -14,6 +14,9 @@
    stamp confirmed what it sent (during a delta pull's repairs, say) is failed over: its replicas
    stand in and the version is read again in full.
 5. Staged: copies the private buffer into the live tensors; then acks ``v`` in the state key.
+
+The reads and checks of one try share its ``context.Attempt`` (the record, the session, the version
+held before, the pull's deadline); a failover that connects a new session replaces it.
 """
 
 from __future__ import annotations
@@ -24,21 +27,22 @@ from dataclasses import replace
 
 import numpy as np
 
+from .._deadline import Deadline
 from .._lifecycle import quietly
 from ..errors import IntegrityError, StaleVersionError, TransportError, UsageError
 from ..protocol.state import state_bytes
 from ..protocol.version import VersionRecord
 from . import delta
 from .connect import failover, setup
-from .context import Held, PullContext, PullResult
+from .context import Attempt, Held, PullContext, PullResult
 from .reads import check_stamps, prepare_sources, read_sources, verify_sources
-from .session import Session, SourcesFailed
+from .session import SourcesFailed
 from .zone import ZoneReader
 
 log = logging.getLogger("wbridge")
 
 
-def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zone: ZoneReader | None) -> PullResult:
+def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: Deadline, zone: ZoneReader | None) -> PullResult:
     """Reads ``rec`` into the destination (see the module docstring); ``zone``: the subscriber's
     zone reader, if it has a zone."""
     check_options(ctx, rec, zone)  # (the subscriber checks first: a refusal leaves the channel)
@@ -50,14 +54,15 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
     member = ctx.member
     state_key = ctx.keys.sub(member.id, "state")
     ctx.store.set(state_key, state_bytes(member.acked, rec.v))
-    held, ctx.held = ctx.held, None  # the destination holds no whole version until we finish
+    # the destination holds no whole version until we finish
+    a, ctx.held = Attempt(rec, session, ctx.held, deadline), None
     try:
         if fence != rec.fence:
             raise StaleVersionError(f"version {rec.v} was overwritten before the read began")
         if not ctx.dest.staged:
             ctx.hold(None)  # the live tensors are about to hold a mix until we finish
         try:
-            session, result = _read(ctx, session, rec, held, deadline, zone)
+            a, result = _read(ctx, a, zone)
         except TransportError as e:
             if not reused:
                 raise
@@ -65,18 +70,18 @@ def apply(ctx: PullContext, rec: VersionRecord, fence: int, deadline: float, zon
             # trainer in a store that lost its history (the same epoch numbers again). Their
             # records say where they are now; a full read (the destination may hold a mix).
             log.warning("subscriber %s: publishers of epoch %d gone (%s); planning again", ctx.name, rec.epoch, e)
-            session = setup(ctx, rec, gens, deadline)
-            session, result = _read(ctx, session, rec, None, deadline, zone)
+            a = replace(a, session=setup(ctx, rec, gens, deadline), held=None)
+            a, result = _read(ctx, a, zone)
         while True:
             try:
-                _check(ctx, session, rec, result, deadline)
+                _check(ctx, a, result)
                 break
             except SourcesFailed as failed:
                 # A source died after its data was read, before its stamp confirmed it (a delta
                 # pull's repairs or stamps, say), or a zone reader read from relays only: its
                 # replicas stand in, for a full read (through the zone's relays where it has one).
-                session = failover(ctx, session, failed, deadline)
-                session, result = _read(ctx, session, rec, None, deadline, zone)
+                a = replace(a, session=failover(ctx, a.session, failed, deadline), held=None)
+                a, result = _read(ctx, a, zone)
                 result = replace(result, reason="source-failed")
     except BaseException:
         # best effort, briefly even past the pull's deadline: keep the original error, and do
@@ -116,56 +121,56 @@ def check_options(ctx: PullContext, rec: VersionRecord, zone: ZoneReader | None)
         )
 
 
-def _check(ctx: PullContext, session: Session, rec: VersionRecord, result: PullResult, deadline: float) -> None:
+def _check(ctx: PullContext, a: Attempt, result: PullResult) -> None:
     """The checks after the reads: the publishers' checksums (``verify``; a delta pull checked its
     own) and the slot stamps; sources that stopped answering raise ``SourcesFailed``."""
+    sources, rec = a.session.sources, a.rec
     if not result.delta and ctx.verify and rec.checksums:
         try:
-            verify_sources(ctx, session.sources, rec, deadline)
+            verify_sources(ctx, sources, rec, a.deadline)
         except IntegrityError:
-            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            check_stamps(ctx, sources, rec.stamp, a.deadline)  # a slot reused under us is staleness
             raise
-    check_stamps(ctx, session.sources, rec, deadline, failover=True)
+    check_stamps(ctx, sources, rec.stamp, a.deadline, failover=True)
 
 
-def _read(
-    ctx: PullContext, session: Session, rec: VersionRecord, held: Held | None, deadline: float, zone: ZoneReader | None
-) -> tuple[Session, PullResult]:
-    """The reads of ``rec``: deltas onto ``held`` where possible and cheaper, else through the
-    zone, else from every source (failing over to replicas); the session (a new one after a
-    failover) and result, whose ``reason`` says why it was a delta or a full pull."""
-    choice = delta.Choice(None, "zone")
+def _read(ctx: PullContext, a: Attempt, zone: ZoneReader | None) -> tuple[Attempt, PullResult]:
+    """The reads of ``a.rec``: deltas onto ``a.held`` where possible and cheaper, else through the
+    zone, else from every source (failing over to replicas); the attempt (with a new session after
+    a failover) and result, whose ``reason`` says why it was a delta or a full pull."""
+    rec, choice = a.rec, delta.Choice(None, "zone")
     if zone is None:  # a zone's readers take deltas in ``zone`` (its relays pull them over the link)
         try:
-            choice = delta.choose(ctx, session, rec, held, deadline)
+            choice = delta.choose(ctx, a.session, rec, a.held, a.deadline)
         except IntegrityError:
-            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            check_stamps(ctx, a.session.sources, rec.stamp, a.deadline)  # a slot reused under us is staleness
             raise
         except TransportError as e:  # a source died mid-pull: the full read below fails over
             log.warning("subscriber %s: delta pull of version %d failed (%s); pulling in full", ctx.name, rec.v, e)
             choice = delta.Choice(None, "source-failed")
         if choice.result is not None:
-            return ctx.session or session, choice.result
+            return replace(a, session=ctx.session or a.session), choice.result
     if zone is not None:  # relays of the zone first (deltas over the link), publishers for the rest
         try:
-            session, result = zone.read(session, rec, held, deadline)
+            a, result = zone.read(a)
         except IntegrityError:  # (a relay checking its own range from the publishers)
-            check_stamps(ctx, session.sources, rec, deadline)  # a slot reused under us is staleness
+            check_stamps(ctx, a.session.sources, rec.stamp, a.deadline)  # a slot reused under us is staleness
             raise
-        return session, replace(result, reason="delta" if result.delta else "zone")
+        return a, replace(result, reason="delta" if result.delta else "zone")
     while True:
         try:
-            prepare_sources(ctx, session.sources, rec.slot)  # (not timed: once per slot and session)
+            prepare_sources(ctx, a.session.sources, rec.slot)  # (not timed: once per slot and session)
             t0 = time.perf_counter()
-            read_sources(ctx, session.sources, rec.slot, deadline)
+            read_sources(ctx, a.session.sources, rec.slot, a.deadline)
             break
         except SourcesFailed as failed:  # a source died: its replicas stand in, if any
-            session = failover(ctx, session, failed, deadline)
+            a = replace(a, session=failover(ctx, a.session, failed, a.deadline))
     seconds = time.perf_counter() - t0  # what a full read costs on this link (deltas or full: ``delta.choose``)
-    ctx.costs.setdefault(delta.link(session), delta.LinkCost()).full_read(session.plan.total_bytes, seconds)
+    plan = a.session.plan
+    ctx.costs.setdefault(delta.link(a.session), delta.LinkCost()).full_read(plan.total_bytes, seconds)
     # (a declined delta pull's headers and tables were read too)
-    nbytes, ops = session.plan.total_bytes + choice.nbytes, len(session.plan) + choice.ops
-    return session, PullResult(nbytes, 0, ops, reason=choice.reason)
+    nbytes, ops = plan.total_bytes + choice.nbytes, len(plan) + choice.ops
+    return a, PullResult(nbytes, 0, ops, reason=choice.reason)
 
 
 __all__ = ["apply", "check_options"]

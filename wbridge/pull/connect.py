@@ -9,12 +9,12 @@ again over the ranks still alive when sources die mid-read (their DP replicas ho
 from __future__ import annotations
 
 import logging
-import time
 
 from planner.builder import build_plan
 from planner.layout import RankLayout
 from transports.base import ReadBatch
 
+from .._deadline import Deadline
 from .._lifecycle import quietly
 from .._selection import candidates
 from .._tensors import commit_pairs
@@ -28,7 +28,7 @@ from .session import Session, Source, SourcesFailed, connect_source, failed_sour
 log = logging.getLogger("wbridge")
 
 
-def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline: float) -> Session:
+def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline: Deadline) -> Session:
     """Fetches the epoch's publisher records, plans, chooses transports and connects."""
     ctx.drop_session()
     keys = [ctx.keys.rank(rec.epoch, r) for r in range(rec.world_size)]
@@ -36,7 +36,7 @@ def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline:
     for r, (key, raw) in enumerate(zip(keys, ctx.store.get_many(keys))):
         if raw is None:  # committed before this rank's record was visible? wait for it
             try:
-                raw = ctx.store.wait(key, max(0.0, deadline - time.monotonic()))
+                raw = ctx.store.wait(key, deadline.left())
             except WaitTimeout:
                 raise WaitTimeout(
                     f"subscriber {ctx.name}: publisher rank {r} of epoch {rec.epoch} never registered"
@@ -71,7 +71,7 @@ def _check_sealed(rec: VersionRecord, records: list[dict], layouts: list[RankLay
             )
 
 
-def failover(ctx: PullContext, session: Session, failed: SourcesFailed, deadline: float) -> Session:
+def failover(ctx: PullContext, session: Session, failed: SourcesFailed, deadline: Deadline) -> Session:
     """Plans again over the ranks still alive (replicas hold the same bytes) and connects;
     ``failed.error`` if some byte has no replica left."""
     plan, dead = replan(session, ctx.dest.layout, failed)
@@ -83,7 +83,7 @@ def failover(ctx: PullContext, session: Session, failed: SourcesFailed, deadline
     return connect_all(ctx, new, deadline)
 
 
-def connect_all(ctx: PullContext, session: Session, deadline: float) -> Session:
+def connect_all(ctx: PullContext, session: Session, deadline: Deadline) -> Session:
     """Connects to every source of ``session.plan`` (planning around ranks that cannot be
     reached); the session becomes the context's current one."""
     plan = session.plan
@@ -117,7 +117,7 @@ def connect_all(ctx: PullContext, session: Session, deadline: float) -> Session:
     return session
 
 
-def _connect(ctx: PullContext, rank: int, record: dict, batch: ReadBatch, deadline: float) -> Source:
+def _connect(ctx: PullContext, rank: int, record: dict, batch: ReadBatch, deadline: Deadline) -> Source:
     """Connects to one publisher rank over the best transport that works; ``auto`` falls back
     to the next candidate (``local`` -> ``tcp``, say) when one cannot connect."""
     remote = record.get("caps")

@@ -1,10 +1,15 @@
-"""What the pull pipeline's stages share: one typed context per subscriber.
+"""What the pull pipeline's stages share: one typed context per subscriber, one value per attempt.
 
 ``Subscriber`` owns a ``PullContext`` and hands it to every stage (``version``, ``connect``,
 ``reads``, ``delta``, ``zone``, ``apply``); no stage sees the subscriber itself. The context holds
 the subscriber's store connection and membership (keys, id, lease), the transports it opened
 (``Endpoints``), where pulls land (``Destination``), the session planned for the current publisher
 epoch, and what the subscriber knows of the channel's versions (``newest``, ``held``).
+
+An ``Attempt`` is one try at applying one version: its record, the session it reads through, the
+version the destination held before and the pull's deadline. ``apply`` makes it once the session
+is set up and hands it to the reads; a failover that connects a new session replaces it
+(``dataclasses.replace(attempt, session=...)``).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import transports as _transports
 from planner.layout import RankLayout
 from transports import select as _select
 
+from .._deadline import Deadline
 from .._lifecycle import quietly
 from .._selection import memory_kind, memory_kinds, reaching
 from .._stats import PullStats, SubscriberStats
 from .._tensors import address
 from ..protocol.channel import ChannelStore
 from ..protocol.keys import Keys
+from ..protocol.version import VersionRecord
 from ..store import Store
 from .membership import Membership
 from .session import Session
@@ -42,6 +49,22 @@ class Held:
     epoch: int
     gens: tuple[int, ...]
     incs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try at applying a version.
+
+    - ``rec``: the version record being read.
+    - ``session``: the session it reads through (a new one after a failover: ``replace`` it).
+    - ``held``: what the destination held whole before (deltas apply onto it); None: nothing whole.
+    - ``deadline``: the pull's.
+    """
+
+    rec: VersionRecord
+    session: Session
+    held: Held | None
+    deadline: Deadline
 
 
 @dataclass(frozen=True)
@@ -187,7 +210,7 @@ class PullContext:
     session: Session | None = None  # planned for the current publisher epoch
     version: int | None = None  # the version the live tensors hold whole (None: none, or a mix)
     identity: tuple | None = None  # that version's ``VersionRecord.identity``
-    record: Any = None  # that version's ``VersionRecord`` (what ``Subscriber.verify()`` checks against)
+    record: VersionRecord | None = None  # that version's record (what ``Subscriber.verify()`` checks against)
     held: Held | None = None  # the version the destination buffers hold whole
     newest: int = 0  # the newest version number seen; records older than it are refused
     newest_epoch: int = 0  # that version's publisher epoch (epochs never go back in one history)
@@ -240,18 +263,18 @@ class PullContext:
             if src.peer is not None:
                 quietly(t.disconnect, src.peer)
 
-    def holds(self, rec: Any) -> bool:
+    def holds(self, rec: VersionRecord) -> bool:
         """Whether the live tensors hold version record ``rec`` whole: the same number, publisher
         epoch and nonce (``VersionRecord.identity``), never the number alone."""
         return self.version is not None and self.identity == rec.identity
 
-    def hold(self, rec: Any | None) -> None:
+    def hold(self, rec: VersionRecord | None) -> None:
         """The live tensors now hold ``rec`` whole (None: no whole version)."""
         self.version = None if rec is None else rec.v
         self.identity = None if rec is None else rec.identity
         self.record = rec
 
-    def see(self, rec: Any) -> None:
+    def see(self, rec: VersionRecord) -> None:
         """Version record ``rec`` was read: the newest seen, if it is (``pull.version.lost_history``)."""
         if rec.v >= self.newest:
             self.newest, self.newest_epoch, self.newest_incs = rec.v, rec.epoch, rec.incs
@@ -278,4 +301,4 @@ class PullContext:
             self._pool, self._pool_size = None, 0
 
 
-__all__ = ["Destination", "Endpoints", "Held", "PullContext", "PullResult"]
+__all__ = ["Attempt", "Destination", "Endpoints", "Held", "PullContext", "PullResult"]

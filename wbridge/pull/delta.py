@@ -29,6 +29,7 @@ import numpy as np
 
 from transports.errors import TransportError
 
+from .._deadline import Deadline
 from ..protocol import checksum as _checksum
 from ..protocol.stamps import STAMP_BYTES
 from . import delta_reads as _reads
@@ -73,7 +74,7 @@ class Choice:
     ops: int = 0
 
 
-def choose(ctx: PullContext, session: Session, rec: Any, held: Held | None, deadline: float) -> Choice:
+def choose(ctx: PullContext, session: Session, rec: Any, held: Held | None, deadline: Deadline) -> Choice:
     """A delta pull of ``rec`` onto ``held`` where it is possible and estimated cheaper than a
     full read on this link; else, before any write, why not (the caller pulls in full)."""
     reason = why_not(ctx, session, rec, held)
@@ -87,7 +88,7 @@ def choose(ctx: PullContext, session: Session, rec: Any, held: Held | None, dead
     return _pull(ctx, session, rec, held.v, deadline, cost, guess)
 
 
-def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: float) -> PullResult | None:
+def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: Deadline) -> PullResult | None:
     """Pulls ``rec`` as the deltas since ``base`` into ``dest`` and verifies it (repairing what
     does not match), whatever it costs; None before any write if the deltas cannot be used (the
     caller pulls in full)."""
@@ -103,7 +104,13 @@ def _setup_seconds(session: Session) -> float:
 
 
 def _pull(
-    ctx: PullContext, session: Session, rec: Any, base: int, deadline: float, cost: LinkCost | None, guess: Guess | None
+    ctx: PullContext,
+    session: Session,
+    rec: Any,
+    base: int,
+    deadline: Deadline,
+    cost: LinkCost | None,
+    guess: Guess | None,
 ) -> Choice:
     """The delta pull proper: headers and tables, the choice on their exact sizes (``cost`` and
     ``guess``; None: whatever it costs), streams, apply, verify-and-repair."""
@@ -164,7 +171,7 @@ class Repair:
     ops: int
 
 
-def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: float) -> Repair:
+def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: Deadline) -> Repair:
     """Verifies every byte the sources' reads cover against the publisher's chunk sums; a chunk
     that does not match is read in full from the slot and written into ``dest``."""
     import torch

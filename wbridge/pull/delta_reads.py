@@ -21,6 +21,7 @@ import numpy as np
 
 from transports.base import ReadBatch
 
+from .._deadline import Deadline
 from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
 from ..protocol import checksum as _checksum
@@ -169,7 +170,7 @@ class Heads:
         return int(self.lengths.sum())
 
 
-def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: float) -> Heads | str:
+def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: Deadline) -> Heads | str:
     """Reads the headers of the deltas ``base + 1 .. rec.v`` of ``src`` and the table entries of
     the runs of chunks its reads cover (one batched read); a reason (``DELTA_REASONS``) where they
     cannot be used."""
@@ -222,7 +223,7 @@ class Fetched:
     ops: int
 
 
-def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: float) -> Fetched | None:
+def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -> Fetched | None:
     """Reads the stream bytes of the runs of chunks ``src``'s reads cover (one row per delta, run
     and stream), then the headers again; None where a delta was rewritten under the reads."""
     g = session.delta[src.rank]
@@ -258,10 +259,10 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: float) -> F
     return Fetched(pieces, nbytes, ops)
 
 
-def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadBatch, deadline: float) -> None:
+def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadBatch, deadline: Deadline) -> None:
     prep = t.prepare(src.peer, list(descs), [local], batch)
     try:
-        t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+        t.read(prep, timeout=deadline.left(0.1))
     finally:
         t.release(prep)
 

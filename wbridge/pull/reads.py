@@ -4,7 +4,6 @@ against the publishers' chunk checksums. Sources come from the session (``wbridg
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -13,9 +12,11 @@ import numpy as np
 
 from transports.base import ReadBatch
 
-from ..errors import IntegrityError, StaleVersionError, TransportError, UsageError, WaitTimeout
+from .._deadline import Deadline
+from ..errors import IntegrityError, StaleVersionError, TransportError, UsageError
 from ..protocol.checksum import read_sums, tensor_at
-from ..protocol.stamps import STAMP_BYTES, STAMP_MAGIC, STAMP_STABLE
+from ..protocol.stamps import STAMP_BYTES, Stamp
+from ..protocol.version import VersionRecord
 from .context import PullContext
 from .session import Source, failed_sources, fetch_chunk, verify_source
 
@@ -34,7 +35,7 @@ def prepare_sources(ctx: PullContext, sources: Sequence[Source], slot: int) -> N
                 continue
 
 
-def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadline: float) -> None:
+def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadline: Deadline) -> None:
     """Posts each source's batch for ``slot`` (prepared once per slot, then replayed); raises
     ``SourcesFailed`` where sources stopped answering (replicas may stand in)."""
 
@@ -44,10 +45,7 @@ def read_sources(ctx: PullContext, sources: Sequence[Source], slot: int, deadlin
         if prep is None:
             prep = t.prepare(src.peer, src.regions[slot], ctx.endpoints.regions(src.transport), src.batch)
             src.prepared[slot] = prep
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise WaitTimeout(f"subscriber {ctx.name}: pull timed out before reading rank {src.rank}")
-        t.read(prep, timeout=left)
+        t.read(prep, timeout=deadline.check(f"subscriber {ctx.name}: pull timed out before reading rank {src.rank}"))
 
     errors = _each(ctx.pool, [s for s in sources if len(s.batch)], one)
     if errors:
@@ -75,36 +73,36 @@ def _each(pool: ThreadPoolExecutor, sources: Sequence[Source], one: Any) -> list
 def check_stamps(
     ctx: PullContext,
     sources: Sequence[Source],
-    rec: Any,
-    deadline: float,
+    want: Stamp,
+    deadline: Deadline,
     pool: ThreadPoolExecutor | None = None,
     failover: bool = False,
 ) -> None:
-    """Reads every source's slot stamp after the data: unless each still says "version v,
-    stable", the slot changed under the reads (the seqlock check; the store's fence is only a
-    hint, since the store is not trusted). ``pool``: the threads to read them on (the context's).
+    """Reads every source's stamp of slot ``want.slot`` after the data: unless each still says
+    ``want`` ("version v of epoch e, stable"), the slot changed under the reads (the seqlock check;
+    the store's fence is only a hint, since the store is not trusted). ``pool``: the threads to
+    read them on (the context's).
     ``failover=True``: sources that stopped answering raise ``SourcesFailed`` (what they sent is
     unconfirmed; their replicas may stand in), not the first one's ``TransportError``."""
-    want = (STAMP_MAGIC, rec.v, STAMP_STABLE, rec.epoch)
+    words, slot = want.words, want.slot
 
     def one(src: Source) -> None:
         t = ctx.endpoints[src.transport]
-        prep = src.stamp_prepared.get(rec.slot)
+        prep = src.stamp_prepared.get(slot)
         if prep is None:
-            stamp_index = len(src.regions[rec.slot]) - 1
+            stamp_index = len(src.regions[slot]) - 1
             prep = t.prepare(
                 src.peer,
-                src.regions[rec.slot],
+                src.regions[slot],
                 [src.stamp_region],
                 ReadBatch.of([(stamp_index, 0, 0, 0, STAMP_BYTES)]),
             )
-            src.stamp_prepared[rec.slot] = prep
-        t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+            src.stamp_prepared[slot] = prep
+        t.read(prep, timeout=deadline.left(0.1))
         got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
-        if got != want:
+        if got != words:
             raise StaleVersionError(
-                f"publisher rank {src.rank}: slot {rec.slot} holds version "
-                f"{got[1]} (state {got[2]}), not version {rec.v}"
+                f"publisher rank {src.rank}: slot {slot} holds version {got[1]} (state {got[2]}), not version {want.v}"
             )
 
     errors = _each(pool or ctx.pool, sources, one)
@@ -115,8 +113,8 @@ def check_stamps(
 def verify_sources(
     ctx: PullContext,
     sources: Sequence[Source],
-    rec: Any,
-    deadline: float,
+    rec: VersionRecord,
+    deadline: Deadline,
     known: dict | None = None,
     partial: bool = True,
 ) -> None:
@@ -132,7 +130,7 @@ def verify_sources(
         verify_source(src, rec, known[src.rank], ctx.dest.buffers, fetch, name_at)
 
 
-def verify_held(ctx: PullContext, deadline: float) -> int:
+def verify_held(ctx: PullContext, deadline: Deadline) -> int:
     """Checks the bytes the destination holds (the live tensors; staged: the private buffer they
     were committed from, and that they still equal it) against the publishers' checksums of the
     version it holds, chunks the plan covers in part read again from the publishers; returns that

@@ -4,7 +4,6 @@ source rank the connection and prepared reads. Also which ranks it gave up on (f
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,10 +17,12 @@ from planner.plan import Plan
 from transports.base import ReadBatch
 from transports.errors import AuthError, TransportError
 
+from .._deadline import Deadline
 from .._tensors import address, alloc_bytes
 from ..protocol import checksum as _checksum
 from ..protocol.records import unb64
 from ..protocol.stamps import STAMP_BYTES
+from ..protocol.version import VersionRecord
 
 log = logging.getLogger("wbridge")
 
@@ -87,9 +88,9 @@ def replan(session: Session, dest: RankLayout, failed: SourcesFailed) -> tuple[P
 __all__ = ["Session", "Source", "SourcesFailed", "failed_sources", "replan"]
 
 
-def fetch_chunk(t: Any, src: Source, slot: int, deadline: float) -> Any:
+def fetch_chunk(t: Any, src: Source, slot: int, deadline: Deadline) -> Any:
     """A ``fetch(region, offset, n)`` that reads ``n`` bytes of ``src``'s slot into fresh memory
-    (for re-reading one chunk when verifying a pull)."""
+    (for re-reading one chunk when verifying a pull) by ``deadline``."""
 
     def fetch(region: int, offset: int, n: int) -> np.ndarray:
         scratch = alloc_bytes(n, "cpu")
@@ -97,7 +98,7 @@ def fetch_chunk(t: Any, src: Source, slot: int, deadline: float) -> Any:
         try:
             prep = t.prepare(src.peer, src.regions[slot], [local], ReadBatch.of([(region, offset, 0, 0, n)]))
             try:
-                t.read(prep, timeout=max(0.1, deadline - time.monotonic()))
+                t.read(prep, timeout=deadline.left(0.1))
             finally:
                 t.release(prep)
         finally:
@@ -107,7 +108,9 @@ def fetch_chunk(t: Any, src: Source, slot: int, deadline: float) -> Any:
     return fetch
 
 
-def verify_source(src: Source, rec: Any, sums: dict, dest: list[Any], fetch: Any, name_at: Any = None) -> None:
+def verify_source(
+    src: Source, rec: VersionRecord, sums: dict, dest: list[Any], fetch: Any, name_at: Any = None
+) -> None:
     """Checks every chunk the plan read from ``src`` against its publisher rank's ``sums``
     (``protocol.checksum.read_sums``: of this very version, incarnation and slot layout);
     ``name_at`` names the destination tensor in errors (``protocol.checksum.tensor_at``)."""
@@ -116,7 +119,7 @@ def verify_source(src: Source, rec: Any, sums: dict, dest: list[Any], fetch: Any
 
 
 def connect_source(
-    rank: int, record: dict, batch: ReadBatch, options: list, transport: Any, deadline: float, who: str
+    rank: int, record: dict, batch: ReadBatch, options: list, transport: Any, deadline: Deadline, who: str
 ) -> tuple[Source, str]:
     """Connects to publisher rank ``rank`` over the first of ``options`` (``(name, reason)``, best
     first) that connects; ``transport(name)`` opens the local side. Returns the source and why
@@ -133,7 +136,7 @@ def connect_source(
         )
         try:
             t = transport(name)
-            src.peer = t.connect(src.endpoint, timeout=max(0.1, deadline - time.monotonic()))
+            src.peer = t.connect(src.endpoint, timeout=deadline.left(0.1))
             src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
             src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
         except TransportError as e:

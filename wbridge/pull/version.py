@@ -14,9 +14,9 @@ slot stamps, read from the publishers, no longer say its version.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
+from .._deadline import Deadline
 from ..errors import StoreError, UsageError, WaitTimeout
 from ..options import MAX_SLOTS
 from ..protocol.version import VersionRecord
@@ -54,8 +54,7 @@ class GenerationChanged(Exception):
 def next_version(
     ctx: PullContext,
     want: int,
-    deadline: float,
-    timeout: float,
+    deadline: Deadline,
     known: list | None,
     check_membership: Callable[[], list | None],
 ) -> tuple[VersionRecord, int]:
@@ -96,12 +95,10 @@ def next_version(
                 f"waits for this subscriber's ack, so version {want} cannot come until it pulls "
                 f"{rec.v}: call pull() without min_version (or min_version={rec.v}) first"
             )
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise WaitTimeout(
-                f"subscriber {ctx.name}: no version >= {want} on channel "
-                f"{ctx.channel!r} within {timeout:.1f}s (is a publisher running?)"
-            )
+        left = deadline.check(
+            f"subscriber {ctx.name}: no version >= {want} on channel "
+            f"{ctx.channel!r} within {deadline.seconds:.1f}s (is a publisher running?)"
+        )
         nxt = want if rec is None or rec.v < want else rec.v + 1
         try:
             raw = ctx.store.wait(ctx.keys.ready(nxt), min(left, VERSION_WAIT_SLICE_S))

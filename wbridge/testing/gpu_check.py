@@ -45,7 +45,7 @@ The same part functions run in the test suite with ``device="cpu"`` (``tests/run
 test_gpu_check.py``), so the references cannot rot. What only a GPU run exercises:
 
 1. the snapshot copy on the publisher's own CUDA stream after the caller's event
-   (``publish.staging.snapshot``, ``Publisher._begin``), and the cast and FP8 kernels on the device;
+   (``publish.staging.snapshot``, ``publish.staging.writes_end``), and the cast and FP8 kernels on the device;
 2. the packed copy as torch strided views (``publish.packing.copy_torch``);
 3. the delta encode in torch (``publish.delta.DeltaRing.encode``'s GPU branch), its checksums through a
    host copy (``protocol.checksum.host_array``), and the delta scatter into CUDA memory
