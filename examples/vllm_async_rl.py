@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import secrets
-import socket
 import tempfile
 import time
 
 os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process per engine (memory)
+
+from _procs import run_procs  # noqa: E402  # examples/_procs.py: the processes, their ports and results
 
 from wbridge import Async, Delta, Publisher, Staging  # noqa: E402  # wbridge
 from wbridge.integrations.dtensor import from_module  # noqa: E402  # wbridge
@@ -89,7 +88,7 @@ def trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int], token: 
         os.makedirs(args.final, exist_ok=True)
         model.config.save_pretrained(args.final)
         save_file(sd, os.path.join(args.final, "model.safetensors"), metadata={"format": "pt"})
-    results.put(("trainer", rank, published))
+    results.put(("trainer", rank, {"published": published}))
     done.wait(TIMEOUT)  # rank 0 hosts the store: stay until the engines have left the channel
     pub.close()  # wbridge
     dist.destroy_process_group()
@@ -114,12 +113,6 @@ def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, start
     results.put(("rollout", i, result))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -137,34 +130,8 @@ def run(args: argparse.Namespace) -> None:
     from wbridge.testing.hf import make_qwen2  # a random checkpoint: no model hub here
 
     make_qwen2(args.ckpt)
-    ctx = mp.get_context("spawn")
-    ports, token = (free_port(), free_port()), secrets.token_hex(16)
-    started, stop, done, last, results = ctx.Barrier(4), ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
-    procs = [ctx.Process(target=trainer, args=(r, args, ports, token, started, results, done)) for r in range(2)]
-    procs += [
-        ctx.Process(target=rollout, args=(i, args, ports[0], token, started, stop, last, results)) for i in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        got: dict = {}
-        while len(got) < 2:
-            kind, i, value = results.get(timeout=TIMEOUT)
-            got[(kind, i)] = value
-        published = got[("trainer", 0)]
-        last.value = published[-1]
-        stop.set()
-        while len(got) < 4:
-            kind, i, value = results.get(timeout=TIMEOUT)
-            got[(kind, i)] = value
-        done.set()
-        for p in procs:
-            p.join(TIMEOUT)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    rollouts = [got[("rollout", i)] for i in range(2)]
+    trained, rollouts = run_procs(trainer, rollout, args, TIMEOUT, train_timeout=TIMEOUT)
+    published = trained["published"]
     for i, r in enumerate(rollouts):
         versions = sorted({v for v, _ in r["completions"]})
         deltas = sum(s["delta"] for s in r["stats"])

@@ -1,0 +1,59 @@
+"""The process plumbing the plain-vLLM examples share (not an example itself).
+
+``examples/vllm_async_rl.py`` and ``examples/lora_async_rl.py`` import it: ``python examples/X.py``
+puts ``examples/`` first on ``sys.path``, and the spawned processes inherit that path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import socket
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_procs(trainer: Callable, rollout: Callable, args, timeout: float, train_timeout: float) -> tuple[dict, list]:
+    """Run two ``trainer`` and two ``rollout`` processes (spawned) to the end; return their results.
+
+    ``trainer(rank, args, ports, token, started, results, done)``: ``ports`` is (the store's, the
+    gloo rendezvous'); it puts ``("trainer", rank, {"published": [versions], ...})`` on ``results``,
+    then stays until ``done`` is set (rank 0 hosts the store).
+    ``rollout(i, args, store_port, token, started, stop, last, results)``: generates until ``stop``
+    is set, then updates to version ``last.value`` and puts ``("rollout", i, result)``.
+    ``started`` is a barrier of all four. ``train_timeout`` bounds the wait for the trainers'
+    results, ``timeout`` every other wait. Returns trainer rank 0's result and the rollouts' results.
+    """
+    ctx = mp.get_context("spawn")
+    ports, token = (free_port(), free_port()), secrets.token_hex(16)
+    started, stop, done, last, results = ctx.Barrier(4), ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
+    procs = [ctx.Process(target=trainer, args=(r, args, ports, token, started, results, done)) for r in range(2)]
+    procs += [
+        ctx.Process(target=rollout, args=(i, args, ports[0], token, started, stop, last, results)) for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got: dict = {}
+        while len(got) < 2:
+            kind, i, value = results.get(timeout=train_timeout)
+            got[(kind, i)] = value
+        last.value = got[("trainer", 0)]["published"][-1]
+        stop.set()
+        while len(got) < 4:
+            kind, i, value = results.get(timeout=timeout)
+            got[(kind, i)] = value
+        done.set()
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return got[("trainer", 0)], [got[("rollout", i)] for i in range(2)]
