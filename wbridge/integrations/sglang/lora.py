@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from ...errors import UsageError, WaitTimeout, WBridgeError
+from ..base import AdapterUpdater
 from ..lora import LoRAAdapter
 
 log = logging.getLogger("wbridge.sglang")
@@ -70,7 +71,7 @@ def check_engine(engine: Any, adapter: LoRAAdapter, who: str) -> None:
     adapter.check_base(base, supported, max_rank, who)
 
 
-class SGLangLoRAUpdater:
+class SGLangLoRAUpdater(AdapterUpdater):
     """Keeps a named LoRA adapter of an ``sgl.Engine`` on the newest version of an adapter channel.
 
     - ``engine``: an ``sgl.Engine`` started with ``enable_lora=True`` (see the module docstring).
@@ -86,38 +87,25 @@ class SGLangLoRAUpdater:
     the thread that drives the engine (SGLang's engine calls run its event loop there).
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        channel: str,
-        store: str,
-        *,
-        token: str | None = None,
-        name: str | None = None,
-        timeout: float = 60.0,
-        poll: float = 0.005,
-        **subscriber_options: Any,
-    ) -> None:
+    def __init__(self, engine: Any, channel: str, store: str, **options: Any) -> None:
         from ...subscriber import Subscriber
         from ..follow import Watcher
 
-        self.engine, self.channel, self.timeout, self.poll = engine, channel, timeout, poll
-        self.name = name or channel
-        self.version: int | None = None  # what requests get now
+        super().__init__(engine, channel, store, **options)
         self.loaded: list[int] = []  # versions loaded in the engine, oldest first
         self.history: list[dict[str, Any]] = []
         self.error: str | None = None  # the last failed pull
         self._lock = threading.Lock()
         self._staged: tuple[int, dict[str, Any], dict[str, Any]] | None = None  # (version, tensors, stats)
-        self._closed = False
-        self.sub = Subscriber(channel, store, token=token, **subscriber_options)
+        channel, store, subscriber_options = self._subscription
+        self.sub = Subscriber(channel, store, **subscriber_options)
         self.watcher = None
         try:
-            self.adapter = LoRAAdapter.from_metadata(self.sub.metadata(timeout), channel)
+            self.adapter = LoRAAdapter.from_metadata(self.sub.metadata(self.timeout), channel)
             check_engine(engine, self.adapter, f"LoRA channel {channel!r}")
             self.staging = self.adapter.allocate()
             self.sub.register(self.adapter.entries(self.staging))
-            self.watcher = Watcher(self.sub.wait_version, self._floor, self._pull, give_up_s=timeout)
+            self.watcher = Watcher(self.sub.wait_version, self._floor, self._pull, give_up_s=self.timeout)
             self.watcher.start()
             self.update(wait=True, min_version=1)
         except BaseException:
@@ -127,7 +115,7 @@ class SGLangLoRAUpdater:
     @property
     def lora_path(self) -> str | None:
         """The adapter name of the newest installed version (SGLang's ``lora_path`` argument)."""
-        return None if self.version is None else f"{self.name}@v{self.version}"
+        return None if self.version is None else self.adapter_name(self.version)
 
     def _floor(self) -> int:
         with self._lock:
@@ -178,14 +166,14 @@ class SGLangLoRAUpdater:
 
     def _install(self, v: int, tensors: dict[str, Any], stats: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        res = self.engine.load_lora_adapter_from_tensors(f"{self.name}@v{v}", tensors, dict(self.adapter.peft_config))
+        res = self.engine.load_lora_adapter_from_tensors(self.adapter_name(v), tensors, dict(self.adapter.peft_config))
         if not getattr(res, "success", False):
             raise WBridgeError(f"LoRA channel {self.channel!r}: SGLang refused version {v}: {res.error_message}")
         self.version = v
         self.loaded.append(v)
         while len(self.loaded) > 2:  # the version before stays for requests still running on it
             old = self.loaded.pop(0)
-            self.engine.unload_lora_adapter(f"{self.name}@v{old}")
+            self.engine.unload_lora_adapter(self.adapter_name(old))
         self.history.append({**stats, "install_s": time.perf_counter() - t0})
         del self.history[:-64]
         if self.watcher is not None:
@@ -201,10 +189,6 @@ class SGLangLoRAUpdater:
         ``install_s`` (SGLang's load between steps, as the caller waited for it)."""
         return [dict(h) for h in self.history]
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise UsageError(f"SGLangLoRAUpdater of channel {self.channel!r} is closed")
-
     def close(self) -> None:
         """Stops pulling, leaves the channel and unloads this channel's adapters (idempotent)."""
         if self._closed:
@@ -217,7 +201,7 @@ class SGLangLoRAUpdater:
         except WBridgeError as e:  # the publishers (and their store) may be gone already
             log.warning("wbridge SGLang LoRA channel %r: closing the subscriber: %s", self.channel, e)
         for v in self.loaded:
-            self.engine.unload_lora_adapter(f"{self.name}@v{v}")
+            self.engine.unload_lora_adapter(self.adapter_name(v))
         self.loaded = []
 
     def __enter__(self) -> SGLangLoRAUpdater:

@@ -3,6 +3,8 @@
 - ``worker``: ``WBridgeWorkerExtension``, mixed into vLLM's workers (``worker_extension_cls``).
 - ``updater``: ``VLLMUpdater`` and ``AsyncVLLMUpdater`` keep a ``vllm.LLM`` / ``AsyncLLM`` on the newest
   version in the background.
+- ``flow``: the updaters' logic as generators of engine operations, and the sync and async drivers
+  that perform them (the LoRA updaters use them too).
 - ``state``: what one worker holds for its subscription (``WorkerState``).
 - ``commit``: how a pulled version reaches the kernels, with the engine paused only for the commit.
 - ``transfer``: the ``"wbridge"`` weight-transfer backend (``WeightTransferConfig(backend="wbridge")``).

@@ -33,45 +33,26 @@ The engine needs ``enable_lora=True``, ``max_lora_rank`` at least the adapter's 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ...errors import UsageError, WaitTimeout, WBridgeError
-from .updater import _Flow, _Op, _Run
+from ...errors import UsageError, WBridgeError
+from ..base import AdapterUpdater
+from .flow import _AsyncDriver, _describe, _Flow, _FlowUpdater, _Op, _SyncDriver
 
-log = logging.getLogger(__name__)
 
-
-class _LoRAUpdater:
+class _LoRAUpdater(AdapterUpdater, _FlowUpdater):
     """The update logic both LoRA updaters share, as generators of engine operations
-    (``updater._Op``: ``rpc`` and ``sleep`` only); the parameters are the subclasses'."""
+    (``flow._Op``: ``rpc`` and ``sleep`` only); the parameters are the subclasses'."""
 
-    def __init__(
-        self,
-        engine: Any,
-        channel: str,
-        store: str,
-        *,
-        token: str | None = None,
-        name: str | None = None,
-        timeout: float = 60.0,
-        poll: float = 0.005,
-        **subscriber_options: Any,
-    ) -> None:
-        self.engine, self.channel, self.timeout, self.poll = engine, channel, timeout, poll
-        self.name = name or channel
-        self.version: int | None = None  # what requests get now
+    def __init__(self, engine: Any, channel: str, store: str, **options: Any) -> None:
+        super().__init__(engine, channel, store, **options)
         self.lora_id: int | None = None
         self.ids: tuple[int, ...] = ()
         self.adapter: dict[str, Any] = {}  # the channel's adapter metadata
-        self.state = "new"
-        self._subscription = (channel, store, {"token": token, "timeout": timeout, **subscriber_options})
         self._running: dict[int, int] = {}  # id -> this updater's requests running on it
-        self._failing_since: float | None = None
-        self._closed = False
 
     @property
     def lora_request(self) -> Any:
@@ -81,13 +62,14 @@ class _LoRAUpdater:
         from vllm.lora.request import LoRARequest
 
         return LoRARequest(
-            lora_name=f"{self.name}@v{self.version}",
+            lora_name=self.adapter_name(self.version),
             lora_int_id=self.lora_id,
             lora_path=f"wbridge://{self.channel}/v{self.version}",
         )
 
     def _start_flow(self) -> _Flow:
         channel, store, kwargs = self._subscription
+        kwargs = {**kwargs, "timeout": self.timeout}
         (info, *_) = yield _Op("rpc", "wbridge_lora_subscribe", args=(channel, store), kwargs=kwargs)
         if "refused" in info:
             raise UsageError(info["refused"])
@@ -102,7 +84,6 @@ class _LoRAUpdater:
             states = yield _Op("rpc", "wbridge_lora_staged", args=(self.channel,))
             kinds = {s["state"] for s in states}
             versions = sorted({s["version"] for s in states if s["state"] == "ready"})
-            behind = min_version is not None and (self.version or 0) < min_version
             if kinds == {"ready"} and len(versions) == 1 and not self._busy():
                 done = yield _Op("rpc", "wbridge_lora_install", args=(self.channel, versions[0]))
                 if {d["id"] for d in done} != {done[0]["id"]}:
@@ -121,13 +102,10 @@ class _LoRAUpdater:
                 if "watcher stopped" in (failed["error"] or "") or now - self._failing_since >= self.timeout:
                     raise WBridgeError(err)
             else:
-                self.state = _describe(states)
-            if not behind and not (wait and kinds & {"pulling", "ready"}):
+                self.state = _describe(states, ready="ready")
+            pending = bool(wait and kinds & {"pulling", "ready"})
+            if (yield from self._wait_flow(pending, min_version, deadline, "vLLM LoRA updater")):
                 return self.version
-            if time.monotonic() >= deadline:
-                want = f"version {min_version}" if behind else "the pull in flight"
-                raise WaitTimeout(f"vLLM LoRA updater, channel {self.channel!r}: no {want} within {self.timeout:.1f}s")
-            yield _Op("sleep", arg=self.poll)
 
     def _busy(self) -> bool:
         """Whether requests of this updater still run on the id the next version goes to."""
@@ -136,24 +114,11 @@ class _LoRAUpdater:
         target = self.ids[0] if self.lora_id == self.ids[1] or self.lora_id is None else self.ids[1]
         return self._running.get(target, 0) > 0
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise UsageError(f"{type(self).__name__} of channel {self.channel!r} is closed")
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.channel!r}, name={self.name!r}, version={self.version}, {self.state})"
 
 
-def _describe(states: list[dict]) -> str:
-    kinds = [s["state"] for s in states]
-    for kind in ("failed", "pulling", "ready"):
-        if kind in kinds:
-            s = states[kinds.index(kind)]
-            return f"failed: {s['error']}" if kind == "failed" else f"{kind} v{s['version']}"
-    return "idle"
-
-
-class VLLMLoRAUpdater(_LoRAUpdater):
+class VLLMLoRAUpdater(_SyncDriver, _LoRAUpdater):
     """Keeps a named LoRA adapter of a vLLM ``LLM`` on the newest version of an adapter channel.
 
     - ``llm``: a ``vllm.LLM`` started with ``enable_lora=True`` and ``worker_extension_cls=EXTENSION``.
@@ -167,21 +132,6 @@ class VLLMLoRAUpdater(_LoRAUpdater):
 
     Construction subscribes the workers and waits for the first version.
     """
-
-    def __init__(self, llm: Any, channel: str, store: str, **options: Any) -> None:
-        super().__init__(llm, channel, store, **options)
-        self.llm = llm
-        try:
-            self._drive(self._start_flow())
-        except BaseException:
-            self.close()
-            raise
-
-    def _drive(self, flow: _Flow) -> Any:
-        run = _Run(flow)
-        while run.op is not None:
-            run.step(self._do)
-        return run.value
 
     def _do(self, op: _Op) -> Any:
         if op.kind == "rpc":
@@ -214,14 +164,8 @@ class VLLMLoRAUpdater(_LoRAUpdater):
         self.state = "closed"
         self.llm.collective_rpc("wbridge_lora_close", args=(self.channel,))
 
-    def __enter__(self) -> VLLMLoRAUpdater:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncVLLMLoRAUpdater(_LoRAUpdater):
+class AsyncVLLMLoRAUpdater(_AsyncDriver, _LoRAUpdater):
     """Keeps a named LoRA adapter of a vLLM ``AsyncLLM`` on the newest version of an adapter
     channel: the workers pull in the background and a task of the event loop installs each version
     between two engine steps.
@@ -238,62 +182,17 @@ class AsyncVLLMLoRAUpdater(_LoRAUpdater):
     ``start()`` (or ``async with``, or the first ``generate``) subscribes and waits for the first version.
     """
 
-    error: BaseException | None = None  # what stopped the background installs
-    _task: asyncio.Task | None = None
-    _starting: asyncio.Task | None = None
-    _lock: asyncio.Lock | None = None
+    _background = ("wbridge-lora", "vLLM LoRA updater", "installing")
 
-    async def _drive(self, flow: _Flow) -> Any:
-        run = _Run(flow)
-        while run.op is not None:
-            try:
-                if run.op.kind == "rpc":
-                    reply = await self.engine.collective_rpc(run.op.method, args=run.op.args, kwargs=run.op.kwargs)
-                else:
-                    reply = await asyncio.sleep(run.op.arg)
-            except BaseException as e:  # noqa: BLE001 - thrown into the flow, which re-raises it
-                run.throw(e)
-            else:
-                run.send(reply)
-        return run.value
-
-    async def _locked(self, flow: _Flow) -> Any:
-        async with self._lock:
-            return await self._drive(flow)
+    async def _do(self, op: _Op) -> Any:
+        if op.kind == "rpc":
+            return await self.engine.collective_rpc(op.method, args=op.args, kwargs=op.kwargs)
+        return await asyncio.sleep(op.arg)
 
     async def start(self) -> int:
         """Subscribes the workers, waits for the first version and installs it, then installs each
         new version from a background task; returns the version. Idempotent."""
-        self._check_open()
-        if self._starting is None:
-            self._starting = asyncio.get_running_loop().create_task(self._start())
-        await asyncio.shield(self._starting)
-        return self.version
-
-    async def _start(self) -> None:
-        self._lock = asyncio.Lock()
-        try:
-            await self._locked(self._start_flow())
-        except BaseException:
-            await self.close()
-            raise
-        self._task = asyncio.get_running_loop().create_task(self._installs(), name=f"wbridge-lora-{self.channel}")
-
-    async def _installs(self) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.poll)
-                await self._locked(self._update_flow(wait=False, min_version=None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - raised by the next generate() / update()
-            log.warning("wbridge: the vLLM LoRA updater of channel %r stopped installing: %s", self.channel, e)
-            self.error = e
-
-    def _check(self) -> None:
-        self._check_open()
-        if self.error is not None:
-            raise self.error
+        return await self._start_once()
 
     async def update(self, wait: bool = False, min_version: int | None = None) -> int | None:
         """What the background task does, now (see ``VLLMLoRAUpdater.update``)."""
@@ -327,17 +226,7 @@ class AsyncVLLMLoRAUpdater(_LoRAUpdater):
             return
         self._closed = True
         try:
-            if self._task is not None:
-                async with self._lock:
-                    self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+            await self._stop_updates()
         finally:
             self.state = "closed"
             await self.engine.collective_rpc("wbridge_lora_close", args=(self.channel,))
-
-    async def __aenter__(self) -> AsyncVLLMLoRAUpdater:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()

@@ -24,8 +24,8 @@ Each commit also sets the engine's weight-version label, so vLLM's own per-token
 (``CompletionOutput.weight_versions``) name wbridge versions.
 
 Both updaters run one update logic (``_Updater``): it is written as generators of engine
-operations (``_Op``), which ``VLLMUpdater`` performs by calling the engine and ``AsyncVLLMUpdater``
-by awaiting it.
+operations (``flow._Op``), which ``VLLMUpdater`` performs by calling the engine and
+``AsyncVLLMUpdater`` by awaiting it (``flow._SyncDriver``, ``flow._AsyncDriver``).
 """
 
 from __future__ import annotations
@@ -34,85 +34,28 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ... import _validate
-from ...errors import UsageError, WaitTimeout, WBridgeError
+from ...errors import UsageError, WBridgeError
 from ..remote import merge_verified, rebuild, untag
+from .flow import _AsyncDriver, _describe, _Flow, _FlowUpdater, _Op, _SyncDriver
 from .worker import EXTENSION, WBridgeWorkerExtension, check_subscriber_options
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Op:
-    """One engine operation of the update logic.
-
-    kind: ``rpc`` (``collective_rpc(method, args=, kwargs=)``), ``pause`` / ``resume`` (the
-        scheduler, around a commit), ``reset`` (the prefix cache), ``label`` (the engine's
-        weight-version label, ``arg``) or ``sleep`` (``arg`` seconds).
-    """
-
-    kind: str
-    method: str = ""
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    arg: Any = None
-
-
-_Flow = Generator[_Op, Any, Any]
-
-
-class _Run:
-    """One flow in progress: ``op`` is the operation it waits on (None once it has returned
-    ``value``); the driver performs it and hands back its result (``send``) or error (``throw``).
-
-    flow: the generator of ``_Op``s.
-    """
-
-    def __init__(self, flow: _Flow) -> None:
-        self.flow, self.op, self.value = flow, None, None
-        self._advance(flow.send, None)
-
-    def _advance(self, how: Any, arg: Any) -> None:
-        try:
-            self.op = how(arg)
-        except StopIteration as stop:
-            self.op, self.value = None, stop.value
-
-    def send(self, reply: Any) -> None:
-        self._advance(self.flow.send, reply)
-
-    def throw(self, error: BaseException) -> None:
-        self._advance(self.flow.throw, error)
-
-    def step(self, do: Any) -> None:
-        """Performs ``op`` with ``do`` (a plain call) and hands its outcome back."""
-        try:
-            reply = do(self.op)
-        except BaseException as e:  # noqa: BLE001 - thrown into the flow, which re-raises it
-            self.throw(e)
-        else:
-            self.send(reply)
-
-
-class _Updater:
+class _Updater(_FlowUpdater):
     """The update logic both updaters share; each subclass performs its ``_Op``s (``_drive``).
     The parameters are the subclasses'."""
 
-    def __init__(
-        self,
-        engine: Any,
-        channel: str,
-        store: str,
-        *,
-        token: str | None = None,
-        timeout: float = 60.0,
-        poll: float = 0.05,
-        **subscriber_options: Any,
-    ) -> None:
+    def __init__(self, engine: Any, channel: str, store: str, **options: Any) -> None:
+        super().__init__(engine, channel, store, **options)
+        _check_extension(engine, type(self).__name__)
+        self._pauses: dict[int, float] = {}  # version -> seconds the engine was paused to commit it
+
+    def _check_arguments(self, channel: Any, store: Any, token: Any, timeout: Any, poll: Any, options: dict) -> tuple:
         who = type(self).__name__
         for name, value in (("channel", channel), ("store", store)):
             if not isinstance(value, str) or not value:
@@ -121,18 +64,10 @@ class _Updater:
             raise UsageError(f"{who}: token must be a string or None, got {type(token).__name__}")
         timeout = _validate.timeout(timeout, f"{who} timeout", positive=True)
         poll = _validate.timeout(poll, f"{who} poll", positive=True)
-        options = check_subscriber_options(channel, store, token, subscriber_options, who, also=("cache_dir",))
+        options = check_subscriber_options(channel, store, token, options, who, also=("cache_dir",))
         # the workers' store connection waits no longer than the updater (the default is longer)
         options.setdefault("connect_timeout", timeout)
-        _check_extension(engine, who)
-        self.engine, self.channel, self.timeout, self.poll = engine, channel, timeout, poll
-        self.version: int | None = None  # what the kernels hold
-        self.state = "new"  # as last seen: idle, pulling vN, staged vN, failed..., closed
-        self.error: BaseException | None = None  # what stopped the updates, raised by every later call
-        self._subscription = (channel, store, {"token": token, **options})
-        self._pauses: dict[int, float] = {}  # version -> seconds the engine was paused to commit it
-        self._failing_since: float | None = None  # pulls have failed since, with no commit after
-        self._closed = False
+        return timeout, poll, options
 
     @property
     def pulling(self) -> bool:
@@ -181,14 +116,10 @@ class _Updater:
                 log.warning("wbridge: channel %r: %s; pulling again", self.channel, failed["error"])
                 yield _Op("sleep", arg=self.poll)
                 continue
-            self.state = _describe(states)
-            behind = min_version is not None and (self.version or 0) < min_version
-            if not behind and not (wait and kinds & {"pulling", "ready"}):
+            self.state = _describe(states, ready="staged")
+            pending = bool(wait and kinds & {"pulling", "ready"})
+            if (yield from self._wait_flow(pending, min_version, deadline, "vLLM updater")):
                 return self.version
-            if time.monotonic() >= deadline:
-                want = f"version {min_version}" if behind else "the pull in flight"
-                raise WaitTimeout(f"vLLM updater, channel {self.channel!r}: no {want} within {self.timeout:.1f}s")
-            yield _Op("sleep", arg=self.poll)
 
     def _commit_flow(self, version: int) -> _Flow:
         t0 = time.perf_counter()
@@ -209,7 +140,7 @@ class _Updater:
 
     def _staged_flow(self) -> _Flow:
         states = yield _Op("rpc", "wbridge_staged")
-        self.state = _describe(states)
+        self.state = _describe(states, ready="staged")
         ready = [s["version"] for s in states if s["state"] == "ready"]
         return ready[0] if len(ready) == len(states) and len(set(ready)) == 1 else None
 
@@ -232,16 +163,6 @@ class _Updater:
         timeout = self.timeout if timeout is None else _validate.timeout(timeout, "verify() timeout", positive=True)
         ranks = yield _Op("rpc", "wbridge_verify", kwargs={"timeout": timeout})
         return merge_verified(ranks)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise UsageError(f"{type(self).__name__} of channel {self.channel!r} is closed")
-
-    def _check(self) -> None:
-        """Open, and no error stopped the updates (else that error, again)."""
-        self._check_open()
-        if self.error is not None:
-            raise self.error
 
     @staticmethod
     def _update_args(wait: Any, min_version: Any) -> None:
@@ -300,17 +221,7 @@ def _from_rpc(e: BaseException, method: str) -> BaseException | None:
     return err
 
 
-def _describe(states: list[dict]) -> str:
-    """One line for the workers' background pull states (``wbridge_staged``)."""
-    kinds = [s["state"] for s in states]
-    for kind, word in (("failed", "failed"), ("pulling", "pulling"), ("ready", "staged")):
-        if kind in kinds:
-            s = states[kinds.index(kind)]
-            return f"failed: {s['error']}" if kind == "failed" else f"{word} v{s['version']}"
-    return "idle"
-
-
-class VLLMUpdater(_Updater):
+class VLLMUpdater(_SyncDriver, _Updater):
     """Keeps a vLLM ``LLM`` on the newest committed version of a channel, pulling in the background.
 
     - ``llm``: a ``vllm.LLM`` started with ``worker_extension_cls=EXTENSION``.
@@ -322,21 +233,6 @@ class VLLMUpdater(_Updater):
     - ``subscriber_options``: more ``Subscriber`` keywords for the workers' subscribers (``host``,
       ``transport``, ``lease_ttl``, ``name``, ``cache_dir``...).
     """
-
-    def __init__(self, llm: Any, channel: str, store: str, **options: Any) -> None:
-        super().__init__(llm, channel, store, **options)
-        self.llm = llm
-        try:
-            self._drive(self._start_flow())
-        except BaseException:
-            self.close()
-            raise
-
-    def _drive(self, flow: _Flow) -> Any:
-        run = _Run(flow)
-        while run.op is not None:
-            run.step(self._do)
-        return run.value
 
     def _do(self, op: _Op) -> Any:
         if op.kind == "rpc":
@@ -412,14 +308,8 @@ class VLLMUpdater(_Updater):
             self.state = "closed"
             self.llm.collective_rpc("wbridge_close")
 
-    def __enter__(self) -> VLLMUpdater:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncVLLMUpdater(_Updater):
+class AsyncVLLMUpdater(_AsyncDriver, _Updater):
     """Keeps a vLLM ``AsyncLLM`` on the newest committed version of a channel: the workers pull in
     the background and a task of the event loop commits each version between two engine steps.
 
@@ -437,20 +327,7 @@ class AsyncVLLMUpdater(_Updater):
     subscribes and waits for the first version.
     """
 
-    _task: asyncio.Task | None = None  # the background commits
-    _starting: asyncio.Task | None = None  # start()'s work, awaited by every caller
-    _lock: asyncio.Lock | None = None  # made by start(), in the running loop
-
-    async def _drive(self, flow: _Flow) -> Any:
-        run = _Run(flow)
-        while run.op is not None:
-            try:
-                reply = await self._do(run.op)
-            except BaseException as e:  # noqa: BLE001 - thrown into the flow, which re-raises it
-                run.throw(e)
-            else:
-                run.send(reply)
-        return run.value
+    _background = ("wbridge", "vLLM updater", "committing")
 
     async def _do(self, op: _Op) -> Any:
         if op.kind == "rpc":
@@ -474,38 +351,10 @@ class AsyncVLLMUpdater(_Updater):
             return await self.engine.update_weight_version(op.arg)
         return await asyncio.sleep(op.arg)
 
-    async def _locked(self, flow: _Flow) -> Any:
-        async with self._lock:
-            return await self._drive(flow)
-
     async def start(self) -> int:
         """Subscribes the workers, starts their watchers, waits for the first version and commits
         it, then commits each new version from a background task; returns the version. Idempotent."""
-        self._check_open()
-        if self._starting is None:  # concurrent first callers all wait for the first version
-            self._starting = asyncio.get_running_loop().create_task(self._start())
-        await asyncio.shield(self._starting)
-        return self.version
-
-    async def _start(self) -> None:
-        self._lock = asyncio.Lock()
-        try:
-            await self._locked(self._start_flow())
-        except BaseException:
-            await self.close()
-            raise
-        self._task = asyncio.get_running_loop().create_task(self._commits(), name=f"wbridge-{self.channel}")
-
-    async def _commits(self) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.poll)
-                await self._locked(self._update_flow(wait=False, min_version=None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - raised by the next generate() / update()
-            log.warning("wbridge: the vLLM updater of channel %r stopped committing: %s", self.channel, e)
-            self.error = e
+        return await self._start_once()
 
     async def generate(
         self, prompt: Any, params: Any, request_id: str | None = None, **kwargs: Any
@@ -558,22 +407,12 @@ class AsyncVLLMUpdater(_Updater):
             return
         self._closed = True
         try:
-            if self._task is not None:
-                async with self._lock:  # not in the middle of a commit
-                    self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
+            await self._stop_updates()
             if self.version is not None and self.error is None:
                 await self._drive(self._update_flow(wait=True, min_version=None))
         finally:
             self.state = "closed"
             await self.engine.collective_rpc("wbridge_close")
-
-    async def __aenter__(self) -> AsyncVLLMUpdater:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
 
 def _oldest(out: Any, default: int | None) -> int | None:
