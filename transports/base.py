@@ -515,6 +515,24 @@ class Transport(ABC):
         for region in regions:
             self.deregister(region)
 
+    # -- descriptors and bounds, under this transport's name ------------------------------------
+    @classmethod
+    def _descriptor(cls, **fields: Any) -> bytes:
+        """An endpoint or region descriptor of this transport (``encode_descriptor``)."""
+        return encode_descriptor(cls.name, **fields)
+
+    @classmethod
+    def _peer_descriptor(cls, data: bytes, required: Sequence[str]) -> dict:
+        """A descriptor from a peer, parsed and checked to be this transport's (``decode_descriptor``)."""
+        return decode_descriptor(cls.name, data, required)
+
+    @classmethod
+    def _check_bounds(
+        cls, batch: ReadBatch, remote_sizes: Sequence[int], local_sizes: Sequence[int], peer: str
+    ) -> None:
+        """Refuses a batch with a read outside its regions (``check_batch_bounds``)."""
+        check_batch_bounds(cls.name, batch, remote_sizes, local_sizes, peer)
+
     def _check_open(self) -> None:
         """Raises ``TransportError`` once ``close`` was called."""
         if self._closed:

@@ -54,9 +54,7 @@ from .base import (
     ReadBatch,
     Region,
     Transport,
-    check_batch_bounds,
     checked_options,
-    decode_descriptor,
     encode_descriptor,
 )
 from .errors import AuthError, TransportError
@@ -206,11 +204,11 @@ class LocalTransport(Transport):
             pass
         return hasattr(os, "memfd_create") and hasattr(os, "pidfd_open")
 
-    @staticmethod
-    def same_host(endpoint: bytes) -> bool:
+    @classmethod
+    def same_host(cls, endpoint: bytes) -> bool:
         """Whether ``endpoint`` names a process whose pid this process can address (same boot, pid ns)."""
         try:
-            d = decode_descriptor("local", endpoint, ("boot", "pidns"))
+            d = cls._peer_descriptor(endpoint, ("boot", "pidns"))
         except TransportError:
             return False
         return (d["boot"], d["pidns"]) == host_identity()
@@ -284,7 +282,7 @@ class LocalTransport(Transport):
 
     # -- reading -----------------------------------------------------------------------------
     def connect(self, endpoint: bytes, *, timeout: float) -> LocalPeer:
-        d = decode_descriptor("local", endpoint, ("pid", "start", "boot", "pidns", "nonce", "nonce_addr", "mac"))
+        d = self._peer_descriptor(endpoint, ("pid", "start", "boot", "pidns", "nonce", "nonce_addr", "mac"))
         _check_signature(self._key, d, "endpoint")
         pid = int_field("local", d, "pid", 1, 1 << 22)
         nonce = hex_field("local", d, "nonce", NONCE_BYTES)
@@ -327,7 +325,7 @@ class LocalTransport(Transport):
         for r in local_regions:
             if r.device != "cpu":
                 raise TransportError(f"local: destination region {r.id} is on {r.device}")
-        check_batch_bounds("local", batch, sizes, [r.nbytes for r in local_regions], peer.label)
+        self._check_bounds(batch, sizes, [r.nbytes for r in local_regions], peer.label)
         src = np.asarray(src_base, dtype=np.int64)[batch.src_region] + batch.src_offset
         dst = np.asarray([r.addr for r in local_regions], dtype=np.int64)[batch.dst_region] + batch.dst_offset
         via_map = np.asarray(mapped, dtype=bool)[batch.src_region]
@@ -342,7 +340,7 @@ class LocalTransport(Transport):
         """Per remote region: where its bytes are read from here, its size, and whether it is mapped."""
         src_base, sizes, mapped = [], [], []
         for i, desc in enumerate(remote_regions):
-            d = decode_descriptor("local", desc, ("pid", "nonce", "region", "addr", "nbytes", "memfd", "mac"))
+            d = self._peer_descriptor(desc, ("pid", "nonce", "region", "addr", "nbytes", "memfd", "mac"))
             _check_signature(self._key, d, f"descriptor of remote region {i}")
             if d["pid"] != peer.pid or hex_field("local", d, "nonce", NONCE_BYTES) != peer.nonce:
                 raise TransportError(f"local: remote region {i} does not belong to peer {peer.label}")

@@ -49,10 +49,7 @@ from .base import (
     ReadBatch,
     Region,
     Transport,
-    check_batch_bounds,
     checked_options,
-    decode_descriptor,
-    encode_descriptor,
 )
 from .errors import TransportError
 
@@ -149,9 +146,7 @@ class MooncakeTransport(Transport):
             if self._engine.register_memory(addr, nbytes) != 0:
                 raise TransportError(f"mooncake: engine {self.session} refused to register {nbytes} bytes at {addr:#x}")
             rid = next(_ids)
-            desc = encode_descriptor(
-                "mooncake", session=self.session, protocol=self.protocol, region=rid, addr=addr, nbytes=nbytes
-            )
+            desc = self._descriptor(session=self.session, protocol=self.protocol, region=rid, addr=addr, nbytes=nbytes)
             region = Region(rid, addr, nbytes, device, desc, handle=self)
             self._regions[rid] = region
         return region
@@ -165,7 +160,7 @@ class MooncakeTransport(Transport):
 
     def endpoint(self) -> bytes:
         self._check_open()
-        return encode_descriptor("mooncake", session=self.session, protocol=self.protocol)
+        return self._descriptor(session=self.session, protocol=self.protocol)
 
     @property
     def num_regions(self) -> int:
@@ -173,7 +168,7 @@ class MooncakeTransport(Transport):
 
     # -- reading -----------------------------------------------------------------------------
     def connect(self, endpoint: bytes, *, timeout: float) -> MooncakePeer:
-        d = decode_descriptor("mooncake", endpoint, ("session", "protocol"))
+        d = self._peer_descriptor(endpoint, ("session", "protocol"))
         session = _session_field(d)
         if d["protocol"] != self.protocol:
             raise TransportError(f"mooncake: peer {session} speaks {d['protocol']!r}, this side {self.protocol!r}")
@@ -196,7 +191,7 @@ class MooncakeTransport(Transport):
             raise TransportError(f"mooncake: peer {peer.session} is disconnected")
         remote_addr, remote_size = [], []
         for i, desc in enumerate(remote_regions):
-            d = decode_descriptor("mooncake", desc, ("session", "addr", "nbytes"))
+            d = self._peer_descriptor(desc, ("session", "addr", "nbytes"))
             if _session_field(d) != peer.session:
                 raise TransportError(f"mooncake: remote region {i} belongs to {d['session']}, not peer {peer.session}")
             remote_addr.append(int_field("mooncake", d, "addr", 1))
@@ -204,7 +199,7 @@ class MooncakeTransport(Transport):
         for r in local_regions:
             if r.handle is not self or r.id not in self._regions:
                 raise TransportError(f"mooncake: destination region {r.id} is not registered with this transport")
-        check_batch_bounds("mooncake", batch, remote_size, [r.nbytes for r in local_regions], peer.session)
+        self._check_bounds(batch, remote_size, [r.nbytes for r in local_regions], peer.session)
         local_base = np.array([r.addr for r in local_regions], dtype=np.int64)
         remote_base = np.array(remote_addr, dtype=np.int64)
         local = (local_base[batch.dst_region] + batch.dst_offset).tolist()

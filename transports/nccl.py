@@ -48,10 +48,7 @@ from .base import (
     Region,
     Seconds,
     Transport,
-    check_batch_bounds,
     checked_options,
-    decode_descriptor,
-    encode_descriptor,
 )
 from .errors import TransportError
 
@@ -146,7 +143,7 @@ class NcclTransport(Transport):
         with self._lock:
             self._check_open()
             rid = next(_ids)
-            desc = encode_descriptor("nccl", instance=self._instance().hex(), region=rid, nbytes=nbytes, device=device)
+            desc = self._descriptor(instance=self._instance().hex(), region=rid, nbytes=nbytes, device=device)
             region = Region(rid, addr, nbytes, device, desc, handle=(self, tensor))
             self._regions[rid] = region
             self._table.add(rid, Served(nbytes, addr, tensor, device))
@@ -170,7 +167,7 @@ class NcclTransport(Transport):
         with self._lock:
             self._check_open()
             instance = self._instance()
-            return encode_descriptor("nccl", host=self._server.host, port=self._server.port, instance=instance.hex())
+            return self._descriptor(host=self._server.host, port=self._server.port, instance=instance.hex())
 
     @property
     def num_regions(self) -> int:
@@ -182,7 +179,7 @@ class NcclTransport(Transport):
 
     # -- reading -----------------------------------------------------------------------------
     def connect(self, endpoint: bytes, *, timeout: float) -> NcclPeer:
-        d = decode_descriptor("nccl", endpoint, ("host", "port", "instance"))
+        d = self._peer_descriptor(endpoint, ("host", "port", "instance"))
         peer = NcclPeer(
             str_field("nccl", d, "host"),
             int_field("nccl", d, "port", 1, 65535),
@@ -214,7 +211,7 @@ class NcclTransport(Transport):
     ) -> NcclPrepared:
         ids, sizes, devices = [], [], []
         for i, desc in enumerate(remote_regions):
-            d = decode_descriptor("nccl", desc, ("instance", "region", "nbytes", "device"))
+            d = self._peer_descriptor(desc, ("instance", "region", "nbytes", "device"))
             if hex_field("nccl", d, "instance", p.INSTANCE) != peer.instance:
                 raise TransportError(f"nccl: remote region {i} is not served by peer {peer.label}")
             ids.append(int_field("nccl", d, "region", 1))
@@ -224,7 +221,7 @@ class NcclTransport(Transport):
         for r in local_regions:
             if not isinstance(r.handle, tuple) or r.handle[0] is not self or r.id not in self._regions:
                 raise TransportError(f"nccl: destination region {r.id} is not registered with this transport")
-        check_batch_bounds("nccl", batch, sizes, [r.nbytes for r in local_regions], peer.label)
+        self._check_bounds(batch, sizes, [r.nbytes for r in local_regions], peer.label)
         backend = g.backend_for([r.device for r in local_regions], "the destination")
         used = sorted({devices[i] for i in np.unique(batch.src_region).tolist()}) if len(batch) else []
         if used and g.backend_for(used, f"peer {peer.label}") != backend:

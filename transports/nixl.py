@@ -53,10 +53,7 @@ from .base import (
     ReadBatch,
     Region,
     Transport,
-    check_batch_bounds,
     checked_options,
-    decode_descriptor,
-    encode_descriptor,
 )
 from .errors import TransportError
 
@@ -236,8 +233,8 @@ class NixlTransport(Transport):
                     f"nixl: agent {self.agent_name} cannot register {nbytes} bytes of {mem} at {addr:#x}: {e!r}"
                 ) from e
             rid = next(_ids)
-            desc = encode_descriptor(
-                "nixl", agent=self.agent_name, region=rid, addr=addr, nbytes=nbytes, mem=mem, dev=dev, md=_b64(md)
+            desc = self._descriptor(
+                agent=self.agent_name, region=rid, addr=addr, nbytes=nbytes, mem=mem, dev=dev, md=_b64(md)
             )
             region = Region(rid, addr, nbytes, device, desc, handle=(self, reg))
             self._regions[rid] = region
@@ -253,7 +250,7 @@ class NixlTransport(Transport):
         with self._lock:
             self._check_open()
             md = self._agent.get_agent_metadata()
-        return encode_descriptor("nixl", agent=self.agent_name, md=_b64(md))
+        return self._descriptor(agent=self.agent_name, md=_b64(md))
 
     @property
     def num_regions(self) -> int:
@@ -261,7 +258,7 @@ class NixlTransport(Transport):
 
     # -- reading -----------------------------------------------------------------------------
     def connect(self, endpoint: bytes, *, timeout: float) -> NixlPeer:
-        d = decode_descriptor("nixl", endpoint, ("agent", "md"))
+        d = self._peer_descriptor(endpoint, ("agent", "md"))
         name, md = str_field("nixl", d, "agent"), _unb64("nixl", d, "md")
         with self._lock:
             self._check_open()
@@ -287,7 +284,7 @@ class NixlTransport(Transport):
     ) -> NixlPrepared:
         remote = []
         for i, desc in enumerate(remote_regions):
-            d = decode_descriptor("nixl", desc, ("agent", "region", "addr", "nbytes", "mem", "dev", "md"))
+            d = self._peer_descriptor(desc, ("agent", "region", "addr", "nbytes", "mem", "dev", "md"))
             if d["agent"] != peer.name:
                 raise TransportError(f"nixl: remote region {i} belongs to agent {d['agent']!r}, not peer {peer.name}")
             if d["mem"] not in ("DRAM", "VRAM"):
@@ -305,7 +302,7 @@ class NixlTransport(Transport):
         for r in local_regions:
             if not isinstance(r.handle, tuple) or r.handle[0] is not self or r.id not in self._regions:
                 raise TransportError(f"nixl: destination region {r.id} is not registered with this transport")
-        check_batch_bounds("nixl", batch, [x[2] for x in remote], [r.nbytes for r in local_regions], peer.name)
+        self._check_bounds(batch, [x[2] for x in remote], [r.nbytes for r in local_regions], peer.name)
         with self._lock:
             self._check_open()
             if peer.closed:

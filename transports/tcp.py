@@ -53,10 +53,7 @@ from .base import (
     Region,
     Seconds,
     Transport,
-    check_batch_bounds,
     checked_options,
-    decode_descriptor,
-    encode_descriptor,
 )
 from .errors import AuthError, TransportError
 
@@ -362,7 +359,7 @@ class TcpTransport(Transport):
         with self._lock:
             self._check_open()
             rid, self._next_id = self._next_id, self._next_id + 1
-            desc = encode_descriptor("tcp", instance=self._instance.hex(), region=rid, nbytes=nbytes)
+            desc = self._descriptor(instance=self._instance.hex(), region=rid, nbytes=nbytes)
             region = Region(rid, addr, nbytes, device, desc)
             self._regions[rid] = region
             self._table.add(rid, Served(nbytes, addr))
@@ -383,7 +380,7 @@ class TcpTransport(Transport):
                 cfg = ServerConfig(self._key, self._instance, self._table, self.handshake_timeout, self.frame_timeout)
                 wildcard = ("::" if ":" in self.host else "0.0.0.0") if self.bind_all else None
                 self._server = _Server(self.host, self.port, cfg, self.max_connections, bind=wildcard)
-            return encode_descriptor("tcp", host=self.host, port=self._server.port, instance=self._instance.hex())
+            return self._descriptor(host=self.host, port=self._server.port, instance=self._instance.hex())
 
     @property
     def num_regions(self) -> int:
@@ -396,7 +393,7 @@ class TcpTransport(Transport):
 
     # -- reading -----------------------------------------------------------------------------
     def connect(self, endpoint: bytes, *, timeout: float) -> TcpPeer:
-        d = decode_descriptor("tcp", endpoint, ("host", "port", "instance"))
+        d = self._peer_descriptor(endpoint, ("host", "port", "instance"))
         host, port = str_field("tcp", d, "host"), int_field("tcp", d, "port", 1, 65535)
         instance = hex_field("tcp", d, "instance", INSTANCE_BYTES)
         with self._lock:
@@ -432,7 +429,7 @@ class TcpTransport(Transport):
     ) -> TcpPrepared:
         remote_ids, remote_sizes = [], []
         for i, desc in enumerate(remote_regions):
-            d = decode_descriptor("tcp", desc, ("instance", "region", "nbytes"))
+            d = self._peer_descriptor(desc, ("instance", "region", "nbytes"))
             if hex_field("tcp", d, "instance", INSTANCE_BYTES) != peer.instance:
                 raise TransportError(f"tcp: remote region {i} is not served by peer {peer.label}")
             remote_ids.append(int_field("tcp", d, "region", 1))
@@ -440,7 +437,7 @@ class TcpTransport(Transport):
         for r in local_regions:
             if r.device != "cpu":
                 raise TransportError(f"tcp: destination region {r.id} is on {r.device}; tcp reads into host memory")
-        check_batch_bounds("tcp", batch, remote_sizes, [r.nbytes for r in local_regions], peer.label)
+        self._check_bounds(batch, remote_sizes, [r.nbytes for r in local_regions], peer.label)
         dst_base = np.array([r.addr for r in local_regions], dtype=np.int64)
         rid = np.asarray(remote_ids, dtype=np.int64)
         op, start, stream = split_and_balance(batch.nbytes, self.streams, self.split_bytes)
