@@ -18,6 +18,20 @@ NUM = r"[0-9]+\.[0-9]+"
 # A delta carries 4 bytes per changed bf16 word (an index and the word), so 2 x the changed fraction
 # of a full pull's bytes, plus its tables and headers: 0.04-0.06% of a full pull here.
 TABLES = 0.005
+# the benchmark's line (``delta.py``'s docstring), options it ran with after it
+LINE = (
+    rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
+    rf"bytes_per_changed={NUM} encode_gbps={NUM}"
+)
+
+
+def run_delta(out_dir, *args: str, tail: str = "") -> str:
+    """Runs ``benchmarks/delta.py`` with ``args``, writing to ``out_dir``; returns its one line,
+    checked to be ``LINE`` followed by ``tail``."""
+    lines = run_benchmark("delta.py", *args, "--out", str(out_dir), timeout=280)
+    assert len(lines) == 1, lines
+    assert re.fullmatch(LINE + tail, lines[0]), lines
+    return lines[0]
 
 
 def check_bytes(line: str, out_dir) -> list[dict]:
@@ -43,16 +57,10 @@ def check_bytes(line: str, out_dir) -> list[dict]:
 @pytest.mark.heavy  # trains the small Llama in real processes
 @pytest.mark.timeout(300)
 def test_delta_benchmark_prints_its_line(tmp_path) -> None:
-    lines = run_benchmark("delta.py", "--lr", "1e-6", "--steps", "2", "--out", str(tmp_path), timeout=280)
-    assert len(lines) == 1, lines
-    assert re.fullmatch(
-        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
-        rf"bytes_per_changed={NUM} encode_gbps={NUM}",
-        lines[0],
-    ), lines
+    line = run_delta(tmp_path, "--lr", "1e-6", "--steps", "2")
     # deltas or full reads, as the cost choice finds them on this link and this load (bit-exact
     # either way: the benchmark exits non-zero otherwise), each costing what it should
-    check_bytes(lines[0], tmp_path)
+    check_bytes(line, tmp_path)
     assert os.path.exists(tmp_path / "delta.png")
 
 
@@ -60,13 +68,7 @@ def test_delta_benchmark_prints_its_line(tmp_path) -> None:
 @pytest.mark.heavy  # trains the small Llama in real processes
 @pytest.mark.timeout(300)
 def test_delta_benchmark_publishes_fp8_blocks(tmp_path) -> None:
-    lines = run_benchmark("delta.py", "--lr", "1e-6", "--steps", "2", "--fp8", "--out", str(tmp_path), timeout=280)
-    assert len(lines) == 1, lines
-    assert re.fullmatch(
-        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
-        rf"bytes_per_changed={NUM} encode_gbps={NUM} fp8",
-        lines[0],
-    ), lines
+    run_delta(tmp_path, "--lr", "1e-6", "--steps", "2", "--fp8", tail=" fp8")
 
 
 @pytest.mark.slow
@@ -78,15 +80,8 @@ def test_delta_benchmark_over_a_shaped_link(tmp_path) -> None:
     why = netns_unavailable()
     if why:
         pytest.skip(f"--link needs network namespaces: {why}")
-    args = ("--lr", "1e-6", "--steps", "3", "--link", "1gbit", "--out", str(tmp_path))
-    lines = run_benchmark("delta.py", *args, timeout=280)
-    assert len(lines) == 1, lines
-    assert re.fullmatch(
-        rf"delta: changed={NUM} read_ratio={NUM} snapshot_overhead={NUM} pull_speedup={NUM} "
-        rf"bytes_per_changed={NUM} encode_gbps={NUM} link=1gbit",
-        lines[0],
-    ), lines
+    line = run_delta(tmp_path, "--lr", "1e-6", "--steps", "3", "--link", "1gbit", tail=" link=1gbit")
     # a full version takes ~80 ms over the link, its deltas a few: chosen every time (how much faster
     # they are is the benchmark's pull_speedup, its target in benchmarks/delta.py)
-    pulls = check_bytes(lines[0], tmp_path)
+    pulls = check_bytes(line, tmp_path)
     assert all(r["delta_delta"] for r in pulls), [r["delta_why"] for r in pulls]

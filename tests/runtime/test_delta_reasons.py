@@ -6,6 +6,10 @@ the situation that produces it, with every pull bit-exact. The reasons covered e
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from wbridge import Delta, Staging
@@ -39,26 +43,30 @@ def first_pull(pub: Worker, sub: Worker) -> dict:
     return got
 
 
-def test_a_publisher_without_deltas_says_so() -> None:
+@contextlib.contextmanager
+def channel(staging: Staging | None, **sub_options: Any) -> Iterator[tuple[Worker, Worker]]:
+    """A publisher (with ``staging``, or the default) and a subscriber (``sub_options``) over tcp
+    on a store of their own, after the first pull; both stopped at the end."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, transport="tcp")
-    sub = Worker("sub", DeltaSub, url, transport="tcp")
+    pub = Worker("pub", DeltaPub, url, transport="tcp", **({} if staging is None else {"staging": staging}))
+    sub = Worker("sub", DeltaSub, url, transport="tcp", **sub_options)
     try:
         first_pull(pub, sub)
-        assert [g["why"] for g in pulls(pub, sub, range(2, 4))] == ["publisher-no-delta"] * 2
+        yield pub, sub
     finally:
         sub.stop()
         pub.stop()
 
 
+def test_a_publisher_without_deltas_says_so() -> None:
+    with channel(None) as (pub, sub):
+        assert [g["why"] for g in pulls(pub, sub, range(2, 4))] == ["publisher-no-delta"] * 2
+
+
 def test_a_version_with_too_many_changes_has_no_delta() -> None:
     """Every element rewritten with a random value: more than a delta buffer holds (half the
     slot), so the version has none; the next sparse change has one again."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
-    sub = Worker("sub", DeltaSub, url, transport="tcp")
-    try:
-        first_pull(pub, sub)
+    with channel(Staging(delta=Delta())) as (pub, sub):
         steps = [(2, 1.0)]
         pub.call("step", 2, 1.0)
         got = sub.call("pull", min_version=2)
@@ -67,49 +75,25 @@ def test_a_version_with_too_many_changes_has_no_delta() -> None:
         pub.call("step", 3, FRAC)
         got = sub.call("pull", min_version=3)
         assert got["why"] == "delta" and sub.call("bad", steps) == [], got
-    finally:
-        sub.stop()
-        pub.stop()
 
 
 def test_publishers_registered_again_start_a_new_epoch() -> None:
-    url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
-    sub = Worker("sub", DeltaSub, url, transport="tcp")
-    try:
-        first_pull(pub, sub)
+    with channel(Staging(delta=Delta())) as (pub, sub):
         pub.call("register_again")
         assert [g["why"] for g in pulls(pub, sub, range(2, 4))] == ["new-epoch", "delta"]
-    finally:
-        sub.stop()
-        pub.stop()
 
 
 def test_a_malformed_table_is_not_decoded() -> None:
     """A bit flipped in the tables of the first delta pull (its second read: the header, then the
     table entries) makes them decrease: no write, a full pull instead; the next pull takes deltas
     again."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
     # the top byte of the second chunk's first pair (uint32 table entry 1): 2**24 more pairs
     fault = ("flip-bit", {"on_reads": (2,), "min_bytes": 64, "at": HEADER_BYTES + 7})
-    sub = Worker("sub", DeltaSub, url, transport="tcp", fault=fault)
-    try:
-        first_pull(pub, sub)
+    with channel(Staging(delta=Delta()), fault=fault) as (pub, sub):
         assert [g["why"] for g in pulls(pub, sub, range(2, 4))] == ["malformed", "delta"]
-    finally:
-        sub.stop()
-        pub.stop()
 
 
 def test_a_plan_that_reads_a_byte_twice_takes_no_deltas() -> None:
     """One tensor registered twice: the plan reads its slot bytes into two destinations."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="tcp")
-    sub = Worker("sub", DeltaSub, url, transport="tcp", twice=True)
-    try:
-        first_pull(pub, sub)
+    with channel(Staging(delta=Delta()), twice=True) as (pub, sub):
         assert [g["why"] for g in pulls(pub, sub, range(2, 4))] == ["unsupported-plan"] * 2
-    finally:
-        sub.stop()
-        pub.stop()
