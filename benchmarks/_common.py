@@ -370,7 +370,6 @@ class BulkReader:
         options: Mapping[str, Any] | None = None,
         timeout: float = 120.0,
     ) -> None:
-        import inspect
         from concurrent.futures import ThreadPoolExecutor
 
         import numpy as np
@@ -383,7 +382,7 @@ class BulkReader:
         _numpy_multiarray(np)._set_madvise_hugepage(False)
         cls = transports.get(transport)
         opts = dict(options or {})
-        if "streams" in inspect.signature(cls.__init__).parameters:
+        if cls.takes("streams"):
             opts.setdefault("streams", 4)
         self.size, self.timeout = size, timeout
         part = -(-size // sources)

@@ -450,6 +450,11 @@ class Transport(ABC):
         return _check_all(cls, cls.name, option_schema(cls.__init__), options, token)
 
     @classmethod
+    def takes(cls, option: str) -> bool:
+        """Whether ``option`` is one of this transport's constructor options."""
+        return option in option_schema(cls.__init__)
+
+    @classmethod
     def check_combination(cls, options: Mapping[str, Any], token: object) -> None:
         """Refuses options that cannot work together or with ``token`` (each alone already checked;
         ``options`` holds every option, defaults filled in). Default: every combination works."""

@@ -4,7 +4,6 @@ function for the benchmarks (``benchmarks/transport_throughput.py``, ``benchmark
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import secrets
@@ -124,7 +123,7 @@ def run_bench(
     if size <= 0 or op_size <= 0:
         raise ValueError("size and op_size must be positive")
     opts = dict(options or {})
-    if "streams" in inspect.signature(get(transport).__init__).parameters:
+    if get(transport).takes("streams"):
         opts.setdefault("streams", streams)
     nops = size // op_size
     if nops * op_size != size:

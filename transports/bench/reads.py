@@ -17,7 +17,6 @@ region's pattern after the run (the destination is first filled with another byt
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -121,7 +120,7 @@ class TransportReader:
         self.label = name
         cls = get(name)
         opts = {**served.get("options", {}), **(options or {})}
-        if "streams" in inspect.signature(cls.__init__).parameters:
+        if cls.takes("streams"):
             opts.setdefault("streams", 1)  # a bench stream is one connection: --streams makes more
         self._t = cls(token=token, host=host, **opts)
         try:
