@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
 
 os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
 
-from _procs import run_procs  # noqa: E402  # examples/_procs.py: the processes, their ports and results
+from _rl import command_line, run_procs, write_result  # noqa: E402  # examples/_rl.py: what the examples share
 
 from wbridge import Async, Publisher, Staging  # noqa: E402  # wbridge
 from wbridge.integrations.lora import from_peft  # noqa: E402  # wbridge
@@ -149,13 +148,8 @@ def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, start
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds per trainer step (at least)")
-    ap.add_argument("--lr", type=float, default=2e-2, help="AdamW on the adapter")
-    ap.add_argument("--check", action="store_true", help="compare with the final adapter loaded from disk")
-    ap.add_argument("--out", default=None, help="write result.json here")
-    args = ap.parse_args()
+    check_help = "compare with the final adapter loaded from disk"
+    args = command_line(__doc__, steps=6, interval=1.0, lr=2e-2, lr_help="AdamW on the adapter", check_help=check_help)
     with tempfile.TemporaryDirectory(prefix="wbridge-lora-") as tmp:
         args.base, args.final = os.path.join(tmp, "base"), os.path.join(tmp, "final-adapter")
         run(args)
@@ -178,9 +172,7 @@ def run(args: argparse.Namespace) -> None:
         ok = all(r["greedy"] == r["reference"] for r in rollouts)
         print(f"the final adapter loaded from disk: greedy tokens and logprobs {'match' if ok else 'MISMATCH'}")
         out["exact"] = ok
-    if args.out:
-        with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump(out, f)
+    write_result(args.out, out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ The lines that are wbridge's are marked ``# wbridge``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -25,7 +24,7 @@ import time
 os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # one process per engine (memory)
 
-from _procs import run_procs  # noqa: E402  # examples/_procs.py: the processes, their ports and results
+from _rl import command_line, run_procs, write_result  # noqa: E402  # examples/_rl.py: what the examples share
 
 from wbridge import Async, Delta, Publisher, Staging  # noqa: E402  # wbridge
 from wbridge.integrations.dtensor import from_module  # noqa: E402  # wbridge
@@ -114,13 +113,9 @@ def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, start
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--interval", type=float, default=1.5, help="seconds per trainer step (at least)")
-    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW; small steps leave most bf16 words as they were")
-    ap.add_argument("--check", action="store_true", help="compare greedy tokens with a fresh engine")
-    ap.add_argument("--out", default=None, help="write result.json here")
-    args = ap.parse_args()
+    lr_help = "AdamW; small steps leave most bf16 words as they were"
+    check_help = "compare greedy tokens with a fresh engine"
+    args = command_line(__doc__, steps=8, interval=1.5, lr=1e-4, lr_help=lr_help, check_help=check_help)
     with tempfile.TemporaryDirectory(prefix="wbridge-vllm-") as tmp:
         args.ckpt, args.final = os.path.join(tmp, "initial"), os.path.join(tmp, "final")
         run(args)
@@ -143,9 +138,7 @@ def run(args: argparse.Namespace) -> None:
         out["reference"] = greedy(engine(args.final))
         ok = all(r["greedy"] == out["reference"] for r in rollouts)
         print(f"reference engine from the final checkpoint: {out['reference']}: {'match' if ok else 'MISMATCH'}")
-    if args.out:
-        with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump(out, f)
+    write_result(args.out, out)
 
 
 if __name__ == "__main__":

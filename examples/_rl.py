@@ -1,4 +1,5 @@
-"""The process plumbing the plain-vLLM examples share (not an example itself).
+"""What the plain-vLLM RL examples share (not an example itself): their command line, their
+processes and their ``result.json``.
 
 ``examples/vllm_async_rl.py`` and ``examples/lora_async_rl.py`` import it: ``python examples/X.py``
 puts ``examples/`` first on ``sys.path``, and the spawned processes inherit that path.
@@ -6,10 +7,34 @@ puts ``examples/`` first on ``sys.path``, and the spawned processes inherit that
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
+import os
 import secrets
 import socket
 from collections.abc import Callable
+
+
+def command_line(
+    doc: str, *, steps: int, interval: float, lr: float, lr_help: str, check_help: str
+) -> argparse.Namespace:
+    """The options every example takes (``--steps``, ``--interval``, ``--lr``, ``--check``,
+    ``--out``), with an example's defaults and words, parsed; ``doc``: its docstring."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--interval", type=float, default=interval, help="seconds per trainer step (at least)")
+    ap.add_argument("--lr", type=float, default=lr, help=lr_help)
+    ap.add_argument("--check", action="store_true", help=check_help)
+    ap.add_argument("--out", default=None, help="write result.json here")
+    return ap.parse_args()
+
+
+def write_result(out_dir: str | None, result: dict) -> None:
+    """``result`` as ``out_dir/result.json`` (``--out``); nothing without ``out_dir``."""
+    if out_dir:
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(result, f)
 
 
 def free_port() -> int:
