@@ -154,11 +154,11 @@ class _SyncDriver(_FlowUpdater):
 
 class _AsyncDriver(_FlowUpdater):
     """Performs the flows by awaiting an ``AsyncLLM`` (``_do``, the subclass's: one operation), one
-        flow at a time (``_locked``), and runs the update flow from a background task (``_task``, made
-        by ``_start_once``; a failed start awaits the subclass's ``close``; ``async with`` awaits its
-    ``start``). ``_background``: the task's
-        name prefix, and what the log line calls the updater and its work when an error stops the task
-        (the error is kept in ``error``)."""
+    flow at a time (``_locked``), and runs the update flow from a background task (``_task``, made by
+    ``_start_once``; a failed start awaits the subclass's ``close``; ``async with`` awaits its
+    ``start``). ``_background``: the task's name prefix, and what the log line calls the updater and
+    its work when an error stops the task (the error is kept in ``error``). The parameters are
+    ``ChannelUpdater``'s."""
 
     _background: tuple[str, str, str]  # the task's name prefix, the updater's name, its work
     _task: asyncio.Task | None = None  # the background updates
