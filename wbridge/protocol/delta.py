@@ -90,12 +90,16 @@ class Workspace:
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
-        """``n`` elements of ``dtype`` (contents undefined) under ``name``."""
+    def get(self, name: str, n: int, dtype: type | np.dtype, keep: int = 0) -> np.ndarray:
+        """``n`` elements of ``dtype`` under ``name``: the first ``keep`` as the last call left
+        them (an array filled piece by piece), the rest undefined."""
         size = n * np.dtype(dtype).itemsize
         a = self._arrays.get(name)
         if a is None or len(a) < size:
-            a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
+            grown = np.empty(max(4096, size + size // 4), np.uint8)
+            if a is not None and keep:
+                grown[: keep * np.dtype(dtype).itemsize] = a[: keep * np.dtype(dtype).itemsize]
+            a = self._arrays[name] = grown
         return a[:size].view(dtype)
 
     def mask(self, name: str, n: int) -> np.ndarray:

@@ -183,7 +183,6 @@ def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) ->
     if cur.device.type == "cpu":
         a, b = prev.numpy(), cur.numpy()
         bitmap = ws.get("scan.bitmap", -(-pairs // 8), np.uint8)
-        ats, found = [], []
         n = 0
         for s in range(0, full, SCAN_BLOCK):
             e = min(s + SCAN_BLOCK, full)
@@ -192,22 +191,26 @@ def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) ->
             mask = ws.mask("scan.mask", e - s)
             np.not_equal(d.view(np.uint32), 0, out=mask[: e - s])
             bitmap[s // 8 : -(-e // 8)] = np.packbits(mask[: e - s], bitorder="little")
-            at = _format.nonzero(mask, ws, "scan")
-            n += len(at)
-            if n + short > most:
+            got = _format.nonzero(mask, ws, "scan")
+            k = len(got)
+            if n + k + short > most:
                 return None
-            found.append(torch.index_select(torch.from_numpy(d.view(np.int32)), 0, torch.from_numpy(at)).numpy())
-            ats.append(np.add(at, s))
+            # (straight into the arrays the coding reads: no list of pieces to concatenate)
+            at = ws.get("scan.found", n + k + 1, np.int64, keep=n)
+            diffs = ws.get("scan.values", n + k + 1, np.uint32, keep=n)
+            np.add(got, s, out=at[n : n + k])
+            out = torch.from_numpy(diffs[n : n + k].view(np.int32))
+            torch.index_select(torch.from_numpy(d.view(np.int32)), 0, torch.from_numpy(got), out=out)
+            n += k
         if pairs > full and full % 8 == 0:
             bitmap[full // 8] = 0  # (the short last pair's byte: no block packed it)
         if short:
             bitmap[full // 8] |= np.uint8(1 << (full % 8))
-            ats.append(np.array([full], np.int64))
-        at = np.concatenate(ats, out=ws.get("scan.at", n + short, np.int64)) if ats else np.zeros(0, np.int64)
-        diffs = ws.get("scan.diffs", 4 * (n + short), np.uint8)
-        if found:
-            np.concatenate(found, out=diffs[: 4 * n].view(np.int32))
+        at = ws.get("scan.found", n + 1, np.int64, keep=n)
+        diffs = ws.get("scan.values", n + 1, np.uint32, keep=n).view(np.uint8)
+        at[n] = full
         n += short
+        at, diffs = at[:n], diffs[: PAIR * n]
     else:  # on the GPU: the same ops in torch, only the changed pairs come to the host
         a4, b4 = prev[:whole].view(torch.int32), cur[:whole].view(torch.int32)
         found = torch.nonzero(a4 != b4).squeeze(1)
