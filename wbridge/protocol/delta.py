@@ -64,8 +64,11 @@ OFFSETS = 11  # header fields 11..15: the byte offset of each stream
 CAPACITY_FRACTION = 2  # a delta buffer's streams hold up to half the slot's bytes
 # A bitmap of positions is taken where it is at most this much larger than the best Elias-Fano:
 # the scan makes it as it goes (a pass over its mask), while Elias-Fano costs a scatter and a
-# packing per changed pair (at 16% of pairs changed, ~1 ms of a 10 MB slot's 3-4 ms of encoding,
-# for 0.35x of the positions' bytes, some 0.15x of the delta's).
+# packing per changed pair (at 24% of pairs changed, 1.5 ms of a 10 MB slot's 7 ms of encoding),
+# and a bitmap decodes faster. The price, over AdamW steps at lr 1e-5 (``benchmarks/delta.py``,
+# about 10% of elements changed): 1.29 bytes per changed element where 1.0 (size alone) gives
+# 1.16, for encode_gbps 2.0-2.3 against 1.7 (pull_speedup 6.7-7.0 against 5.6, single runs);
+# lr 1e-6 (Elias-Fano at any slack) is not affected.
 BITMAP_SLACK = 1.5
 _NIBBLE_ONES = np.uint64(0x1111111111111111)
 
