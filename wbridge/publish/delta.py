@@ -11,9 +11,11 @@ holds them (``remap``): a new reader layout, a repack, a late joiner or a rejoin
 subscriber its base. The chunk checksums of every staged slot are cut at its cells
 (``wbridge.protocol.checksum.slot_sums``), so a reader packed for verifies whole chunks only.
 
-The scan is one pass over the two slots as 4-byte pairs: one compare, ``flatnonzero``, two gathers
-and a byte-wise subtraction (numpy on the host; torch on a GPU, only the changed pairs come to the
-host); the coding then works on the changed pairs alone (``protocol.delta.encode``). The header
+The scan is one pass over the two slots as 4-byte pairs, block by block on the host: their
+byte-wise difference, a mask of the changed pairs (packed into the positions bitmap as it goes),
+its set indices, and a gather of just those pairs' differences (``scan``; on a GPU the same in
+torch, only the changed pairs come to the host); the coding then works on the changed pairs alone
+(``protocol.delta.encode``). The header
 says ``WRITING`` while the buffer is rewritten and ``NONE`` where the version has no delta (no base,
 or more changes than the buffer holds: readers then pull in full).
 """
