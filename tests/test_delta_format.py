@@ -1,7 +1,8 @@
 """The delta format's codec (``wbridge.protocol.delta``) on its own: every change found by the scan
 is decoded back exactly, from the whole buffer or from any run of chunks alone, at every density
-(every Elias-Fano width), with short last pairs, escapes and raw bytes; tables or streams that do
-not make sense are refused, never decoded into wrong writes."""
+(every Elias-Fano width and the bitmap), with short last pairs, escapes and raw bytes, whatever a
+reused workspace held before; tables or streams that do not make sense are refused, never decoded
+into wrong writes."""
 
 from __future__ import annotations
 
@@ -34,10 +35,26 @@ def changed(size: int, frac: float, seed: int, ulp: bool = True) -> tuple[np.nda
     return a, b
 
 
-def coded(a: np.ndarray, b: np.ndarray) -> tuple[F.Geometry, np.ndarray, np.ndarray, np.ndarray, F.Parsed]:
+def dirty() -> F.Workspace:
+    """A workspace that coded another delta before (its arrays hold that one's bytes), as the
+    publisher's does from version to version."""
+    ws = F.Workspace()
+    a, b = changed(1 << 20, 0.9, 99, ulp=False)
+    found = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40, ws)
+    assert found is not None
+    F.encode(found.at, found.diffs, F.geometry(len(a)), ws, found.bitmap)
+    return ws
+
+
+def coded(
+    a: np.ndarray, b: np.ndarray, with_bitmap: bool = True, ws: F.Workspace | None = None
+) -> tuple[F.Geometry, np.ndarray, np.ndarray, np.ndarray, F.Parsed]:
     geo = F.geometry(len(a))
-    at, diffs = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40)
-    e = F.encode(at, diffs, geo)
+    ws = ws or dirty()
+    found = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40, ws)
+    assert found is not None
+    at, diffs = found.at.copy(), found.diffs.copy()
+    e = F.encode(found.at, found.diffs, geo, ws, found.bitmap if with_bitmap else None)
     # (a publisher declines a delta larger than its buffer; the codec itself has no such limit)
     buf = np.zeros(max(geo.buffer_bytes, F.table_bytes(geo.nchunks) + e.nbytes), np.uint8)
     F.write(buf, e)
@@ -58,36 +75,63 @@ def applied(a: np.ndarray, at: np.ndarray, diffs: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("frac", [0.0, 1e-5, 3e-4, 0.003, 0.015, 0.1, 0.3, 0.9])
-@pytest.mark.parametrize("size", [1, 6, 4093, 300_001])
+@pytest.mark.parametrize("size", [1, 6, 4093, 300_001, 300_003])
 def test_every_change_decodes_back_exactly(size: int, frac: float) -> None:
     for seed, ulp in ((1, True), (2, False)):
         a, b = changed(size, frac, seed, ulp)
-        geo, at, diffs, buf, p = coded(a, b)
-        got = decoded(p, buf, 0, geo.nchunks - 1)
-        assert got is not None
-        assert np.array_equal(got[0], at) and np.array_equal(got[1], diffs)
-        assert np.array_equal(applied(a, *got), b)
+        for with_bitmap in (True, False):  # (a GPU scan makes no bitmap)
+            geo, at, diffs, buf, p = coded(a, b, with_bitmap)
+            got = decoded(p, buf, 0, geo.nchunks - 1)
+            assert got is not None
+            assert np.array_equal(got[0], at) and np.array_equal(got[1], diffs)
+            assert np.array_equal(applied(a, *got), b)
+
+
+def test_a_reused_workspace_codes_every_version_alike() -> None:
+    """The publisher's workspace holds the last version's arrays: what it codes next does not
+    depend on them (a short last pair's bitmap byte, padding, escapes)."""
+    ws = dirty()
+    for i, (size, frac) in enumerate([(300_001, 0.1), (300_001, 0.3), (300_001, 0.001), (64_005, 0.9)]):
+        a, b = changed(size, frac, 10 + i, ulp=i % 2 == 0)
+        _, _, _, buf, p = coded(a, b, ws=ws)
+        _, _, _, fresh, q = coded(a, b, ws=F.Workspace())
+        assert np.array_equal(buf, fresh)
+
+
+def position_bits(n: int, pairs: int, lb: int) -> int:
+    """Bits of the positions of ``n`` changed pairs of ``pairs`` at width ``lb`` (0: the bitmap)."""
+    return pairs if lb == 0 else -(-pairs // (1 << lb)) + n + 8 * lb * -(-n // F.GROUP)
 
 
 def test_every_elias_fano_width_is_used_and_chosen_by_size() -> None:
     pairs = 1 << 20
-    widths = {F.low_bits_for(n, pairs) for n in (1, 100, 1000, 10_000, 100_000, 500_000, pairs)}
-    assert {0, 1, F.MAX_LOW_BITS} <= widths and len(widths) >= 5, widths
-    for n in (10, 5000, 200_000):  # the width chosen makes high + low smallest
-        sizes = [-(-pairs // (1 << lb)) + n * (1 + lb) for lb in range(F.MAX_LOW_BITS + 1)]
+    widths = {F.low_bits_for(n, pairs) for n in (1, 100, 1000, 10_000, 100_000, 200_000, 500_000, pairs)}
+    assert {0, 2, F.MAX_LOW_BITS} <= widths and len(widths) >= 6, widths  # (width 1 never beats both)
+    for n in (10, 5000, 200_000, 400_000, 700_000):  # the width chosen makes high + low smallest
+        sizes = [position_bits(n, pairs, lb) for lb in range(F.MAX_LOW_BITS + 1)]
         assert sizes[F.low_bits_for(n, pairs)] == min(sizes)
+    # with slack the bitmap is taken up to that factor over the best width, never beyond
+    for n in range(10_000, pairs, 10_000):
+        lb = F.low_bits_for(n, pairs, F.BITMAP_SLACK)
+        best = min(position_bits(n, pairs, w) for w in range(1, F.MAX_LOW_BITS + 1))
+        assert (lb == 0) == (pairs <= F.BITMAP_SLACK * best), n
+    assert F.low_bits_for(170_000, pairs, F.BITMAP_SLACK) == 0 and F.low_bits_for(170_000, pairs) != 0
 
 
 @pytest.mark.parametrize("width", range(1, F.MAX_LOW_BITS + 1))
 def test_fields_of_every_width_unpack_from_any_entry(width: int) -> None:
     rng = np.random.default_rng(width)
     values = rng.integers(0, 1 << width, 1001).astype(np.int64)
-    packed = F._pack_bits(values, width)
-    assert len(packed) == -(-1001 * width // 8)
-    for first in (0, 1, 7, 8, 333):
-        bit = first * width
-        got = F._unpack_bits(packed[bit // 8 :], bit % 8, 1001 - first, width)
+    packed = F._pack_bits(values, width, dirty())
+    assert len(packed) == -(-1001 // F.GROUP) * width  # whole groups of fields
+    bits = np.unpackbits(values.astype("<u2").view(np.uint8), bitorder="little").reshape(1001, 16)[:, :width]
+    assert np.array_equal(np.unpackbits(packed, bitorder="little")[: 1001 * width], bits.reshape(-1))
+    for first in (0, 1, 7, 8, 333, 1000):
+        group = first // F.GROUP
+        got = F._unpack_bits(packed[group * width :], first % F.GROUP, 1001 - first, width)
         assert np.array_equal(got, values[first:])
+    with pytest.raises(ValueError):
+        F._unpack_bits(packed[:-1], 0, 1001, width)
 
 
 def test_a_run_of_chunks_decodes_alone_from_its_own_ranges() -> None:
@@ -107,8 +151,9 @@ def test_adam_like_changes_cost_under_two_bytes_per_changed_word() -> None:
     a, b = changed(4 << 20, 0.015, 4)
     geo, at, diffs, buf, p = coded(a, b)
     words = int((a.view(np.uint16) != b.view(np.uint16)).sum())
-    e = F.encode(at, diffs, geo)
+    e = F.encode(at, diffs, geo, bitmap=None)
     assert (e.nbytes + F.table_bytes(geo.nchunks)) / words < 2.0
+    assert e.low_bits != 0  # (Elias-Fano at this density; the bitmap where most pairs change)
 
 
 def test_malformed_tables_and_streams_are_refused() -> None:

@@ -9,9 +9,12 @@ of entropy per changed word XORed, 1.8 as differences). Differences apply byte b
 whose reads start or end on an odd byte applies them too. Coded as:
 
 - **positions**: Elias-Fano over the pair indices, the low ``low_bits`` bits of each packed
-  (``low``), the rest as one unary bucket count per ``2**low_bits`` pairs (``high``: a one per
-  pair, a zero closing each bucket). ``low_bits`` is chosen per delta as the one that makes the two
-  smallest (computed exactly for every width); with 0 ``high`` is a bitmap with a zero after each pair.
+  (``low``, eight fields at a time: a group of eight is ``low_bits`` bytes), the rest as one unary
+  bucket count per ``2**low_bits`` pairs (``high``: a one per pair, a zero closing each bucket).
+  ``low_bits`` is chosen per delta as the one that makes the two smallest (computed exactly for
+  every width); 0 means a plain bitmap instead, one bit per pair of the slot (``high``; no
+  ``low``), which is what the densest deltas take (Elias-Fano at width 0 would be that plus a bit
+  per pair).
 - **values**: each byte's difference ``d`` as a 2-bit code ``min(d + 1 mod 256, 3)`` (0: -1,
   1: unchanged, 2: +1, 3: other, its byte in ``raw``); a pair's four codes make one byte ``k``,
   which a per-delta dictionary of the 15 most frequent ``k`` (in the header, from a sample of the
@@ -25,7 +28,7 @@ Layout of one delta buffer (native byte order, little-endian hosts)::
     dict     uint8[16] at 128  symbol -> k (15 used)
     tables   uint32[3][nchunks + 1] at ``HEADER_BYTES``: per chunk the first pair, escape and raw
              byte of that chunk (cumulative counts; the last entry is the total)
-    streams  high bits, low bits, 4-bit symbols, escapes, raw bytes (bits little-endian in bytes)
+    streams  high bits, low fields, 4-bit symbols, escapes, raw bytes (bits little-endian in bytes)
 
 A chunk is ``CHUNK_PAIRS`` pairs of the slot. The tables give every stream's bytes of any run of
 chunks, so a reader reads the streams of just the chunks its own reads cover (``ranges``) and
@@ -33,7 +36,9 @@ decodes them alone (``decode``): nothing of other readers' changes. The header s
 ``DELTA_WRITING`` while the buffer is rewritten and ``DELTA_NONE`` where the version has no delta;
 readers read it before and after the streams (a seqlock). Pairs are in the byte order of ``v``'s
 slot (its packing generation's layout); a slot's last pair may be short (padded with bytes that
-never change). Everything here is vectorised numpy: no Python step per pair.
+never change). Everything here is vectorised numpy: no Python step per pair, and the coding works
+on the changed pairs alone (a few passes over them, each over a compact array), table lookups two
+pairs at a time.
 """
 
 from __future__ import annotations
@@ -46,24 +51,37 @@ PAIR = 4  # bytes per pair
 CHUNK_PAIRS = 8192  # pairs per chunk (32 KiB of slot): >= 2 ** MAX_LOW_BITS
 CHUNK_BYTES = PAIR * CHUNK_PAIRS
 MAX_LOW_BITS = 13
+GROUP = 8  # low fields are packed this many at a time (``low_bits`` bytes a group)
 HEADER_BYTES = 144  # 16 x uint64, then the dictionary
 DICT_AT, DICT_SIZE = 128, 15
 ESCAPE = DICT_SIZE  # the symbol whose ``k`` is in the escape stream
-DELTA_MAGIC = 0x574244454C544132  # "WBDELTA2"
+DELTA_MAGIC = 0x574244454C544133  # "WBDELTA3"
 DELTA_STABLE, DELTA_WRITING, DELTA_NONE = 0, 1, 2
 # header fields (uint64 indices)
 MAGIC, VERSION, BASE, STATE, EPOCH, GEN, NCHUNKS, PAIRS, LOW_BITS, ESCAPES, RAWS = range(11)
 STREAMS = ("high", "low", "sym", "esc", "raw")
 OFFSETS = 11  # header fields 11..15: the byte offset of each stream
 CAPACITY_FRACTION = 2  # a delta buffer's streams hold up to half the slot's bytes
+# A bitmap of positions is taken where it is at most this much larger than the best Elias-Fano:
+# the scan makes it as it goes (a pass over its mask), while Elias-Fano costs a scatter and a
+# packing per changed pair (at 24% of pairs changed, 1.5 ms of a 10 MB slot's 7 ms of encoding),
+# and a bitmap decodes faster. The price, over AdamW steps at lr 1e-5 (``benchmarks/delta.py``,
+# about 10% of elements changed): 1.29 bytes per changed element where 1.0 (size alone) gives
+# 1.16, for encode_gbps 2.0-2.3 against 1.7 (pull_speedup 6.7-7.0 against 5.6, single runs);
+# lr 1e-6 (Elias-Fano at any slack) is not affected.
+BITMAP_SLACK = 1.5
+_NIBBLE_ONES = np.uint64(0x1111111111111111)
 
 
 _SPREAD = np.uint32(0x41041)  # four 2-bit fields at bits 0, 8, 16, 24 -> one byte at bit 18
 SAME = 0x55  # the ``k`` of a pair whose four bytes did not change (never coded)
+_CODE_DIFF = (0xFF, 0, 0x01, 0)  # code -> its byte difference (3: from the raw stream)
 _KDIFF = np.array(  # k -> its four byte differences as a little-endian uint32 (raw bytes 0)
-    [sum((0xFF, 0, 0x01, 0)[(k >> (2 * j)) & 3] << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32
+    [sum(_CODE_DIFF[(k >> (2 * j)) & 3] << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32
 )
-_KCODES = np.array([sum(((k >> (2 * j)) & 3) << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32)
+_KRAW = np.array(  # k -> a 1 in each byte coded 3 (raw), as a little-endian uint32
+    [sum(int((k >> (2 * j)) & 3 == 3) << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32
+)
 
 
 class Workspace:
@@ -75,13 +93,24 @@ class Workspace:
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
-        """``n`` elements of ``dtype`` (contents undefined) under ``name``."""
+    def get(self, name: str, n: int, dtype: type | np.dtype, keep: int = 0) -> np.ndarray:
+        """``n`` elements of ``dtype`` under ``name``: the first ``keep`` as the last call left
+        them (an array filled piece by piece), the rest undefined."""
         size = n * np.dtype(dtype).itemsize
         a = self._arrays.get(name)
         if a is None or len(a) < size:
-            a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
+            grown = np.empty(max(4096, size + size // 4), np.uint8)
+            if a is not None and keep:
+                grown[: keep * np.dtype(dtype).itemsize] = a[: keep * np.dtype(dtype).itemsize]
+            a = self._arrays[name] = grown
         return a[:size].view(dtype)
+
+    def mask(self, name: str, n: int) -> np.ndarray:
+        """A bool array of ``n`` elements and False after them up to a multiple of 8 (what
+        ``nonzero`` takes): the caller fills ``[:n]``."""
+        m = self.get(name, -(-n // 8) * 8, bool)
+        m[n:] = False
+        return m
 
     def full(self, name: str, n: int, value: int, dtype: type | np.dtype) -> np.ndarray:
         """``n`` elements of ``dtype``, each ``value`` (numpy's minimum of a uint8 array and a
@@ -99,7 +128,7 @@ class Workspace:
         indices to a fresh intp array, so they are widened into a reused one here."""
         wide = self.get("_lookup", len(index), np.intp)
         np.copyto(wide, index, casting="unsafe")
-        return np.take(table, wide, out=out)
+        return np.take(table, wide, out=out, mode="clip")
 
     def arange(self, n: int) -> np.ndarray:
         """``0 .. n - 1`` as int64 (computed once per size class)."""
@@ -107,6 +136,23 @@ class Workspace:
         if a is None or len(a) < 8 * n:
             self._arrays["_arange"] = a = np.arange(max(1024, n + n // 4), dtype=np.int64).view(np.uint8)
         return a[: 8 * n].view(np.int64)
+
+
+def nonzero(mask: np.ndarray, ws: Workspace, name: str) -> np.ndarray:
+    """The indices (int64, ascending) of the True elements of ``mask`` (bool, a multiple of 8
+    long: ``Workspace.mask``). Where few of its 8-element groups hold one, the groups are found
+    first (a pass over an eighth of the words) and only theirs are looked at; else one pass. May
+    be a view of ``ws`` under ``name``."""
+    words = mask.view(np.uint64)
+    hit = np.not_equal(words, 0, out=ws.get(f"{name}.hit", len(words), bool))
+    if 2 * np.count_nonzero(hit) > len(words):
+        return np.flatnonzero(mask)
+    groups = np.flatnonzero(hit)
+    j = np.flatnonzero(np.take(words, groups, out=ws.get(f"{name}.sub", len(groups), np.uint64)).view(bool))
+    group = np.right_shift(j, 3, out=ws.get(f"{name}.group", len(j), np.int64))
+    out = np.take(groups, group, out=ws.get(f"{name}.at", len(j), np.int64), mode="clip")  # (clip: unbuffered)
+    np.left_shift(out, 3, out=out)
+    return np.bitwise_or(out, np.bitwise_and(j, 7, out=j), out=out)
 
 
 def table_bytes(nchunks: int) -> int:
@@ -136,91 +182,85 @@ def geometry(slot_bytes: int) -> Geometry | None:
     return Geometry(slot_bytes, pairs, -(-pairs // CHUNK_PAIRS), max(4096, slot_bytes // CAPACITY_FRACTION))
 
 
-def codes(diffs: np.ndarray, ws: Workspace | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per pair (rows of ``diffs``: its four byte differences ``d``, uint8 ``[n, 4]``) the byte
-    ``k`` of its four 2-bit codes ``min(d + 1 mod 256, 3)`` (0: -1, 1: same, 2: +1, 3: other;
-    byte ``j``'s at bits ``2j``, ``2j + 1``), and the codes themselves (uint8 ``[4 n]``): a few
-    vectorised byte and word operations."""
-    ws = ws or Workspace()
-    n = len(diffs)
-    c = np.add(np.ascontiguousarray(diffs).reshape(-1), np.uint8(1), out=ws.get("codes.c", 4 * n, np.uint8))
-    np.minimum(c, ws.full("three", 4 * n, 3, np.uint8), out=c)
-    x = np.multiply(c.view(np.uint32), _SPREAD, out=ws.get("codes.x", n, np.uint32))
-    np.right_shift(x, np.uint32(18), out=x)
-    k = ws.get("codes.k", n, np.uint8)
-    np.copyto(k, x, casting="unsafe")
-    return k, c
-
-
-def raw_pairs(k: np.ndarray, ws: Workspace | None = None) -> np.ndarray:
-    """Which pairs (their codes ``k``) carry raw bytes (a byte coded 3)."""
-    ws = ws or Workspace()
-    t = np.right_shift(k, np.uint8(1), out=ws.get("raw.t", len(k), np.uint8))
-    np.bitwise_and(t, k, out=t)
-    np.bitwise_and(t, np.uint8(0x55), out=t)
-    return np.flatnonzero(np.not_equal(t, 0, out=ws.get("raw.b", len(k), bool)))  # (of bools: the fast nonzero)
-
-
 def _pack_bits(values: np.ndarray, width: int, ws: Workspace | None = None) -> np.ndarray:
-    """``values`` (int64, each < 2**width) as ``width``-bit fields, little-endian, in bytes."""
+    """``values`` (non-negative int64, each < 2**width, width <= 16) as ``width``-bit fields,
+    little-endian, in whole groups of ``GROUP`` fields (``width`` bytes each, the last padded with
+    zero fields): neighbouring fields merged into one word, then neighbouring words, three times
+    (a few whole-array operations, none per field)."""
     ws = ws or Workspace()
     n = len(values)
     if width == 0 or not n:
         return np.zeros(0, np.uint8)
-    if width == 8:
-        out = ws.get("pack.out", n, np.uint8)
-        np.copyto(out, values, casting="unsafe")
-        return out
-    if width in (1, 2, 4):
-        per = 8 // width
-        m = -(-n // per)
-        v = ws.get("pack.v", m * per, np.uint8)
-        np.copyto(v[:n], values, casting="unsafe")
-        v[n:] = 0
-        v = v.reshape(m, per)
-        out = ws.get("pack.out", m, np.uint8)
-        out[:] = v[:, 0]
-        t = ws.get("pack.t", m, np.uint8)
-        for j in range(1, per):
-            np.left_shift(v[:, j], np.uint8(j * width), out=t)
-            np.bitwise_or(out, t, out=out)
-        return out
-    v = values.astype("<u2").view(np.uint8)  # any other width (at most 16): through single bits
-    bits = np.unpackbits(v, bitorder="little").reshape(n, 16)[:, :width]
-    return np.packbits(bits.reshape(-1), bitorder="little")
+    m = -(-n // GROUP)
+    small = width in (1, 2, 4, 8)  # (a group's fields fit in a byte per field's width: bytes throughout)
+    v = ws.get("pack.v", GROUP * m, np.uint8 if small else np.uint32)
+    np.copyto(v[:n], values, casting="unsafe")
+    v[n:] = 0
+    if small:
+        for level in (1, 2, 4):
+            if level * width >= 8:
+                break
+            merged = np.left_shift(v[1::2], np.uint8(level * width), out=ws.get(f"pack.{level}", len(v) // 2, np.uint8))
+            v = np.bitwise_or(merged, v[0::2], out=merged)
+        return v
+    two = np.left_shift(v[1::2], np.uint32(width), out=ws.get("pack.2", 4 * m, np.uint32))
+    np.bitwise_or(two, v[0::2], out=two)  # 2 fields (<= 32 bits)
+    four = ws.get("pack.4", 2 * m, np.uint64)
+    np.copyto(four, two[1::2])
+    np.left_shift(four, np.uint64(2 * width), out=four)
+    np.bitwise_or(four, two[0::2], out=four)  # 4 fields (<= 64 bits)
+    words = ws.get("pack.w", 2 * m, np.uint64).reshape(m, 2)  # a group's low and high 64 bits
+    np.left_shift(four[1::2], np.uint64(4 * width), out=words[:, 0])  # (bits past 64 fall off)
+    np.bitwise_or(words[:, 0], four[0::2], out=words[:, 0])
+    if width > 8:  # the fields' bits past 64
+        np.right_shift(four[1::2], np.uint64(64 - 4 * width), out=words[:, 1])
+    out = ws.get("pack.out", m * width, np.uint8).reshape(m, width)
+    out[:] = words.view(np.uint8).reshape(m, 16)[:, :width]
+    return out.reshape(-1)
 
 
-def _unpack_bits(data: np.ndarray, first_bit: int, count: int, width: int) -> np.ndarray:
-    """``count`` fields of ``width`` bits starting at bit ``first_bit`` of ``data`` (int64)."""
+def _unpack_bits(data: np.ndarray, skip: int, count: int, width: int) -> np.ndarray:
+    """``count`` fields of ``width`` bits after the first ``skip`` of ``data`` (whole groups of
+    ``GROUP`` fields, as ``_pack_bits`` wrote them), int64; ValueError where ``data`` is short."""
     if width == 0 or count == 0:
         return np.zeros(count, np.int64)
-    if width == 8 and first_bit == 0:
-        out = data[:count]
-    elif width in (1, 2, 4) and first_bit % width == 0:
-        per = 8 // width
-        skip = first_bit // width
-        m = -(-(skip + count) // per)
-        b = data[:m]
-        out = np.empty((m, per), np.uint8)
-        for j in range(per):
-            out[:, j] = (b >> (j * width)) & ((1 << width) - 1)
-        out = out.reshape(-1)[skip : skip + count]
-    else:
-        bits = np.unpackbits(data, bitorder="little")[first_bit : first_bit + count * width]
-        if len(bits) != count * width:
-            raise ValueError("short field stream")
-        wide = np.zeros((count, 16), np.uint8)
-        wide[:, :width] = bits.reshape(count, width)
-        out = np.packbits(wide.reshape(-1), bitorder="little").view("<u2")
-    if len(out) != count:
+    m = -(-(skip + count) // GROUP)
+    if len(data) < m * width:
         raise ValueError("short field stream")
-    return out.astype(np.int64)
+    out = np.empty(GROUP * m, np.int64)
+    if width in (1, 2, 4, 8):
+        per = 8 // width
+        b = data[: m * width]
+        fields = out.reshape(-1, per)
+        for j in range(per):
+            np.bitwise_and(np.right_shift(b, np.uint8(j * width)), np.uint8((1 << width) - 1), out=fields[:, j],
+                           casting="unsafe")  # fmt: skip
+        return out[skip : skip + count]
+    words = np.zeros((m, 16), np.uint8)
+    words[:, :width] = data[: m * width].reshape(m, width)
+    w = words.view(np.uint64)  # [m, 2]: the group's low and high 64 bits
+    mask = np.uint64((1 << width) - 1)
+    fields = out.reshape(m, GROUP).view(np.uint64)
+    for j in range(GROUP):
+        s = j * width
+        if s + width <= 64:
+            f = w[:, 0] >> np.uint64(s)
+        elif s >= 64:
+            f = w[:, 1] >> np.uint64(s - 64)
+        else:  # straddles the two halves
+            f = (w[:, 0] >> np.uint64(s)) | (w[:, 1] << np.uint64(64 - s))
+        np.bitwise_and(f, mask, out=fields[:, j])
+    return out[skip : skip + count]
 
 
-def low_bits_for(changed: int, pairs: int) -> int:
-    """The Elias-Fano low width that makes ``high`` and ``low`` smallest, in bits (exact sizes)."""
-    sizes = [-(-pairs // (1 << lb)) + changed * (1 + lb) for lb in range(MAX_LOW_BITS + 1)]
-    return int(np.argmin(sizes))
+def low_bits_for(changed: int, pairs: int, slack: float = 1.0) -> int:
+    """The Elias-Fano low width that makes ``high`` and ``low`` smallest, in bits (exact sizes;
+    whole groups of low fields), or 0 where a bitmap of the slot's pairs is at most ``slack``
+    times that."""
+    groups = -(-changed // GROUP)
+    sizes = [-(-pairs // (1 << lb)) + changed + 8 * groups * lb for lb in range(1, MAX_LOW_BITS + 1)]
+    best = int(np.argmin(sizes))
+    return 0 if pairs <= slack * sizes[best] else best + 1
 
 
 @dataclass(frozen=True)
@@ -242,52 +282,102 @@ class Encoded:
         return sum((len(s) + 7) // 8 * 8 for s in self.streams)
 
 
-def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace | None = None) -> Encoded:
-    """Codes the changed pairs ``pairs_at`` (ascending pair indices, int64) whose byte differences
-    are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``. Its
-    streams may be views of ``ws``: write them (``write``) before ``ws`` is used again."""
-    ws = ws or Workspace()
-    n = len(pairs_at)
-    k, c = codes(diffs, ws)
-    # the dictionary: the 15 most frequent k (a sample of a few thousand pairs decides)
-    step = max(1, n // 8192)
-    counts = np.bincount(k[::step], minlength=256)
+def _dictionary(x: np.ndarray) -> np.ndarray:
+    """The 15 most frequent ``k`` of the coded pairs ``x`` (``k`` at bit 18; a sample of a few
+    thousand decides), as the delta's dictionary (uint8[16], the last unused)."""
+    step = max(1, len(x) // 8192)
+    sample = np.right_shift(x[::step], np.uint32(18)) & np.uint32(0xFF)
+    counts = np.bincount(sample, minlength=256)
     counts[SAME] = -1  # (no changed pair has it)
-    top = np.argsort(-counts, kind="stable")[:DICT_SIZE].astype(np.uint8)
-    lut = np.full(256, ESCAPE, np.uint8)
-    lut[top] = np.arange(DICT_SIZE, dtype=np.uint8)
     dictionary = np.zeros(16, np.uint8)
-    dictionary[:DICT_SIZE] = top
-    sym = ws.get("enc.sym", n + 1, np.uint8)
-    ws.lookup(lut, k, sym[:n])
-    sym[n] = 0  # (a last half byte of padding)
-    escaped = np.flatnonzero(np.equal(sym[:n], ESCAPE, out=ws.get("enc.b", n, bool)))
-    esc = k[escaped]
-    # raw bytes: the differences of bytes coded 3, in pair then byte order
-    with_raw = raw_pairs(k, ws)
-    some = np.take(np.ascontiguousarray(diffs).reshape(-1).view(np.uint32), with_raw).view(np.uint8)
-    is_raw = np.take(c.view(np.uint32), with_raw)  # their codes, four bytes per pair
-    raw = np.compress(is_raw.view(np.uint8) == 3, some)  # (compress: 7x a boolean index here)
-    # tables: cumulative counts at chunk starts
-    starts = np.searchsorted(pairs_at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
-    per = (((is_raw & np.uint32(0x01010101)) & (is_raw >> np.uint32(1))) * np.uint32(0x01010101)) >> np.uint32(24)
-    raw_cum = np.concatenate(([0], np.cumsum(per, dtype=np.int64)))  # (bytes coded 3: both code bits set)
-    tables = np.stack([starts, np.searchsorted(escaped, starts), raw_cum[np.searchsorted(with_raw, starts)]]).astype(
-        np.uint32
-    )
-    # positions: Elias-Fano
-    lb = low_bits_for(n, geo.pairs)
-    buckets = -(-geo.pairs // (1 << lb))
+    dictionary[:DICT_SIZE] = np.argsort(-counts, kind="stable")[:DICT_SIZE]
+    return dictionary
+
+
+def _positions(pairs_at: np.ndarray, lb: int, pairs: int, bitmap: np.ndarray | None, ws: Workspace) -> tuple:
+    """The ``high`` and ``low`` streams of the changed pairs ``pairs_at`` of a slot of ``pairs``
+    pairs at low width ``lb`` (0: a bitmap, ``bitmap`` where the scan made one)."""
+    n = len(pairs_at)
+    if lb == 0:
+        if bitmap is None:
+            mask = ws.mask("enc.bitmap", pairs)
+            mask[:pairs] = False
+            mask[pairs_at] = True
+            bitmap = np.packbits(mask[:pairs], bitorder="little")
+        return bitmap, np.zeros(0, np.uint8)
+    buckets = -(-pairs // (1 << lb))
     high_bits = ws.get("enc.high", buckets + n, bool)
     high_bits.fill(False)
     q = np.right_shift(pairs_at, lb, out=ws.get("enc.q", n, np.int64))
     high_bits[np.add(q, ws.arange(n), out=q)] = True
     high = np.packbits(high_bits, bitorder="little")
-    low = _pack_bits(np.bitwise_and(pairs_at, (1 << lb) - 1, out=q), lb, ws)
+    return high, _pack_bits(np.bitwise_and(pairs_at, (1 << lb) - 1, out=q), lb, ws)
+
+
+def _escapes(sym: np.ndarray, ws: Workspace) -> np.ndarray:
+    """The ranks of the pairs whose symbol is ``ESCAPE`` (few), ascending, from the symbol bytes
+    ``sym`` (two a byte, zero-padded to a multiple of 8): nibbles of all ones found eight bytes
+    at a time, then only the words holding one looked at."""
+    words = sym.view(np.uint64)
+    t = np.right_shift(words, np.uint64(1), out=ws.get("esc.t", len(words), np.uint64))
+    np.bitwise_and(t, words, out=t)
+    u = np.right_shift(t, np.uint64(2), out=ws.get("esc.u", len(words), np.uint64))
+    np.bitwise_and(t, u, out=t)
+    np.bitwise_and(t, _NIBBLE_ONES, out=t)  # bit 4j: nibble j is 15
+    hit = np.flatnonzero(np.not_equal(t, 0, out=ws.get("esc.hit", len(t), bool)))
+    bits = np.flatnonzero(np.unpackbits(np.take(t, hit).view(np.uint8), bitorder="little").view(bool))
+    return np.take(hit, bits >> 6) * 16 + ((bits & 63) >> 2)
+
+
+def encode(
+    pairs_at: np.ndarray,
+    diffs: np.ndarray,
+    geo: Geometry,
+    ws: Workspace | None = None,
+    bitmap: np.ndarray | None = None,
+) -> Encoded:
+    """Codes the changed pairs ``pairs_at`` (ascending pair indices, int64) whose byte differences
+    are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``; ``bitmap``
+    (a bit per pair of the slot, set where it changed, as the scan made it) saves remaking it.
+    Its streams may be views of ``ws``: write them (``write``) before ``ws`` is used again."""
+    ws = ws or Workspace()
+    n = len(pairs_at)
+    d = np.ascontiguousarray(diffs).reshape(-1)
+    # each byte's 2-bit code, and each pair's four of them as one byte k (at bit 18 of x)
+    c = np.add(d, np.uint8(1), out=ws.get("enc.c", 4 * n, np.uint8))
+    np.minimum(c, ws.full("three", 4 * n, 3, np.uint8), out=c)
     half = (n + 1) // 2
-    packed_sym = np.left_shift(sym[1 : 2 * half : 2], np.uint8(4), out=ws.get("enc.nib", half, np.uint8))
-    np.bitwise_or(packed_sym, sym[0 : 2 * half : 2], out=packed_sym)
-    return Encoded(lb, dictionary, tables, (high, low, packed_sym, esc, raw))
+    x = ws.get("enc.x", 2 * half, np.uint32)
+    np.multiply(c.view(np.uint32), _SPREAD, out=x[:n])
+    dictionary = _dictionary(x[:n])
+    lut = np.full(256, ESCAPE, np.uint8)
+    lut[dictionary[:DICT_SIZE]] = np.arange(DICT_SIZE, dtype=np.uint8)
+    if n % 2:
+        x[n] = np.uint32(int(dictionary[0]) << 18)  # (the last half byte: symbol 0)
+    # two pairs' symbols per byte: one lookup of both k (a 64 Ki-entry table) per byte
+    both = (lut[None, :] | (lut[:, None] << np.uint8(4))).reshape(-1)
+    y = x[: 2 * half].view(np.uint64)
+    idx = np.right_shift(y, np.uint64(18), out=ws.get("enc.i", half, np.uint64))
+    np.bitwise_and(idx, np.uint64(0xFF), out=idx)
+    hi = np.right_shift(y, np.uint64(42), out=ws.get("enc.h", half, np.uint64))
+    np.bitwise_and(hi, np.uint64(0xFF00), out=hi)
+    np.bitwise_or(idx, hi, out=idx)
+    padded = ws.get("enc.sym", -(-half // 8) * 8, np.uint8)
+    padded[half:] = 0
+    sym = np.take(both, idx.view(np.int64), out=padded[:half], mode="clip")
+    escaped = _escapes(padded, ws)
+    esc = (np.right_shift(np.take(x, escaped), np.uint32(18)) & np.uint32(0xFF)).astype(np.uint8)
+    # raw bytes: the differences of bytes coded 3, in pair then byte order
+    is_raw = ws.mask("enc.rm", 4 * n)
+    np.equal(c, 3, out=is_raw[: 4 * n])
+    raw_at = nonzero(is_raw, ws, "enc.raw")
+    raw = np.take(d, raw_at)
+    # tables: cumulative counts at chunk starts
+    lb = low_bits_for(n, geo.pairs, BITMAP_SLACK if bitmap is not None else 1.0)
+    starts = np.searchsorted(pairs_at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
+    tables = np.stack([starts, np.searchsorted(escaped, starts), np.searchsorted(raw_at >> 2, starts)])
+    high, low_fields = _positions(pairs_at, lb, geo.pairs, bitmap, ws)
+    return Encoded(lb, dictionary, tables.astype(np.uint32), (high, low_fields, sym, esc, raw))
 
 
 def write(buf: np.ndarray, e: Encoded) -> None:
@@ -308,13 +398,17 @@ def write(buf: np.ndarray, e: Encoded) -> None:
 
 @dataclass(frozen=True)
 class Parsed:
-    """A delta's header, dictionary and tables as a reader read them (``parse``)."""
+    """A delta's header, dictionary and tables as a reader read them (``parse``), and the lookup
+    tables its symbols decode through: per byte of the symbol stream (two pairs), the two pairs'
+    byte differences (raw bytes 0) and a 1 in each raw-coded byte, as uint64."""
 
     low_bits: int
     pairs: int  # of the whole slot
     dictionary: np.ndarray  # uint8[16]
     tables: np.ndarray  # int64[3, nchunks + 1]; -1 where not read
     offsets: np.ndarray  # int64[5]: where each stream starts in the buffer
+    byte_diffs: np.ndarray  # uint64[256]
+    byte_raws: np.ndarray  # uint64[256]
 
 
 def table_rows(nchunks: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -326,6 +420,17 @@ def table_rows(nchunks: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
     return offsets, np.tile(4 * (hi - lo + 2), 3)
 
 
+def _symbol_tables(dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per byte of the symbol stream, its two pairs' differences and raw marks (``Parsed``); the
+    escape symbol's are 0 (the escape stream fills them in)."""
+    k = dictionary[:DICT_SIZE].astype(np.intp)
+    diff = np.zeros(16, np.uint64)
+    raws = np.zeros(16, np.uint64)
+    diff[:DICT_SIZE], raws[:DICT_SIZE] = _KDIFF[k], _KRAW[k]
+    lo, hi = np.arange(256) & 15, np.arange(256) >> 4
+    return diff[lo] | (diff[hi] << np.uint64(32)), raws[lo] | (raws[hi] << np.uint64(32))
+
+
 def parse(
     header: np.ndarray, entries: np.ndarray, lo: np.ndarray, hi: np.ndarray, nchunks: int, pairs: int
 ) -> Parsed | None:
@@ -335,7 +440,10 @@ def parse(
     head = header[:HEADER_BYTES].view(np.uint64)
     lb = int(head[LOW_BITS])
     totals = np.array([int(head[PAIRS]), int(head[ESCAPES]), int(head[RAWS])], dtype=np.int64)
+    dictionary = header[DICT_AT : DICT_AT + 16].copy()
     if lb > MAX_LOW_BITS or len(entries) != int(np.sum(table_rows(nchunks, lo, hi)[1])):
+        return None
+    if np.any(dictionary[:DICT_SIZE] == SAME):  # (no changed pair has it)
         return None
     tables = np.full((3, nchunks + 1), -1, dtype=np.int64)
     values = entries.view(np.uint32).astype(np.int64)
@@ -349,9 +457,8 @@ def parse(
             if b + 1 == nchunks and got[-1] != totals[t]:
                 return None
             tables[t, a : b + 2] = got
-    return Parsed(
-        lb, pairs, header[DICT_AT : DICT_AT + 16].copy(), tables, head[OFFSETS : OFFSETS + 5].astype(np.int64)
-    )
+    byte_diffs, byte_raws = _symbol_tables(dictionary)
+    return Parsed(lb, pairs, dictionary, tables, head[OFFSETS : OFFSETS + 5].astype(np.int64), byte_diffs, byte_raws)
 
 
 def parse_buffer(buf: np.ndarray, nchunks: int, pairs: int) -> Parsed | None:
@@ -364,15 +471,46 @@ def parse_buffer(buf: np.ndarray, nchunks: int, pairs: int) -> Parsed | None:
 
 def ranges(p: Parsed, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per run of chunks ``lo[i]..hi[i]`` the byte range of each stream it uses: ``(offsets,
-    lengths)``, int64 ``[runs, 5]`` (offsets from the buffer's start)."""
+    lengths)``, int64 ``[runs, 5]`` (offsets from the buffer's start). Low fields are read in
+    whole groups."""
     t = p.tables
     p0, p1 = t[0, lo], t[0, hi + 1]
     lb = p.low_bits
-    h0 = ((lo * CHUNK_PAIRS) >> lb) + p0
-    h1 = np.minimum(((hi + 1) * CHUNK_PAIRS) >> lb, -(-p.pairs // (1 << lb))) + p1
-    first = np.stack([h0 // 8, (p0 * lb) // 8, p0 // 2, t[1, lo], t[2, lo]], 1)
-    end = np.stack([-(-h1 // 8), -(-(p1 * lb) // 8), -(-p1 // 2), t[1, hi + 1], t[2, hi + 1]], 1)
+    if lb == 0:  # a bitmap: the chunks' own bytes of it
+        h0, h1 = lo * (CHUNK_PAIRS // 8), np.minimum((hi + 1) * (CHUNK_PAIRS // 8), -(-p.pairs // 8))
+    else:
+        h0 = (((lo * CHUNK_PAIRS) >> lb) + p0) // 8
+        h1 = -(-(np.minimum(((hi + 1) * CHUNK_PAIRS) >> lb, -(-p.pairs // (1 << lb))) + p1) // 8)
+    first = np.stack([h0, (p0 // GROUP) * lb, p0 // 2, t[1, lo], t[2, lo]], 1)
+    end = np.stack([h1, -(-p1 // GROUP) * lb, -(-p1 // 2), t[1, hi + 1], t[2, hi + 1]], 1)
     return first + p.offsets[None, :], end - first
+
+
+def _positions_of(p: Parsed, lo: int, hi: int, high: np.ndarray, low: np.ndarray, ws: Workspace) -> np.ndarray | None:
+    """The pair indices of chunks ``lo..hi`` (ascending, checked), from their ``high`` and
+    ``low`` stream pieces; None where malformed."""
+    t, lb = p.tables, p.low_bits
+    p0, p1 = int(t[0, lo]), int(t[0, hi + 1])
+    n = p1 - p0
+    if lb == 0:
+        at = np.flatnonzero(np.unpackbits(high, bitorder="little").view(bool))  # (0 or 1: valid bools)
+        if len(at) != n:
+            return None
+        np.add(at, lo * CHUNK_PAIRS, out=at)
+    else:
+        h0 = ((lo * CHUNK_PAIRS) >> lb) + p0
+        at = np.flatnonzero(np.unpackbits(high, bitorder="little")[h0 % 8 :].view(bool))[:n]
+        if len(at) != n:
+            return None
+        np.add(at, h0 - p0, out=at)
+        np.subtract(at, ws.arange(n), out=at)  # the bucket of each pair
+        np.left_shift(at, lb, out=at)
+        np.bitwise_or(at, _unpack_bits(low, p0 % GROUP, n, lb), out=at)
+        if np.any(np.less_equal(at[1:], at[:-1], out=ws.get("dec.b", n - 1, bool))):
+            return None
+    if at[0] < lo * CHUNK_PAIRS or at[-1] >= min((hi + 1) * CHUNK_PAIRS, p.pairs):
+        return None
+    return at
 
 
 def decode(
@@ -382,49 +520,44 @@ def decode(
     them): ``(pair indices ascending, byte differences [n, 4] uint8)``, views of ``ws`` (valid until
     its next use); None where malformed."""
     ws = ws or Workspace()
-    t, lb = p.tables, p.low_bits
+    t = p.tables
     p0, p1 = int(t[0, lo]), int(t[0, hi + 1])
     n = p1 - p0
     if n == 0:
         return np.zeros(0, np.int64), np.zeros((0, 4), np.uint8)
     try:
-        h0 = ((lo * CHUNK_PAIRS) >> lb) + p0
-        bits = np.unpackbits(pieces[0], bitorder="little")[h0 % 8 :]
-        at = np.flatnonzero(bits.view(bool))[:n]  # (unpacked bits are 0 or 1: valid bools)
-        if len(at) != n:
+        at = _positions_of(p, lo, hi, pieces[0], pieces[1], ws)
+        if at is None:
             return None
-        np.add(at, h0 - p0, out=at)
-        np.subtract(at, ws.arange(n), out=at)  # the bucket of each pair
-        np.left_shift(at, lb, out=at)
-        np.bitwise_or(at, _unpack_bits(pieces[1], (p0 * lb) % 8, n, lb), out=at)
-        if np.any(np.less_equal(at[1:], at[:-1], out=ws.get("dec.b", n - 1, bool))):
+        # each symbol byte (two pairs) to both pairs' differences and raw marks at once
+        sym = pieces[2]
+        first = p0 % 2
+        if len(sym) != (first + n + 1) // 2:
             return None
-        if at[0] < lo * CHUNK_PAIRS or at[-1] >= min((hi + 1) * CHUNK_PAIRS, p.pairs):
+        diffs = ws.lookup(p.byte_diffs, sym, ws.get("dec.d", len(sym), np.uint64)).view(np.uint32)
+        marks = ws.lookup(p.byte_raws, sym, ws.get("dec.r", len(sym), np.uint64))
+        # escapes: the symbols 15 (few), their k from the escape stream
+        found = ws.mask("dec.em", 2 * len(sym))
+        np.equal(np.bitwise_and(sym, np.uint8(0x0F), out=ws.get("dec.lo", len(sym), np.uint8)), ESCAPE,
+                 out=found[0 : 2 * len(sym) : 2])  # fmt: skip
+        np.greater_equal(sym, np.uint8(ESCAPE << 4), out=found[1 : 2 * len(sym) : 2])
+        escaped = nonzero(found, ws, "dec.esc")
+        escaped = escaped[(escaped >= first) & (escaped < first + n)]  # (half bytes of other chunks)
+        k = pieces[3]
+        if len(escaped) != len(k) or np.any(k == SAME):
             return None
-        nib = pieces[2]
-        both = ws.get("dec.both", 2 * len(nib), np.uint8)
-        np.bitwise_and(nib, np.uint8(15), out=both[0::2])
-        np.right_shift(nib, np.uint8(4), out=both[1::2])
-        sym = both[p0 % 2 : p0 % 2 + n]
-        if len(sym) != n:
-            return None
-        k = ws.lookup(p.dictionary, sym, ws.get("dec.k", n, np.uint8))
-        escaped = np.flatnonzero(np.equal(sym, ESCAPE, out=ws.get("dec.b", n, bool)))
-        if len(escaped) != len(pieces[3]):
-            return None
-        k[escaped] = pieces[3]
-        if np.any(np.equal(k, SAME, out=ws.get("dec.b", n, bool))):
-            return None
-        diffs = ws.lookup(_KDIFF, k, ws.get("dec.d", n, np.uint32)).view(np.uint8).reshape(n, 4)
-        with_raw = raw_pairs(k, ws)
+        diffs[escaped] = _KDIFF[k]
+        marks.view(np.uint32)[escaped] = _KRAW[k]
         # the bytes coded 3 (in pair, then byte order) take the raw stream's bytes
-        byte = np.flatnonzero(np.take(_KCODES, np.take(k, with_raw)).view(np.uint8) == 3)
-        if len(byte) != len(pieces[4]):
+        raw_at = nonzero(marks.view(bool), ws, "dec.raw") - 4 * first
+        raw_at = raw_at[(raw_at >= 0) & (raw_at < 4 * n)]
+        if len(raw_at) != len(pieces[4]):
             return None
-        diffs.reshape(-1)[np.take(with_raw, byte >> 2) * 4 + (byte & 3)] = pieces[4]
+        out = diffs[first : first + n].view(np.uint8)
+        out[raw_at] = pieces[4]
     except (ValueError, IndexError):
         return None
-    return at, diffs
+    return at, out.reshape(n, 4)
 
 
 __all__ = [
@@ -440,10 +573,11 @@ __all__ = [
     "HEADER_BYTES",
     "PAIR",
     "Parsed",
-    "codes",
+    "Workspace",
     "decode",
     "encode",
     "geometry",
+    "nonzero",
     "parse",
     "parse_buffer",
     "ranges",

@@ -11,9 +11,11 @@ holds them (``remap``): a new reader layout, a repack, a late joiner or a rejoin
 subscriber its base. The chunk checksums of every staged slot are cut at its cells
 (``wbridge.protocol.checksum.slot_sums``), so a reader packed for verifies whole chunks only.
 
-The scan is one pass over the two slots as 4-byte pairs: one compare, ``flatnonzero``, two gathers
-and a byte-wise subtraction (numpy on the host; torch on a GPU, only the changed pairs come to the
-host); the coding then works on the changed pairs alone (``protocol.delta.encode``). The header
+The scan is one pass over the two slots as 4-byte pairs, block by block on the host: their
+byte-wise difference, a mask of the changed pairs (packed into the positions bitmap as it goes),
+its set indices, and a gather of just those pairs' differences (``scan``; on a GPU the same in
+torch, only the changed pairs come to the host); the coding then works on the changed pairs alone
+(``protocol.delta.encode``). The header
 says ``WRITING`` while the buffer is rewritten and ``NONE`` where the version has no delta (no base,
 or more changes than the buffer holds: readers then pull in full).
 """
@@ -138,11 +140,11 @@ class DeltaRing:
             if prev is None:
                 head[3] = DELTA_NONE
                 return none
-        pairs_at, diffs = scan(prev, cur, self.geo.capacity * 2, self.work)
-        if pairs_at is None:  # more changed pairs than 4 bits each fit
+        found = scan(prev, cur, self.geo.capacity * 2, self.work)
+        if found is None:  # more changed pairs than 4 bits each fit
             head[3] = DELTA_NONE
             return none
-        coded = _format.encode(pairs_at, diffs, self.geo, self.work)
+        coded = _format.encode(found.at, found.diffs, self.geo, self.work, found.bitmap)
         if coded.nbytes > self.geo.capacity:
             head[3] = DELTA_NONE
             return none
@@ -151,53 +153,83 @@ class DeltaRing:
         return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
 
 
-SCAN_BLOCK = 1 << 18  # pairs compared and gathered at a time (1 MiB of each slot)
+SCAN_BLOCK = 1 << 20  # pairs compared at a time (4 MiB of each slot): temporaries stay small
 
 
-def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> tuple[np.ndarray | None, np.ndarray]:
-    """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size): their
-    indices ascending, and their byte differences ``cur - prev`` (uint8 ``[n, 4]``, maybe a view of
-    ``ws``); ``(None, _)`` where more than ``most`` changed. A short last pair is compared padded
-    with zeros."""
+@dataclass(frozen=True)
+class Changes:
+    """What ``scan`` found: the changed pairs' indices (ascending, int64), their byte differences
+    ``cur - prev`` (uint8 ``[n, 4]``), and, from a host scan, the bitmap of the changed pairs
+    (uint8, a bit per pair of the slot, little-endian): views of the workspace."""
+
+    at: np.ndarray
+    diffs: np.ndarray
+    bitmap: np.ndarray | None
+
+
+def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> Changes | None:
+    """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size); None
+    where more than ``most`` changed. A short last pair is compared padded with zeros. On the host,
+    block by block (``SCAN_BLOCK`` pairs): the byte-wise difference of the two slots, a mask of
+    its non-zero 32-bit words (packed into the bitmap as well), the mask's set indices (8-pair
+    groups first where few are set: ``protocol.delta.nonzero``), then a gather of just those
+    pairs' differences (torch's gather: twice numpy's take here). One difference and one gather
+    cost less than a compare and a gather from each slot."""
+    import torch
+
     ws = ws or _format.Workspace()
     size = int(cur.numel())
     whole = size // PAIR * PAIR
+    full, pairs = whole // PAIR, -(-size // PAIR)
+    short = whole < size and bool(torch.any(prev[whole:] != cur[whole:]))
     if cur.device.type == "cpu":
         a, b = prev.numpy(), cur.numpy()
-        a4, b4 = a[:whole].view(np.uint32), b[:whole].view(np.uint32)
-        mask = ws.get("scan.mask", min(len(a4), SCAN_BLOCK), bool)
-        ats, olds, news = [np.zeros(0, np.int64)], [np.zeros(0, np.uint32)], [np.zeros(0, np.uint32)]
-        for s in range(0, len(a4), SCAN_BLOCK):  # (a block's pairs are still in cache for the gathers)
-            pa, pb = a4[s : s + SCAN_BLOCK], b4[s : s + SCAN_BLOCK]
-            got = np.flatnonzero(np.not_equal(pa, pb, out=mask[: len(pa)]))
-            olds.append(np.take(pa, got))
-            news.append(np.take(pb, got))
-            ats.append(np.add(got, s, out=got))
-            if sum(len(x) for x in ats) > most:
-                return None, np.zeros((0, PAIR), np.uint8)
-        at = np.concatenate(ats)
-        n = len(at)
-        old = np.concatenate(olds, out=ws.get("scan.a", n, np.uint32))
-        new = np.concatenate(news, out=ws.get("scan.b", n, np.uint32))
-        diffs = np.subtract(new.view(np.uint8), old.view(np.uint8), out=ws.get("scan.d", 4 * n, np.uint8))
-        diffs = diffs.reshape(-1, PAIR)
+        bitmap = ws.get("scan.bitmap", -(-pairs // 8), np.uint8)
+        n = 0
+        for s in range(0, full, SCAN_BLOCK):
+            e = min(s + SCAN_BLOCK, full)
+            d = ws.get("scan.d", PAIR * (e - s), np.uint8)
+            np.subtract(b[PAIR * s : PAIR * e], a[PAIR * s : PAIR * e], out=d)
+            mask = ws.mask("scan.mask", e - s)
+            np.not_equal(d.view(np.uint32), 0, out=mask[: e - s])
+            bitmap[s // 8 : -(-e // 8)] = np.packbits(mask[: e - s], bitorder="little")
+            got = _format.nonzero(mask, ws, "scan")
+            k = len(got)
+            if n + k + short > most:
+                return None
+            # (straight into the arrays the coding reads: no list of pieces to concatenate)
+            at = ws.get("scan.found", n + k + 1, np.int64, keep=n)
+            diffs = ws.get("scan.values", n + k + 1, np.uint32, keep=n)
+            np.add(got, s, out=at[n : n + k])
+            out = torch.from_numpy(diffs[n : n + k].view(np.int32))
+            torch.index_select(torch.from_numpy(d.view(np.int32)), 0, torch.from_numpy(got), out=out)
+            n += k
+        if pairs > full and full % 8 == 0:
+            bitmap[full // 8] = 0  # (the short last pair's byte: no block packed it)
+        if short:
+            bitmap[full // 8] |= np.uint8(1 << (full % 8))
+        at = ws.get("scan.found", n + 1, np.int64, keep=n)
+        diffs = ws.get("scan.values", n + 1, np.uint32, keep=n).view(np.uint8)
+        at[n] = full
+        n += short
+        at, diffs = at[:n], diffs[: PAIR * n]
     else:  # on the GPU: the same ops in torch, only the changed pairs come to the host
-        import torch
-
         a4, b4 = prev[:whole].view(torch.int32), cur[:whole].view(torch.int32)
         found = torch.nonzero(a4 != b4).squeeze(1)
-        if int(found.numel()) > most:
-            return None, np.zeros((0, PAIR), np.uint8)
+        n = int(found.numel()) + short
+        if n > most:
+            return None
         rows_a, rows_b = prev[:whole].view(-1, PAIR), cur[:whole].view(-1, PAIR)
-        at, diffs = found.cpu().numpy(), (rows_b[found] - rows_a[found]).cpu().numpy()
-    if whole < size:  # the slot's short last pair
+        at = np.append(found.cpu().numpy(), [full] * short).astype(np.int64)
+        diffs = np.zeros(4 * n, np.uint8)
+        diffs[: 4 * (n - short)] = (rows_b[found] - rows_a[found]).cpu().numpy().reshape(-1)
+        bitmap = None
+    if short:  # the slot's short last pair
         ta, tb = np.zeros(PAIR, np.uint8), np.zeros(PAIR, np.uint8)
         ta[: size - whole] = prev[whole:].cpu().numpy()
         tb[: size - whole] = cur[whole:].cpu().numpy()
-        if np.any(ta != tb):
-            at = np.append(at, whole // PAIR)
-            diffs = np.concatenate([diffs, (tb - ta)[None, :]])
-    return at.astype(np.int64, copy=False), diffs
+        diffs[4 * (n - 1) :] = tb - ta
+    return Changes(at, diffs.reshape(n, PAIR), bitmap)
 
 
 def build_ring(
@@ -235,4 +267,4 @@ def release_ring(ring: DeltaRing | None, transports: Mapping[str, Any]) -> None:
             quietly(transports[name].deregister, r)
 
 
-__all__ = ["DeltaRing", "Encoding", "build_ring", "release_ring", "scan"]
+__all__ = ["Changes", "DeltaRing", "Encoding", "build_ring", "release_ring", "scan"]
