@@ -18,19 +18,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RATIO = r"(?:[0-9]+\.[0-9]{2}|inf|n/a)"
 
 
-def run_benchmark(script: str, *args: str, timeout: float) -> list[str]:
+def run_benchmark(script: str, *args: str, timeout: float, pid: list[int] | None = None) -> list[str]:
+    """Runs ``benchmarks/<script> --quiet *args``; returns its stdout lines (appends its pid to ``pid``)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quiet", *args],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"{script} printed nothing; stderr:\n{proc.stderr[-2000:]}"
+    ) as proc:
+        if pid is not None:
+            pid.append(proc.pid)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"{script} ran past {timeout}s:\n{stdout}\n{stderr[-4000:]}") from None
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{stdout}\n{stderr[-4000:]}"
+    lines = stdout.strip().splitlines()
+    assert lines, f"{script} printed nothing; stderr:\n{stderr[-2000:]}"
     return lines
 
 
@@ -151,12 +160,13 @@ def test_control_plane_tiny_prints_summary_lines() -> None:
 def test_zones_small_prints_summary_line() -> None:
     if os.geteuid() != 0:
         pytest.skip("benchmarks/zones.py makes network namespaces: needs root")
-    lines = run_benchmark("zones.py", "--mb", "16", timeout=190)
+    pid: list[int] = []
+    lines = run_benchmark("zones.py", "--mb", "16", timeout=190, pid=pid)
     m = re.fullmatch(r"zones: link_bytes_per_version_vs_model=(\S+) all_replicas_s=(\S+) vs_no_relay=(\S+)", lines[-1])
     assert m, lines[-1]
     assert float(m.group(1)) <= 1.15, lines[-1]  # bytes, not time: holds under load too
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    assert "wbz" not in out, out  # the run deleted its namespaces
+    assert f"wbz{pid[0]}-" not in out, out  # the run deleted its namespaces (others may run beside it)
 
 
 @pytest.mark.slow

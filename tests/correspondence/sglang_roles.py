@@ -100,13 +100,21 @@ def checksums(eng) -> dict[str, str]:
 
 
 async def _update_under_load(eng, out: str, want: int) -> dict:
-    """Long requests decode while the trainer is asked for version ``want``; returns their
-    outputs and the stats once the engine holds ``want``."""
+    """Long requests decode while the trainer is asked for version ``want``; returns, once the
+    engine holds ``want``, the stats and every batch of requests started meanwhile.
+
+    Batches start staggered (a new one whenever fewer than two decode) so that one is decoding
+    all through the pull however fast a batch runs on this machine (``_during`` picks it)."""
     import asyncio
 
-    box: dict = {"t0": time.time()}
     sp = {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}  # all run to the end
-    task = asyncio.ensure_future(eng.async_generate(input_ids=LONG, sampling_params=sp))
+
+    async def batch() -> dict:
+        t0 = time.time()
+        outs = await eng.async_generate(input_ids=LONG, sampling_params=sp)
+        return {"t0": t0, "outs": outs, "t1": time.time()}
+
+    tasks = [asyncio.ensure_future(batch())]
     await asyncio.sleep(0.3)  # the requests are decoding
     open(os.path.join(out, f"want_{want}"), "w").close()
     deadline = time.monotonic() + 120
@@ -117,13 +125,19 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
             break
         if time.monotonic() > deadline:
             raise TimeoutError(f"version {want} not committed: {stats}")
-        if task.done():  # a loaded machine: the requests ended before the commit; keep some decoding
-            task = asyncio.ensure_future(eng.async_generate(input_ids=LONG, sampling_params=sp))
+        if sum(not t.done() for t in tasks) < 2:
+            tasks.append(asyncio.ensure_future(batch()))
         await asyncio.sleep(0.05)
-    box["outs"] = await task
-    box["t1"] = time.time()
-    box["stats"] = stats
-    return box
+    return {"batches": await asyncio.gather(*tasks), "stats": stats}
+
+
+def _during(batches: list[dict], pull: dict) -> dict:
+    """The batch that decoded from before the pull started until after it committed (else the
+    last one: the test then reports it)."""
+    return next(
+        (b for b in batches if b["t0"] < pull["pull_start"] and pull["committed_at"] < b["t1"]),
+        batches[-1],
+    )
 
 
 def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
@@ -142,10 +156,11 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
     for _ in range(updates):
         want = held + 1
         # the offline engine's event loop serves one caller: requests and stats polls share it
-        box = eng.loop.run_until_complete(_update_under_load(eng, out, want))
-        stats = box["stats"]
-        spans = [o["meta_info"].get("weight_versions") for o in box["outs"]]
+        run = eng.loop.run_until_complete(_update_under_load(eng, out, want))
+        stats = run["stats"]
         rec = next(h for h in stats[0]["history"] if h["version"] == want)
+        box = _during(run["batches"], rec)
+        spans = [o["meta_info"].get("weight_versions") for o in box["outs"]]
         res["steps"].append(
             {
                 "version": want,

@@ -152,3 +152,43 @@ def test_follow_loops_reach_the_new_history_after_a_store_loss(store: str, reque
             proc.kill()
             proc.wait(10)
             proc.stdout.close()
+
+
+@pytest.mark.slow
+def test_a_pull_waiting_for_a_rank_record_follows_a_store_loss(etcd_url) -> None:
+    """A pull that waits for a publisher's record (committed before the record showed, or the
+    record is gone) while the store loses its history reads the new history's version at once,
+    instead of waiting out its timeout for a record that will never show (the soak saw such pulls
+    fail after 60 s)."""
+    attacker = Attacker(etcd_url)
+    pub = Worker("pub", FaultPub, etcd_url, 0, 1, 1, model_kind="tiny", transport="tcp", mode=Async(max_staleness=100))
+    tensors = make_tensors(ModelConfig.tiny(), 1, 0, fused=False, fill_value=0xA5)
+    sub = Subscriber("t", etcd_url, token=TOKEN, transport="tcp", connect_timeout=10)
+    try:
+        assert publish(pub, 1) == 1
+        rank_key = next(k for k in attacker.dump() if k.endswith("/e/1/r/0"))
+        attacker.delete(rank_key)
+        sub.register(tensors)
+        result: dict = {}
+
+        def pulling() -> None:
+            t0 = time.monotonic()
+            try:
+                result["v"] = sub.pull(timeout=40.0)
+            except WBridgeError as e:
+                result["error"] = e
+            result["s"] = time.monotonic() - t0
+
+        thread = threading.Thread(target=pulling)
+        thread.start()
+        time.sleep(2.0)  # the pull waits for the deleted record
+        attacker.wipe()  # the store loses its history; the trainer registers again there
+        t_loss = time.monotonic()
+        assert publish(pub, 101) == 1
+        thread.join(60)
+        assert "error" not in result, result
+        assert result["v"] == 1 and mismatches(tensors, 101) == [], result
+        assert time.monotonic() - t_loss < 20, f"the pull waited out its timeout: {result}"
+    finally:
+        sub.close()
+        pub.stop()

@@ -18,14 +18,17 @@ from .._deadline import Deadline
 from .._lifecycle import quietly
 from .._selection import candidates
 from .._tensors import commit_pairs
-from ..errors import IntegrityError, StoreError, TransportError, WaitTimeout
+from ..errors import IntegrityError, StaleVersionError, StoreError, TransportError, WaitTimeout
 from ..options import MAX_SLOTS
+from ..protocol import generation as _generation
 from ..protocol.packing import layout_hash, packed_layout
 from ..protocol.version import VersionRecord
 from .context import PullContext
 from .session import Session, Source, SourcesFailed, connect_source, failed_sources, replan
 
 log = logging.getLogger("wbridge")
+
+RECORD_WAIT_SLICE_S = 1.0  # a rank record is waited for in slices this long, the store's generation checked between
 
 
 def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline: Deadline) -> Session:
@@ -35,12 +38,7 @@ def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline:
     records = []
     for r, (key, raw) in enumerate(zip(keys, ctx.store.get_many(keys))):
         if raw is None:  # committed before this rank's record was visible? wait for it
-            try:
-                raw = ctx.store.wait(key, deadline.left())
-            except WaitTimeout:
-                raise WaitTimeout(
-                    f"subscriber {ctx.name}: publisher rank {r} of epoch {rec.epoch} never registered"
-                ) from None
+            raw = _wait_record(ctx, rec, r, key, deadline)
         records.append(ctx.member.chan.open(key, raw))
     ctx.nslots = min(MAX_SLOTS, max(int(d.get("slots", 1)) for d in records))
     layouts = [
@@ -51,6 +49,22 @@ def setup(ctx: PullContext, rec: VersionRecord, gens: tuple[int, ...], deadline:
     plan = build_plan(layouts, ctx.dest.layout)
     session = Session(rec.epoch, rec.world_size, plan, [], layouts, records, gens=gens, incs=rec.incs)
     return connect_all(ctx, session, deadline)
+
+
+def _wait_record(ctx: PullContext, rec: VersionRecord, rank: int, key: str, deadline: Deadline) -> bytes:
+    """Publisher rank ``rank``'s record of ``rec``'s epoch, waited for in slices: a store that lost
+    its history meanwhile (a new generation) will never show it, and that ends the wait at once
+    (``StaleVersionError``: the pull reads the new history), not at the pull's deadline."""
+    while True:
+        try:
+            return ctx.store.wait(key, min(deadline.left(), RECORD_WAIT_SLICE_S))
+        except WaitTimeout:
+            if deadline.expired:
+                raise WaitTimeout(
+                    f"subscriber {ctx.name}: publisher rank {rank} of epoch {rec.epoch} never registered"
+                ) from None
+        if _generation.current(ctx.member.base) != ctx.member.gen:
+            raise StaleVersionError(f"version {rec.v}: the store lost its history while it was being planned")
 
 
 def _check_sealed(rec: VersionRecord, records: list[dict], layouts: list[RankLayout], keys: list[str]) -> None:
