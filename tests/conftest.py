@@ -45,7 +45,7 @@ HEAVY_SECONDS = {
     "tests/correspondence/test_sglang_lora.py": 35,
     "tests/correspondence/test_vllm_trainer_driven.py": 31,
     "tests/correspondence/test_dtensor.py": 27,
-    "tests/benchmarks/test_delta_smoke.py": 25,
+    "tests/benchmarks/test_delta_smoke.py": 50,
 }
 HEAVY_DEFAULT_SECONDS = 30
 
