@@ -132,12 +132,13 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
 
 
 def _during(batches: list[dict], pull: dict) -> dict:
-    """The batch that decoded from before the pull started until after it committed (else the
-    last one: the test then reports it)."""
-    return next(
-        (b for b in batches if b["t0"] < pull["pull_start"] and pull["committed_at"] < b["t1"]),
-        batches[-1],
-    )
+    """The batch that ran furthest on both sides of the pull: from before it started until after
+    it committed (if none did, the test reports the one that came closest).
+
+    The widest margin, not the first batch that spans the pull: a batch's end is when its outputs
+    reached this loop, some ms after its last token, so one that ended a few ms after the commit
+    may have decoded every token before it."""
+    return max(batches, key=lambda b: min(pull["pull_start"] - b["t0"], b["t1"] - pull["committed_at"]))
 
 
 def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
