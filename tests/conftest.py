@@ -1,17 +1,21 @@
 """Shared fixtures and markers. ``gpu`` tests skip where no CUDA device exists.
 
-``heavy`` tests (CPU-bound for long: real vLLM engines, Ray, multi-process training) run one at a
-time under ``pytest -n N`` (``scripts/test.sh``): collection puts them first, so xdist's load
-scheduling, which hands each worker a run of consecutive tests, gives them all to the first worker
-(module fixtures such as test_dtensor's gloo runs then run once), and a lock shared by the run's
-workers serialises any that land elsewhere. (``xdist_group`` would say this directly, but xdist
-3.8 cannot rename pytest 9's node ids, so ``--dist loadgroup`` ignores the groups.)"""
+``heavy`` tests (real vLLM/SGLang engines, Ray, multi-process training) run at most two at a time
+under ``pytest -n N`` (``scripts/test.sh``): most of their processes run one thread
+(``OMP_NUM_THREADS=1``) and wait on each other, so one heavy test keeps about one core busy. Their
+modules are split into two lanes of about equal length (``HEAVY_SECONDS``); each lane heads one
+worker's share of the collection (work-stealing scheduling hands each worker a contiguous share and
+moves tests from the end of a long queue to an idle worker), so each lane runs on one worker, its
+module fixtures once; a two-slot lock shared by the run's workers holds back any heavy test that
+lands elsewhere. (``xdist_group`` would say this directly, but xdist 3.8 cannot rename pytest 9's
+node ids, so ``--dist loadgroup`` ignores the groups.)"""
 
 from __future__ import annotations
 
 import fcntl
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -25,13 +29,86 @@ def _has_cuda() -> bool:
         return False
 
 
+HEAVY_AT_ONCE = 2
+# About how long each heavy module takes alone on a quiet machine (s): balances the two lanes.
+# A module not listed counts HEAVY_DEFAULT_SECONDS.
+HEAVY_SECONDS = {
+    "tests/correspondence/test_sglang_engine.py": 140,
+    "tests/correspondence/test_vllm_engine.py": 110,
+    "tests/correspondence/test_lora_example.py": 76,
+    "tests/correspondence/test_vllm_async_rl.py": 72,
+    "tests/correspondence/test_sglang_example.py": 67,
+    "tests/correspondence/test_ray.py": 60,
+    "tests/correspondence/test_vllm_faults.py": 60,
+    "tests/correspondence/test_vllm_updater.py": 56,
+    "tests/correspondence/test_vllm_lora.py": 50,
+    "tests/correspondence/test_sglang_lora.py": 35,
+    "tests/correspondence/test_vllm_trainer_driven.py": 31,
+    "tests/correspondence/test_dtensor.py": 27,
+    "tests/benchmarks/test_delta_smoke.py": 50,
+}
+HEAVY_DEFAULT_SECONDS = 30
+
+
+def _lanes(heavy: list) -> list[list]:
+    """The heavy items in two lanes of about equal estimated time, a module's items together and
+    in collection order (longest modules first, each into the shorter lane)."""
+    modules: dict[str, list] = {}
+    for item in heavy:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    lanes: list[list] = [[], []]
+    seconds = [0, 0]
+    for name in sorted(modules, key=lambda m: -HEAVY_SECONDS.get(m, HEAVY_DEFAULT_SECONDS)):
+        i = seconds.index(min(seconds))
+        lanes[i] += modules[name]
+        seconds[i] += HEAVY_SECONDS.get(name, HEAVY_DEFAULT_SECONDS)
+    return lanes
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the shares below count what runs
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: heavy first
+    heavy = [item for item in items if item.get_closest_marker("heavy") is not None]
+    light = [item for item in items if item.get_closest_marker("heavy") is None]
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    first, second = _lanes(heavy)
+    # the work-stealing scheduler's first two shares (pytest_xdist_make_scheduler)
+    share = len(items) // workers
+    second_share = (len(items) - share) // max(1, workers - 1)
+    fill = share - len(first)
+    if workers >= 2 and 0 <= fill <= len(light) and len(second) <= second_share:
+        items[:] = first + light[:fill] + second + light[fill:]
+    else:
+        items[:] = heavy + light
     if not _has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` (``--dist load``) schedules by work stealing: each worker starts on a contiguous
+    share of the collection, the order ``pytest_collection_modifyitems`` makes (a heavy lane heads
+    each of the first two shares)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
+def _heavy_slot(run: str):
+    """An open file holding one of the run's ``HEAVY_AT_ONCE`` locks (waits for a free one)."""
+    while True:
+        for slot in range(HEAVY_AT_ONCE):
+            f = open(os.path.join(tempfile.gettempdir(), f"wbridge-heavy-{run}-{slot}.lock"), "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except BlockingIOError:
+                f.close()
+        time.sleep(0.5)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)  # outside pytest-timeout: waiting is not the test's time
@@ -40,6 +117,5 @@ def pytest_runtest_protocol(item, nextitem):
     if run is None or item.get_closest_marker("heavy") is None:
         yield
         return
-    with open(os.path.join(tempfile.gettempdir(), f"wbridge-heavy-{run}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _heavy_slot(run):
         yield

@@ -1,12 +1,12 @@
 """Processes of the real-engine SGLang test (run with the SGLang venv's python; the test puts the
 repo and tests/sglang_stubs on PYTHONPATH and sets SGLANG_USE_CPU_ENGINE=1).
 
-    python sglang_roles.py make CKPT [moe]                  # a tiny random fp32 Qwen2 (Qwen3-MoE) checkpoint
     python sglang_roles.py trainer CKPT OUT PORT [delta]    # fp32 masters, AdamW; publishes bf16 on cue
     python sglang_roles.py engine CKPT OUT PORT NAME N      # subscribed engine: N updates, then waits
     python sglang_roles.py rejoin CKPT OUT PORT NAME        # a restarted engine: pulls the newest
     python sglang_roles.py server CKPT OUT PORT HTTP_PORT     # the HTTP server, subscribed
     python sglang_roles.py reference OUT V [V ...]          # fresh engines from OUT/v<V> (bf16)
+    python sglang_roles.py host FD                          # reference on request (role_host)
 
 Files in OUT are the cues: ``want_<v>`` asks the trainer for version v, ``v<v>/`` is its bf16
 checkpoint, ``<NAME>.pt`` an engine's results, ``<NAME>_done_<v>`` that it committed v.
@@ -132,12 +132,13 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
 
 
 def _during(batches: list[dict], pull: dict) -> dict:
-    """The batch that decoded from before the pull started until after it committed (else the
-    last one: the test then reports it)."""
-    return next(
-        (b for b in batches if b["t0"] < pull["pull_start"] and pull["committed_at"] < b["t1"]),
-        batches[-1],
-    )
+    """The batch that ran furthest on both sides of the pull: from before it started until after
+    it committed (if none did, the test reports the one that came closest).
+
+    The widest margin, not the first batch that spans the pull: a batch's end is when its outputs
+    reached this loop, some ms after its last token, so one that ended a few ms after the commit
+    may have decoded every token before it."""
+    return max(batches, key=lambda b: min(pull["pull_start"] - b["t0"], b["t1"] - pull["committed_at"]))
 
 
 def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
@@ -236,17 +237,9 @@ def server(ckpt: str, out: str, port: int, http_port: int) -> None:
     launch_server(args)
 
 
-def make(ckpt: str, moe: bool = False) -> None:
-    from wbridge.testing.hf import make_qwen2, make_qwen3_moe
-
-    (make_qwen3_moe if moe else make_qwen2)(ckpt)
-
-
 if __name__ == "__main__":
     role, *a = sys.argv[1:]
-    if role == "make":
-        make(a[0], a[1:] == ["moe"])
-    elif role == "trainer":
+    if role == "trainer":
         trainer(a[0], a[1], int(a[2]), a[3:] == ["delta"])
     elif role == "engine":
         engine(a[0], a[1], int(a[2]), a[3], int(a[4]))
@@ -256,5 +249,9 @@ if __name__ == "__main__":
         server(a[0], a[1], int(a[2]), int(a[3]))
     elif role == "reference":
         reference(a[0], *a[1:])
+    elif role == "host":  # the session's reference engines, one after the other (tests/correspondence/conftest.py)
+        from role_host import serve
+
+        serve({"reference": reference}, int(a[0]))
     else:
         raise SystemExit(f"unknown role {role!r}")

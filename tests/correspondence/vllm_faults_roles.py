@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_roles import PROMPT, _llm, make
+from vllm_roles import PROMPT, _llm
 
 CHANNEL = "policy"
 TOKEN = "faults-token"
@@ -253,9 +253,7 @@ def engine(ckpt: str, out: str) -> None:
 
 if __name__ == "__main__":
     role = sys.argv[1]
-    if role == "make":
-        make(sys.argv[2])
-    elif role == "engine":
+    if role == "engine":
         engine(sys.argv[2], sys.argv[3])
     else:
         raise SystemExit(f"unknown role {role}")

@@ -1,9 +1,10 @@
-"""Processes of the real-engine vLLM test (run with the vLLM venv's python).
+"""Processes of the real-engine vLLM test (run with the vLLM venv's python). ``make`` and
+``make_moe`` (tiny random checkpoints) run in the test's own process (conftest.py).
 
-    python vllm_roles.py make CKPT_DIR                      # a tiny random Qwen2 checkpoint
     python vllm_roles.py trainer CKPT_DIR OUT_DIR PORT      # perturb (optimizer step), save, publish
     python vllm_roles.py engine CKPT_DIR OUT_DIR PORT       # vLLM: generate, subscribe, pull, generate
     python vllm_roles.py reference CKPT_DIR OUT_DIR         # vLLM loaded from the perturbed checkpoint
+    python vllm_roles.py host FD                            # reference / moe_reference on request (role_host)
 
 Each writes its results to OUT_DIR as torch files; the test compares them.
 """
@@ -386,9 +387,7 @@ def moe_reference(ckpt: str, out: str) -> None:
 
 if __name__ == "__main__":
     role = sys.argv[1]
-    if role == "make":
-        make(sys.argv[2])
-    elif role == "trainer":
+    if role == "trainer":
         trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif role == "engine":
         engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
@@ -396,13 +395,17 @@ if __name__ == "__main__":
         http_trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif role == "reference":
         reference(sys.argv[2], sys.argv[3])
-    elif role == "make_moe":
-        make_moe(sys.argv[2], int(sys.argv[3]))
     elif role == "moe_engine":
         moe_engine(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif role == "pause_engine":
         pause_engine(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif role == "moe_reference":
         moe_reference(sys.argv[2], sys.argv[3])
+    elif role == "host":  # the session's reference engines, one after the other (tests/correspondence/conftest.py)
+        from role_host import serve
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        # the in-process engines' parallel groups outlive them: a MoE after a dense model found no EP group
+        serve({"reference": reference, "moe_reference": moe_reference}, int(sys.argv[2]), cleanup_dist_env_and_memory)
     else:
         raise SystemExit(f"unknown role {role}")

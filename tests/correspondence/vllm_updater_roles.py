@@ -1,6 +1,5 @@
 """Processes of the ``AsyncVLLMUpdater`` test (run with the vLLM venv's python, the repo on PYTHONPATH).
 
-    python vllm_updater_roles.py make CKPT_DIR
     python vllm_updater_roles.py trainer CKPT_DIR OUT_DIR PORT   # publishes v1..v6 as the engine asks
     python vllm_updater_roles.py engine CKPT_DIR OUT_DIR PORT    # AsyncLLM + AsyncVLLMUpdater
 
@@ -19,7 +18,7 @@ import os
 import sys
 import time
 
-from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN, make
+from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN
 
 TIMEOUT = 240.0
 
@@ -190,9 +189,7 @@ async def engine_main(ckpt: str, out: str, port: int) -> None:
 
 if __name__ == "__main__":
     role = sys.argv[1]
-    if role == "make":
-        make(sys.argv[2])
-    elif role == "trainer":
+    if role == "trainer":
         trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif role == "engine":
         asyncio.run(engine_main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
