@@ -1,14 +1,15 @@
 """Shared fixtures and markers. ``gpu`` tests skip where no CUDA device exists.
 
-``heavy`` tests (real vLLM/SGLang engines, Ray, multi-process training) run at most two at a time
-under ``pytest -n N`` (``scripts/test.sh``): most of their processes run one thread
-(``OMP_NUM_THREADS=1``) and wait on each other, so one heavy test keeps about one core busy. Their
-modules are split into two lanes of about equal length (``HEAVY_SECONDS``); each lane heads one
-worker's share of the collection (work-stealing scheduling hands each worker a contiguous share and
-moves tests from the end of a long queue to an idle worker), so each lane runs on one worker, its
-module fixtures once; a two-slot lock shared by the run's workers holds back any heavy test that
-lands elsewhere. (``xdist_group`` would say this directly, but xdist 3.8 cannot rename pytest 9's
-node ids, so ``--dist loadgroup`` ignores the groups.)"""
+``heavy`` tests (real vLLM/SGLang engines, Ray, multi-process training) run ``HEAVY_AT_ONCE`` at a
+time under ``pytest -n N`` (``scripts/test.sh``). Most of their processes run one thread
+(``OMP_NUM_THREADS=1``), so one heavy test keeps about one core busy; on these 2 cores two at once
+left the other workers' tests too little CPU (their timing bounds failed at load 40), so it is one.
+Their modules are split into that many lanes of about equal length (``HEAVY_SECONDS``); each lane
+heads one worker's share of the collection (work-stealing scheduling hands each worker a contiguous
+share and moves tests from the end of a long queue to an idle worker), so each lane runs on one
+worker, its module fixtures once; a lock with ``HEAVY_AT_ONCE`` slots shared by the run's workers
+holds back any heavy test that lands elsewhere. (``xdist_group`` would say this directly, but xdist
+3.8 cannot rename pytest 9's node ids, so ``--dist loadgroup`` ignores the groups.)"""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def _has_cuda() -> bool:
         return False
 
 
-HEAVY_AT_ONCE = 2
-# About how long each heavy module takes alone on a quiet machine (s): balances the two lanes.
+HEAVY_AT_ONCE = 1  # 2 on a machine with cores to spare
+# About how long each heavy module takes alone on a quiet machine (s): balances the lanes.
 # A module not listed counts HEAVY_DEFAULT_SECONDS.
 HEAVY_SECONDS = {
     "tests/correspondence/test_sglang_engine.py": 140,
@@ -51,13 +52,13 @@ HEAVY_DEFAULT_SECONDS = 30
 
 
 def _lanes(heavy: list) -> list[list]:
-    """The heavy items in two lanes of about equal estimated time, a module's items together and
-    in collection order (longest modules first, each into the shorter lane)."""
+    """The heavy items in ``HEAVY_AT_ONCE`` lanes of about equal estimated time, a module's items
+    together and in collection order (longest modules first, each into the shortest lane)."""
     modules: dict[str, list] = {}
     for item in heavy:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    lanes: list[list] = [[], []]
-    seconds = [0, 0]
+    lanes: list[list] = [[] for _ in range(HEAVY_AT_ONCE)]
+    seconds = [0] * HEAVY_AT_ONCE
     for name in sorted(modules, key=lambda m: -HEAVY_SECONDS.get(m, HEAVY_DEFAULT_SECONDS)):
         i = seconds.index(min(seconds))
         lanes[i] += modules[name]
@@ -70,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
     heavy = [item for item in items if item.get_closest_marker("heavy") is not None]
     light = [item for item in items if item.get_closest_marker("heavy") is None]
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    first, second = _lanes(heavy)
+    first, second = (_lanes(heavy) + [[]])[:2]
     # the work-stealing scheduler's first two shares (pytest_xdist_make_scheduler)
     share = len(items) // workers
     second_share = (len(items) - share) // max(1, workers - 1)

@@ -137,7 +137,9 @@ def test_fsdp2_trainer_ranks_publish_their_shards_deltas_and_checksums(tmp_path)
         assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), (v, k)
-        assert nbytes <= adapter.nbytes
+        # the adapter's bytes, never the model's: a version read whole after a delta declined
+        # (by cost, on a loaded machine) adds the delta tables read to decide, a few hundred bytes
+        assert nbytes <= adapter.nbytes + 4096, (v, nbytes, adapter.nbytes)
     assert pulled[0][1] == adapter.nbytes  # the first version whole
     assert any(delta for _, _, delta, _ in pulled[1:]), "later versions, one tensor pair changed: deltas"
     assert min(n for _, n, _, _ in pulled[1:]) < adapter.nbytes // 4
