@@ -6,17 +6,20 @@ time under ``pytest -n N`` (``scripts/test.sh``). Most of their processes run on
 left the other workers' tests too little CPU (their timing bounds failed at load 40), so it is one.
 Their modules are split into that many lanes of about equal length (``HEAVY_SECONDS``); each lane
 heads one worker's share of the collection (work-stealing scheduling hands each worker a contiguous
-share and moves tests from the end of a long queue to an idle worker), so each lane runs on one
-worker, its module fixtures once; a lock with ``HEAVY_AT_ONCE`` slots shared by the run's workers
-holds back any heavy test that lands elsewhere. (``xdist_group`` would say this directly, but xdist
-3.8 cannot rename pytest 9's node ids, so ``--dist loadgroup`` ignores the groups.)"""
+share and moves tests from the end of a long queue to an idle worker; ours never moves a heavy
+test), so each lane runs on one worker, its module fixtures once (a module engine started once); a
+lock with ``HEAVY_AT_ONCE`` slots shared by the run's workers holds back any heavy test that lands
+elsewhere all the same. (``xdist_group`` would say this directly, but xdist 3.8 cannot rename
+pytest 9's node ids, so ``--dist loadgroup`` ignores the groups.)"""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import tempfile
 import time
+import uuid
 
 import pytest
 
@@ -66,9 +69,32 @@ def _lanes(heavy: list) -> list[list]:
     return lanes
 
 
+def _heavy_ids_file(run: str) -> str:
+    """Where the workers of run ``run`` leave the node ids of its heavy tests for the scheduler."""
+    return os.path.join(tempfile.gettempdir(), f"wbridge-heavy-{run}.ids")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.getoption("testrunuid", None) is None:
+        config.option.testrunuid = uuid.uuid4().hex  # the scheduler's and the workers' (xdist passes it on)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and config.getoption("testrunuid", None) is not None:
+        try:
+            os.unlink(_heavy_ids_file(config.option.testrunuid))
+        except FileNotFoundError:
+            pass
+
+
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the shares below count what runs
 def pytest_collection_modifyitems(config, items):
     heavy = [item for item in items if item.get_closest_marker("heavy") is not None]
+    run = getattr(config, "workerinput", {}).get("testrunuid")
+    if run is not None:
+        with open(_heavy_ids_file(run) + f".{os.getpid()}", "w") as f:
+            json.dump([item.nodeid for item in heavy], f)
+        os.replace(f.name, _heavy_ids_file(run))  # whole, as every worker writes the same list
     light = [item for item in items if item.get_closest_marker("heavy") is None]
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     first, second = (_lanes(heavy) + [[]])[:2]
@@ -89,14 +115,54 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``-n N`` (``--dist load``) schedules by work stealing: each worker starts on a contiguous
-    share of the collection, the order ``pytest_collection_modifyitems`` makes (a heavy lane heads
-    each of the first two shares)."""
+    """``-n N`` (``--dist load``) schedules by work stealing that never moves a heavy test: each
+    worker starts on a contiguous share of the collection, the order ``pytest_collection_modifyitems``
+    makes (a heavy lane heads each of the first two shares)."""
     if config.getvalue("dist") != "load":
         return None
-    from xdist.scheduler import WorkStealingScheduling
+    from xdist.scheduler.worksteal import MIN_PENDING, WorkStealingScheduling
 
-    return WorkStealingScheduling(config, log)
+    class KeepHeavy(WorkStealingScheduling):
+        """Work stealing as xdist's, but an idle worker takes only the light tests at the end of
+        another's queue: a heavy module stays on its lane's worker, its module fixtures set up once."""
+
+        heavy: frozenset[str] | None = None
+
+        def _light_tail(self, pending: list[int]) -> int:
+            if self.heavy is None:
+                with open(_heavy_ids_file(config.option.testrunuid)) as f:
+                    self.heavy = frozenset(json.load(f))
+            n = 0
+            for i in reversed(pending):
+                if self.collection[i] in self.heavy:
+                    break
+                n += 1
+            return min(n, max(0, len(pending) - MIN_PENDING))
+
+        def check_schedule(self) -> None:
+            up = {node: pending for node, pending in self.node2pending.items() if not node.shutting_down}
+            idle = [node for node, pending in up.items() if len(pending) < MIN_PENDING]
+            if not idle:
+                return
+            if self.pending:
+                for i, node in enumerate(idle):
+                    self._send_tests(node, len(self.pending) // (len(idle) - i))
+                idle = [node for node, pending in up.items() if len(pending) < MIN_PENDING]
+                if not idle:
+                    return
+            if self.steal_requested_from_node is not None:
+                return
+            tails = {node: self._light_tail(pending) for node, pending in up.items()}
+            victim = max(tails, key=tails.__getitem__, default=None)
+            n = 0 if victim is None else min(tails[victim], max(1, len(up[victim]) // 2))
+            if n == 0:
+                for node in idle:  # nothing to take: they run what they hold and stop
+                    node.shutdown()
+                return
+            victim.send_steal(up[victim][-n:])
+            self.steal_requested_from_node = victim
+
+    return KeepHeavy(config, log)
 
 
 def _heavy_slot(run: str):
