@@ -16,7 +16,7 @@ import time
 import pytest
 
 from .helpers import free_port
-from .venvs import HERE, NO_SGLANG, ROOT, SGLANG_PY, STUBS, kill_group, sglang_env, spawn  # noqa: F401 (re-exported)
+from .venvs import HERE, NO_SGLANG, SGLANG_PY, kill_group, sglang_env, spawn
 
 pytestmark = [
     pytest.mark.slow,
