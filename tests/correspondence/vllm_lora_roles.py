@@ -19,6 +19,7 @@ import sys
 
 from cues import cue
 from lora_roles import PROMPTS, TOKEN, close, subscribe, versions, write_hook
+from vllm_roles import engine_args
 
 MAX_TOKENS = 8
 
@@ -66,14 +67,7 @@ def engine(base: str, out: str, port: int) -> None:
 
     store = f"tcp://127.0.0.1:{port}"
     llm = LLM(
-        model=base,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
+        **engine_args(base),
         enable_lora=True,
         max_lora_rank=8,
         max_loras=2,

@@ -19,7 +19,7 @@ import sys
 import time
 
 from cues import wait_file
-from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN
+from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN, engine_args
 
 TIMEOUT = 240.0
 
@@ -94,14 +94,7 @@ async def engine_main(ckpt: str, out: str, port: int) -> None:
     from wbridge.integrations.vllm import EXTENSION, AsyncVLLMUpdater
 
     args = AsyncEngineArgs(
-        model=ckpt,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
+        **engine_args(ckpt),
         enable_prefix_caching=True,  # so each commit drops the cache (requests in flight recompute)
         worker_extension_cls=EXTENSION,
     )
