@@ -1,5 +1,6 @@
 """The LoRA trainer process of the LoRA tests (run with a python that has peft; the repo on
-PYTHONPATH).
+PYTHONPATH), and the engine side of its cues (``subscribe``, ``versions``, ``close``; stdlib only:
+the engine roles import them in the engines' venvs).
 
     python lora_roles.py trainer BASE OUT PORT     # hosts the store, publishes adapters on cue
 
@@ -16,11 +17,67 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+from collections.abc import Callable, Iterator
+
+from cues import cue, wait_file, wanted
 
 TOKEN = "lora-test-token"
 CHANNELS = ("lora-a", "lora-b")
 REFUSED = {"lora-r16": "rank", "lora-head": "lm_head", "lora-wide": "base"}
+VERSIONS = 3  # the versions an engine asks for
+PROMPTS = [[11, 42, 7, 99, 3, 58, 21, 5], [17, 3, 250, 9]]  # the engines' greedy prompts
+WAIT = 240.0  # an engine's wait for a cue of the trainer (s)
+
+
+def subscribe(out: str, updater: Callable[[str, float], object]) -> tuple[dict[str, str], list]:
+    """An engine's start, once the trainer's channels are up: ``updater(channel, timeout)`` for each
+    adapter of ``REFUSED`` (the error it raised, or ``"accepted"``), then, having asked for version
+    1, for each of ``CHANNELS``. Returns the errors and the updaters of ``CHANNELS``."""
+    wait_file(os.path.join(out, "registered"), WAIT, poll=0.02)
+    refused = {}
+    for ch in REFUSED:
+        try:
+            updater(ch, 30.0)
+            refused[ch] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            refused[ch] = f"{type(e).__name__}: {e}"
+    cue(out, "want_1")
+    return refused, [updater(ch, 120.0) for ch in CHANNELS]
+
+
+def versions(out: str, asked: Callable[[], None] = lambda: None) -> Iterator[int]:
+    """An engine's rounds: yields v = 1..VERSIONS once the trainer published v, having asked for it
+    (``want_<v>``; ``subscribe`` asked for 1) and then called ``asked()``."""
+    for v in range(1, VERSIONS + 1):
+        if v > 1:
+            cue(out, f"want_{v}")
+        asked()
+        wait_file(os.path.join(out, f"published_{v}"), WAIT, poll=0.02)
+        yield v
+
+
+def close(res: dict, updaters: list, nbytes: Callable[[object], int]) -> None:
+    """An engine's end: records in ``res`` what TMPDIR holds, each channel's update stats and
+    adapter bytes (``nbytes(updater)``), then closes the updaters and records their reprs."""
+    res["tmpdir"] = sorted(os.listdir(os.environ["TMPDIR"]))
+    res["stats"] = {ch: u.stats() for ch, u in zip(CHANNELS, updaters)}
+    res["nbytes"] = {ch: nbytes(u) for ch, u in zip(CHANNELS, updaters)}
+    for u in updaters:
+        u.close()
+    res["closed"] = [repr(u) for u in updaters]
+
+
+def write_hook(writes: list) -> Callable:
+    """An audit hook (``sys.addaudithook``) that appends to ``writes`` each path opened for writing
+    and each directory made, file renamed or copied."""
+
+    def hook(event, args):
+        if event == "open" and args[1] is not None and any(c in str(args[1]) for c in "wax+"):
+            writes.append(str(args[0]))
+        elif event in ("os.mkdir", "os.rename", "shutil.copyfile"):
+            writes.append(f"{event}:{args[0]}")
+
+    return hook
 
 
 def _publisher(channel: str, store: str, host: bool):
@@ -49,19 +106,14 @@ def trainer(base: str, out: str, port: int) -> None:
         for ch, m in refused.items():
             pubs.append(_publisher(ch, store, host=False))
             from_peft(m).register(pubs[-1])
-        open(os.path.join(out, "registered"), "w").close()
-        v = 0
-        while not os.path.exists(os.path.join(out, "stop")):
-            if not os.path.exists(os.path.join(out, f"want_{v + 1}")):
-                time.sleep(0.02)
-                continue
+        cue(out, "registered")
+        for v in wanted(out, poll=0.02):
             for name, m, t, pub in zip("ab", models, trainers, pubs):
                 t.step()
-                m.save_pretrained(os.path.join(out, name, f"v{v + 1}"))
+                m.save_pretrained(os.path.join(out, name, f"v{v}"))
                 v_pub = pub.publish(timeout=120)
-            v = v_pub
-            open(os.path.join(out, f"published_{v}"), "w").close()
-            print(f"trainer: published {v} of {CHANNELS} ({len(TARGETS)} targets)", flush=True)
+            cue(out, f"published_{v_pub}")
+            print(f"trainer: published {v_pub} of {CHANNELS} ({len(TARGETS)} targets)", flush=True)
     finally:
         for p in pubs:
             p.close()

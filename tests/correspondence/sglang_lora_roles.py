@@ -16,8 +16,8 @@ import json
 import os
 import sys
 
-from lora_roles import CHANNELS, REFUSED, TOKEN
-from vllm_lora_roles import PROMPTS, VERSIONS, _wait_file
+from cues import cue
+from lora_roles import CHANNELS, PROMPTS, TOKEN, close, subscribe, versions, write_hook
 
 MAX_TOKENS = 8
 
@@ -61,30 +61,12 @@ def engine(base: str, out: str, port: int) -> None:
     writes: list = []
     try:
         res["base"] = _outputs(eng, None)
-        _wait_file(os.path.join(out, "registered"))
-        res["refused"] = {}
-        for ch in REFUSED:
-            try:
-                SGLangLoRAUpdater(eng, ch, store, token=TOKEN, timeout=30.0, transport="tcp")
-                res["refused"][ch] = "accepted"
-            except Exception as e:  # noqa: BLE001 - the message is what the test checks
-                res["refused"][ch] = f"{type(e).__name__}: {e}"
-        open(os.path.join(out, "want_1"), "w").close()
-        updaters = [SGLangLoRAUpdater(eng, ch, store, token=TOKEN, timeout=120.0, transport="tcp") for ch in CHANNELS]
+        res["refused"], updaters = subscribe(
+            out, lambda ch, timeout: SGLangLoRAUpdater(eng, ch, store, token=TOKEN, timeout=timeout, transport="tcp")
+        )
         res["tmpdir_before"] = sorted(os.listdir(os.environ["TMPDIR"]))
-
-        def hook(event, args):
-            if event == "open" and args[1] is not None and any(c in str(args[1]) for c in "wax+"):
-                writes.append(str(args[0]))
-            elif event in ("os.mkdir", "os.rename", "shutil.copyfile"):
-                writes.append(f"{event}:{args[0]}")
-
-        sys.addaudithook(hook)
-        for v in range(1, VERSIONS + 1):
-            if v > 1:
-                open(os.path.join(out, f"want_{v}"), "w").close()
-            writes.clear()  # (the cue above is the test's)
-            _wait_file(os.path.join(out, f"published_{v}"))
+        sys.addaudithook(write_hook(writes))
+        for v in versions(out, asked=writes.clear):  # (the cue is the test's)
             step: dict = {"version": v, "mem": {}, "disk": {}, "tags": {}, "paths": {}}
             for name, u in zip("ab", updaters):
                 u.update(min_version=v)
@@ -99,15 +81,10 @@ def engine(base: str, out: str, port: int) -> None:
                 step["disk"][name] = _outputs(eng, disk)
                 eng.unload_lora_adapter(disk)
             res["steps"].append(step)
-        res["tmpdir"] = sorted(os.listdir(os.environ["TMPDIR"]))
-        res["stats"] = {ch: u.stats() for ch, u in zip(CHANNELS, updaters)}
-        res["nbytes"] = {ch: u.adapter.nbytes for ch, u in zip(CHANNELS, updaters)}
         res["loaded"] = {ch: list(u.loaded) for ch, u in zip(CHANNELS, updaters)}
-        for u in updaters:
-            u.close()
-        res["closed"] = [repr(u) for u in updaters]
+        close(res, updaters, lambda u: u.adapter.nbytes)
     finally:
-        open(os.path.join(out, "stop"), "w").close()
+        cue(out, "stop")
         with open(os.path.join(out, "engine.json"), "w") as f:
             json.dump(res, f)
         eng.shutdown()

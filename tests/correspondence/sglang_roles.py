@@ -18,18 +18,12 @@ import os
 import sys
 import time
 
+from cues import cue, wait_file, wanted
+
 CHANNEL = "policy"
 TOKEN = "sglang-test-token"
 PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
 LONG = [[3 + i, 17, 29, 5 + i] for i in range(4)]
-
-
-def _wait_file(path: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path} within {timeout}s")
-        time.sleep(0.05)
 
 
 def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
@@ -48,21 +42,17 @@ def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
     staging = Staging(delta=Delta()) if delta else Staging()
     with Publisher(CHANNEL, store, host_store=True, token=TOKEN, mode=Async(4), staging=staging) as pub:
         pub.register(entries(model), dtype=torch.bfloat16)
-        open(os.path.join(out, "store_up"), "w").close()
-        v = 0
-        while not os.path.exists(os.path.join(out, "stop")):
-            if not os.path.exists(os.path.join(out, f"want_{v + 1}")):
-                time.sleep(0.05)
-                continue
+        cue(out, "store_up")
+        for v in wanted(out):
             ids = torch.randint(0, model.config.vocab_size, (4, 16))
             loss = model(input_ids=ids, labels=ids).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
-            save_bf16(model, os.path.join(out, f"v{v + 1}"))
-            v = pub.publish(timeout=60.0)
-            open(os.path.join(out, f"published_{v}"), "w").close()
-            print(f"trainer: published {v}", flush=True)
+            save_bf16(model, os.path.join(out, f"v{v}"))
+            v_pub = pub.publish(timeout=60.0)
+            cue(out, f"published_{v_pub}")
+            print(f"trainer: published {v_pub}", flush=True)
 
 
 def _engine(ckpt: str, port: int, name: str, commit: str):
@@ -148,7 +138,7 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
 
     from wbridge.integrations.sglang import server_stats, verify
 
-    _wait_file(os.path.join(out, "store_up"), 120)
+    wait_file(os.path.join(out, "store_up"), 120)
     eng = _engine(ckpt, port, name, "swap")
     res: dict = {"steps": [], "start_stats": server_stats(eng)}
     held = res["start_stats"][0]["version"] or 0
@@ -187,7 +177,7 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
     res["stats"] = server_stats(eng)
     torch.save(res, os.path.join(out, f"{name}.pt"))
     open(os.path.join(out, f"{name}_finished"), "w").close()
-    _wait_file(os.path.join(out, "stop"), 600)  # stays up until the test is done (or kills it)
+    wait_file(os.path.join(out, "stop"), 600)  # stays up until the test is done (or kills it)
     eng.shutdown()
 
 
@@ -230,7 +220,7 @@ def server(ckpt: str, out: str, port: int, http_port: int) -> None:
     from wbridge.integrations.sglang import SGLangOptions, engine_args
     from wbridge.testing.sglang import CPU_ENGINE_ARGS
 
-    _wait_file(os.path.join(out, "store_up"), 120)
+    wait_file(os.path.join(out, "store_up"), 120)
     opts = SGLangOptions(channel=CHANNEL, store=f"tcp://127.0.0.1:{port}", token=TOKEN, dtype="bfloat16")
     args = ServerArgs(model_path=ckpt, host="127.0.0.1", port=http_port, dtype="bfloat16", **CPU_ENGINE_ARGS,
                       **engine_args(opts))  # fmt: skip

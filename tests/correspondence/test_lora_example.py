@@ -7,34 +7,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 
 import pytest
 
-from .test_vllm_engine import ROOT, VLLM_PY
-
-EXAMPLE = os.path.join(ROOT, "examples", "lora_async_rl.py")
+from .venvs import NO_VLLM, VLLM_PY, run_example
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)")
+@pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=NO_VLLM)
 @pytest.mark.timeout(600)
 def test_lora_async_rl_example(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    cmd = [VLLM_PY, EXAMPLE, "--steps", "4", "--interval", "1.0", "--check", "--out", str(tmp_path)]
-    with open(tmp_path / "log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = p.wait(timeout=560)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # leftover engine or trainer processes of the group
-            except (ProcessLookupError, PermissionError):
-                pass
-    tail = open(tmp_path / "log", errors="replace").read()[-6000:]
-    assert rc == 0, tail
+    run_example(VLLM_PY, "lora_async_rl.py", ["--steps", 4, "--interval", 1.0], tmp_path, timeout=560)
     res = json.load(open(tmp_path / "result.json"))
     published, last = res["published"], res["published"][-1]
     print(f"\npublished {published}; adapter {res['adapter_bytes']} bytes; exact {res['exact']}")

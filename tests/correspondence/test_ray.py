@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 
 import pytest
 
-from .test_vllm_engine import ROOT, VLLM_PY
+from .venvs import NO_VLLM, VLLM_PY, run_example
 
-EXAMPLE = os.path.join(ROOT, "examples", "ray_async_rl.py")
 LEASE_TTL = 30.0  # the rollouts' subscriber lease: a publish that waited it out would be unmistakable
 
 
 def _why_not() -> str | None:
     """Why the Ray test cannot run here (None: it can)."""
     if not os.path.exists(VLLM_PY):
-        return f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)"
+        return NO_VLLM
     if subprocess.run([VLLM_PY, "-c", "import ray"], capture_output=True).returncode != 0:
         return f"ray is not installed in {VLLM_PY} (scripts/setup.sh installs it)"
     return None
@@ -60,20 +58,8 @@ def test_missing_ray_is_a_typed_error():
 @pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 @pytest.mark.timeout(420)
 def test_ray_async_rl_with_rollout_restart(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    cmd = [VLLM_PY, EXAMPLE, "--steps", "8", "--interval", "1.5", "--kill-rollout", "--check", "--out", str(tmp_path)]
-    cmd += ["--lease-ttl", str(LEASE_TTL)]
-    with open(tmp_path / "log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = p.wait(timeout=400)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # leftover Ray processes of the group we started
-            except (ProcessLookupError, PermissionError):
-                pass
-    tail = open(tmp_path / "log", errors="replace").read()[-6000:]
-    assert rc == 0, tail
+    args = ["--steps", 8, "--interval", 1.5, "--kill-rollout", "--lease-ttl", LEASE_TTL]
+    run_example(VLLM_PY, "ray_async_rl.py", args, tmp_path, timeout=400)  # killing Ray's processes too
     res = json.load(open(tmp_path / "result.json"))
     last, published, (r0, r1), killed = res["last"], res["published"], res["rollouts"], res["killed"]
     for i, r in enumerate((r0, r1)):

@@ -11,14 +11,12 @@ restarted engine comes up on the newest version.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 
 import pytest
 
 from .helpers import free_port
-from .venvs import HERE, NO_SGLANG, ROOT, SGLANG_PY, STUBS, sglang_env  # noqa: F401 (re-exported for callers)
+from .venvs import HERE, NO_SGLANG, SGLANG_PY, kill_group, sglang_env, spawn
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,24 +25,11 @@ pytestmark = [
 ]
 
 
-def spawn(*args, log):
-    """A role of sglang_roles.py in the SGLang venv, in a session of its own (its engine's
-    scheduler and detokenizer children die with the group)."""
-    return subprocess.Popen(
-        [SGLANG_PY, os.path.join(HERE, "sglang_roles.py"), *map(str, args)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=sglang_env(),
-        start_new_session=True,
-    )
-
-
-def kill(p) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    p.wait(timeout=30)
+def _spawn(*args, log, path=(), script="sglang_roles.py", env=None):
+    """A role of ``script`` in the SGLang venv (``path``: more of ``PYTHONPATH``; ``env``: more
+    variables), in a session of its own (its engine's scheduler and detokenizer children die with
+    the group)."""
+    return spawn([SGLANG_PY, os.path.join(HERE, script), *args], log, {**sglang_env(path), **(env or {})})
 
 
 def wait_file(path, timeout, procs, logs):
@@ -61,7 +46,7 @@ def finish(p, name, logs, timeout):
     try:
         p.wait(timeout=timeout)
     finally:
-        kill(p)
+        kill_group(p)
     assert p.returncode == 0, open(logs[name], errors="replace").read()[-4000:]
 
 
@@ -77,21 +62,21 @@ def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path, 
     procs = {}
     try:
         port = free_port()
-        procs["trainer"] = spawn("trainer", ckpt, out, port, log=files["trainer"])
-        procs["engine"] = spawn("engine", ckpt, out, port, "rollout-a", 2, log=files["engine"])
+        procs["trainer"] = _spawn("trainer", ckpt, out, port, log=files["trainer"])
+        procs["engine"] = _spawn("engine", ckpt, out, port, "rollout-a", 2, log=files["engine"])
         wait_file(out / "rollout-a_finished", 500, procs, logs)
-        kill(procs.pop("engine"))  # SIGKILL: scheduler and all
+        kill_group(procs.pop("engine"))  # SIGKILL: scheduler and all
         (out / "want_3").touch()  # published while the engine is down
         wait_file(out / "published_3", 120, procs, logs)
         (out / "newest").write_text("3")
-        finish(spawn("rejoin", ckpt, out, port, "rollout-a", log=files["rejoin"]), "rejoin", logs, 300)
+        finish(_spawn("rejoin", ckpt, out, port, "rollout-a", log=files["rejoin"]), "rejoin", logs, 300)
         (out / "stop").touch()
         finish(procs.pop("trainer"), "trainer", logs, 60)
         sglang_host.call("reference", out, 1, 2, 3, timeout=400)
     finally:
         (out / "stop").touch()
         for p in procs.values():
-            kill(p)
+            kill_group(p)
         for f in files.values():
             f.close()
     eng = torch.load(out / "rollout-a.pt", weights_only=False)
@@ -160,8 +145,8 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path, hf_qwen2_ckp
     port, http_port = free_port(), free_port()
     url = f"http://127.0.0.1:{http_port}"
     try:
-        procs["trainer"] = spawn("trainer", ckpt, out, port, "delta", log=files["trainer"])
-        procs["server"] = spawn("server", ckpt, out, port, http_port, log=files["server"])
+        procs["trainer"] = _spawn("trainer", ckpt, out, port, "delta", log=files["trainer"])
+        procs["server"] = _spawn("server", ckpt, out, port, http_port, log=files["server"])
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -189,7 +174,7 @@ def test_sglang_http_server_subscribes_and_labels_outputs(tmp_path, hf_qwen2_ckp
     finally:
         (out / "stop").touch()
         for p in procs.values():
-            kill(p)
+            kill_group(p)
         for f in files.values():
             f.close()
     print(f"\nbefore {before['output_ids']} after {after['output_ids']}; stats {stats}")
@@ -226,17 +211,17 @@ def test_sglang_moe_pulls_stacked_experts_bit_exact(tmp_path, sglang_host):
     procs = {}
     try:
         port = free_port()
-        procs["trainer"] = spawn("trainer", ckpt, out, port, log=files["trainer"])
-        procs["engine"] = spawn("engine", ckpt, out, port, "rollout-moe", 1, log=files["engine"])
+        procs["trainer"] = _spawn("trainer", ckpt, out, port, log=files["trainer"])
+        procs["engine"] = _spawn("engine", ckpt, out, port, "rollout-moe", 1, log=files["engine"])
         wait_file(out / "rollout-moe_finished", 500, procs, logs)
-        kill(procs.pop("engine"))
+        kill_group(procs.pop("engine"))
         (out / "stop").touch()
         finish(procs.pop("trainer"), "trainer", logs, 60)
         sglang_host.call("reference", out, 1, timeout=300)
     finally:
         (out / "stop").touch()
         for p in procs.values():
-            kill(p)
+            kill_group(p)
         for f in files.values():
             f.close()
     eng = torch.load(out / "rollout-moe.pt", weights_only=False)

@@ -5,37 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from .test_sglang_engine import ROOT, SGLANG_PY, STUBS
+from .venvs import NO_SGLANG, SGLANG_PY, run_example, sglang_env
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.heavy,
-    pytest.mark.skipif(
-        not os.path.exists(SGLANG_PY), reason=f"no SGLang venv at {SGLANG_PY} (scripts/setup.sh makes it)"
-    ),
+    pytest.mark.skipif(not os.path.exists(SGLANG_PY), reason=NO_SGLANG),
 ]
 
 
 @pytest.mark.timeout(900)
 def test_sglang_async_rl_example(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, STUBS]), SGLANG_USE_CPU_ENGINE="1", OMP_NUM_THREADS="1")
-    cmd = [SGLANG_PY, os.path.join(ROOT, "examples", "sglang_async_rl.py"), "--steps", "3", "--interval", "2"]
-    log = tmp_path / "example.log"
-    with open(log, "w") as f:
-        # a session of its own: a timeout kills the engines' scheduler children too
-        p = subprocess.Popen([*cmd, "--check", "--out", str(tmp_path)], stdout=f, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)  # fmt: skip
-        try:
-            p.wait(timeout=840)
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    assert p.returncode == 0, log.read_text(errors="replace")[-4000:]
+    run_example(SGLANG_PY, "sglang_async_rl.py", ["--steps", 3, "--interval", 2], tmp_path, 840, sglang_env())
     r = json.loads((tmp_path / "result.json").read_text())
     print(json.dumps(r, indent=1))
     assert r["published"] == [1, 2, 3, 4]

@@ -9,37 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 
 import pytest
 
 from tests.logs import noise
 
-from .test_vllm_engine import ROOT, VLLM_PY
-
-EXAMPLE = os.path.join(ROOT, "examples", "vllm_async_rl.py")
+from .venvs import NO_VLLM, VLLM_PY, run_example
 
 
 @pytest.mark.slow
 @pytest.mark.heavy
-@pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=f"no vLLM venv at {VLLM_PY} (scripts/setup.sh makes it)")
+@pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=NO_VLLM)
 @pytest.mark.timeout(600)
 def test_vllm_async_rl_example(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT)
     # 7 s steps: above the watcher's 5 s wait slice (wbridge.integrations.follow), so idle waits time out
-    cmd = [VLLM_PY, EXAMPLE, "--steps", "3", "--interval", "7", "--check", "--out", str(tmp_path)]
-    with open(tmp_path / "log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = p.wait(timeout=560)
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # leftover engine or trainer processes of the group
-            except (ProcessLookupError, PermissionError):
-                pass
-    log = open(tmp_path / "log", errors="replace").read()
-    assert rc == 0, log[-6000:]
+    log = run_example(VLLM_PY, "vllm_async_rl.py", ["--steps", 3, "--interval", 7], tmp_path, timeout=560)
     assert not noise(log), "\n".join(noise(log)[:10])
     res = json.load(open(tmp_path / "result.json"))
     last, published = res["last"], res["published"]

@@ -14,7 +14,6 @@ second engine's. The MoE test drives the same pull through vLLM's own weight-tra
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from .helpers import free_port
-from .venvs import HERE, NO_VLLM, ROOT, VLLM_PY, vllm_env  # noqa: F401 (ROOT: re-exported for callers)
+from .venvs import HERE, NO_VLLM, ROOT, VLLM_PY, kill_group, spawn, vllm_env  # noqa: F401 (ROOT: re-exported)
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,15 +30,10 @@ pytestmark = [
 ]
 
 
-def _spawn(*args, log, path=(), script="vllm_roles.py"):
-    # A session of its own: cleanup kills the whole group (vLLM's engine-core and worker children).
-    return subprocess.Popen(
-        [VLLM_PY, os.path.join(HERE, script), *map(str, args)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=vllm_env(path),
-        start_new_session=True,
-    )
+def _spawn(*args, log, path=(), script="vllm_roles.py", env=None):
+    """A role of ``script`` in the vLLM venv (``env``: more variables), in a session of its own:
+    cleanup kills the whole group (vLLM's engine-core and worker children)."""
+    return spawn([VLLM_PY, os.path.join(HERE, script), *args], log, {**vllm_env(path), **(env or {})})
 
 
 def _wait(procs, timeout, logs):
@@ -51,12 +45,7 @@ def _wait(procs, timeout, logs):
         pass
     finally:
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the group we started (leftover engine children)
-            except (ProcessLookupError, PermissionError):
-                pass
-            if p.poll() is None:
-                p.wait(timeout=30)
+            kill_group(p)  # leftover engine children
     tails = {name: open(path, errors="replace").read()[-4000:] for name, path in logs.items()}
     bad = {n: t for (n, t), p in zip(tails.items(), procs) if p.returncode != 0}
     assert not bad, f"processes failed: {bad}"

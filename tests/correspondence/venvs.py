@@ -2,13 +2,17 @@
 
 vLLM runs in ``.venv-vllm`` and SGLang in ``.venv-sglang`` (made by the set-up script; or
 ``WBRIDGE_VLLM_PYTHON`` / ``WBRIDGE_SGLANG_PYTHON``); neither has wbridge installed, so each
-process gets the repository (and, for SGLang, ``tests/sglang_stubs``) on ``PYTHONPATH``.
+process gets the repository (and, for SGLang, ``tests/sglang_stubs``) on ``PYTHONPATH``. Such a
+process runs in a session of its own (``spawn``), so that a cleanup kills its whole group
+(``kill_group``): the engines' scheduler and worker children, a trainer's ranks, Ray's workers.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import signal
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -38,3 +42,39 @@ def sglang_env(path: Iterable[str] = ()) -> dict[str, str]:
         SGLANG_USE_CPU_ENGINE="1",
         OMP_NUM_THREADS="1",
     )
+
+
+def spawn(cmd: Sequence[str], log, env: Mapping[str, str]) -> subprocess.Popen:
+    """``cmd`` with ``env``, its output in the open file ``log``, in a session of its own."""
+    return subprocess.Popen(
+        [str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+    )
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """Kills the session ``p`` was spawned in (what it left behind too) and reaps ``p``."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.wait(timeout=30)
+
+
+def run_example(
+    python: str, script: str, args: Sequence, out, timeout: float, env: Mapping[str, str] | None = None
+) -> str:
+    """Runs ``python examples/SCRIPT *args --check --out OUT`` (``env``: by default this one with
+    the repository on ``PYTHONPATH``) to its end, its output in ``OUT/log``, waiting up to
+    ``timeout`` s, then kills its group; asserts it exited 0 (the log's tail says why not) and
+    returns the log."""
+    cmd = [python, os.path.join(ROOT, "examples", script), *args, "--check", "--out", out]
+    log = os.path.join(out, "log")
+    with open(log, "w") as f:
+        p = spawn(cmd, f, dict(os.environ, PYTHONPATH=ROOT) if env is None else env)
+        try:
+            p.wait(timeout=timeout)
+        finally:
+            kill_group(p)
+    text = open(log, errors="replace").read()
+    assert p.returncode == 0, text[-6000:]
+    return text

@@ -16,21 +16,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-from lora_roles import CHANNELS, REFUSED, TOKEN
+from cues import cue
+from lora_roles import PROMPTS, TOKEN, close, subscribe, versions, write_hook
+from vllm_roles import engine_args
 
-PROMPTS = [[11, 42, 7, 99, 3, 58, 21, 5], [17, 3, 250, 9]]
 MAX_TOKENS = 8
-VERSIONS = 3
-
-
-def _wait_file(path: str, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path} within {timeout}s")
-        time.sleep(0.02)
 
 
 def _audit(worker) -> None:
@@ -41,16 +32,8 @@ def _audit(worker) -> None:
     if hasattr(_sys, "wbridge_test_writes"):
         _sys.wbridge_test_writes.clear()
         return
-    writes: list = []
-    _sys.wbridge_test_writes = writes
-
-    def hook(event, args):
-        if event == "open" and args[1] is not None and any(c in str(args[1]) for c in "wax+"):
-            writes.append(str(args[0]))
-        elif event in ("os.mkdir", "os.rename", "shutil.copyfile"):
-            writes.append(f"{event}:{args[0]}")
-
-    _sys.addaudithook(hook)
+    _sys.wbridge_test_writes = []
+    _sys.addaudithook(write_hook(_sys.wbridge_test_writes))
 
 
 def _writes(worker) -> list:
@@ -84,14 +67,7 @@ def engine(base: str, out: str, port: int) -> None:
 
     store = f"tcp://127.0.0.1:{port}"
     llm = LLM(
-        model=base,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
+        **engine_args(base),
         enable_lora=True,
         max_lora_rank=8,
         max_loras=2,
@@ -102,24 +78,14 @@ def engine(base: str, out: str, port: int) -> None:
     try:
         res["internals"] = llm.collective_rpc("wbridge_lora_internals")
         res["base"] = _outputs(llm, None)
-        _wait_file(os.path.join(out, "registered"))
         # the adapters this engine cannot serve are refused at subscribe, naming the module
-        res["refused"] = {}
-        for ch in REFUSED:
-            try:
-                VLLMLoRAUpdater(llm, ch, store, token=TOKEN, timeout=30.0, transport="tcp")
-                res["refused"][ch] = "accepted"
-            except Exception as e:  # noqa: BLE001 - the message is what the test checks
-                res["refused"][ch] = f"{type(e).__name__}: {e}"
-        open(os.path.join(out, "want_1"), "w").close()
-        updaters = [VLLMLoRAUpdater(llm, ch, store, token=TOKEN, timeout=120.0, transport="tcp") for ch in CHANNELS]
+        res["refused"], updaters = subscribe(
+            out, lambda ch, timeout: VLLMLoRAUpdater(llm, ch, store, token=TOKEN, timeout=timeout, transport="tcp")
+        )
         res["reprs"] = [repr(u) for u in updaters]
         llm.collective_rpc(_audit)
         res["tmpdir_before"] = sorted(os.listdir(os.environ["TMPDIR"]))  # vLLM's own, from its start
-        for v in range(1, VERSIONS + 1):
-            if v > 1:
-                open(os.path.join(out, f"want_{v}"), "w").close()
-            _wait_file(os.path.join(out, f"published_{v}"))
+        for v in versions(out):
             step: dict = {"version": v, "mem": {}, "disk": {}, "tags": {}, "requests": {}}
             for name, u in zip("ab", updaters):
                 u.update(min_version=v)
@@ -134,14 +100,9 @@ def engine(base: str, out: str, port: int) -> None:
                 step["disk"][name] = _outputs(llm, disk)
             res["steps"].append(step)
         res["writes"] = llm.collective_rpc(_writes)
-        res["tmpdir"] = sorted(os.listdir(os.environ["TMPDIR"]))
-        res["stats"] = {ch: u.stats() for ch, u in zip(CHANNELS, updaters)}
-        res["nbytes"] = {ch: u.adapter and _nbytes(u.adapter) for ch, u in zip(CHANNELS, updaters)}
-        for u in updaters:
-            u.close()
-        res["closed"] = [repr(u) for u in updaters]
+        close(res, updaters, lambda u: u.adapter and _nbytes(u.adapter))
     finally:
-        open(os.path.join(out, "stop"), "w").close()
+        cue(out, "stop")
         with open(os.path.join(out, "engine.json"), "w") as f:
             json.dump(res, f)
 

@@ -277,11 +277,10 @@ def http_trainer(ckpt: str, out: str, port: int, url: str) -> None:
     torch.save({"rounds": rounds}, os.path.join(out, "http_trainer.pt"))
 
 
-def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | None = None, dtype: str = "float32"):
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    kw = dict(
+def engine_args(ckpt: str, dtype: str = "float32") -> dict:
+    """The keywords every test engine (``LLM``, ``AsyncEngineArgs``) starts with: the tiny
+    checkpoint at ``ckpt`` on this CPU, greedy and deterministic, no tokenizer."""
+    return dict(
         model=ckpt,
         skip_tokenizer_init=True,
         dtype=dtype,
@@ -290,8 +289,14 @@ def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | N
         max_model_len=128,
         max_num_seqs=4,
         seed=0,
-        enable_prefix_caching=False,
     )
+
+
+def _llm(ckpt: str, extension: bool, in_process: bool = False, transfer: str | None = None, dtype: str = "float32"):
+    from vllm import LLM
+    from vllm.config import WeightTransferConfig
+
+    kw = dict(engine_args(ckpt, dtype), enable_prefix_caching=False)
     if in_process:
         # Engine core and worker in this process: half the start-up time of the default three
         # processes, same kernels. Only the reference engines use it; the engine that pulls runs

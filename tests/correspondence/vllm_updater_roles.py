@@ -18,17 +18,10 @@ import os
 import sys
 import time
 
-from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN
+from cues import wait_file
+from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN, engine_args
 
 TIMEOUT = 240.0
-
-
-def _wait_file(path: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {path} within {timeout}s")
-        time.sleep(0.05)
 
 
 def trainer(ckpt: str, out: str, port: int) -> None:
@@ -61,10 +54,10 @@ def trainer(ckpt: str, out: str, port: int) -> None:
     ) as pub:
         pub.register(from_module(model))
         published.append(pub.publish(timeout=TIMEOUT))  # v1: the checkpoint
-        _wait_file(os.path.join(out, "phase_a"))
+        wait_file(os.path.join(out, "phase_a"), TIMEOUT)
         perturb()
         published.append(pub.publish(timeout=TIMEOUT))  # v2, while the engine generates nothing
-        _wait_file(os.path.join(out, "phase_b"))
+        wait_file(os.path.join(out, "phase_b"), TIMEOUT)
         for _ in range(3):  # v3..v5 while the engine generates
             time.sleep(1.0)
             perturb()
@@ -75,7 +68,7 @@ def trainer(ckpt: str, out: str, port: int) -> None:
         published.append(pub.publish(timeout=TIMEOUT))  # v6: the checkpoint again
         with open(os.path.join(out, "published"), "w") as f:
             json.dump(published, f)
-        _wait_file(os.path.join(out, "engine_done"), 2 * TIMEOUT)  # rank 0 hosts the store
+        wait_file(os.path.join(out, "engine_done"), 2 * TIMEOUT)  # rank 0 hosts the store
 
 
 async def _greedy(generate) -> list[int]:
@@ -101,14 +94,7 @@ async def engine_main(ckpt: str, out: str, port: int) -> None:
     from wbridge.integrations.vllm import EXTENSION, AsyncVLLMUpdater
 
     args = AsyncEngineArgs(
-        model=ckpt,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
+        **engine_args(ckpt),
         enable_prefix_caching=True,  # so each commit drops the cache (requests in flight recompute)
         worker_extension_cls=EXTENSION,
     )
