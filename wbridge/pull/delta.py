@@ -5,15 +5,17 @@ A subscriber whose destination holds version ``a`` of the same publisher epoch, 
 ``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``), first asks the cost
 choice (``wbridge.pull.delta_cost``) whether a delta pull is worth trying on its link. Where it is,
 it reads per source rank the headers and tables of the deltas ``a + 1 .. v`` (one batched read),
-asks again on their exact sizes, then reads the stream bytes of just the chunks its own reads
-cover and the headers again (``wbridge.pull.delta_reads``: a delta buffer rewritten meanwhile makes
-the pull go full). Deltas are in ``v``'s slot byte order, which the session plans against, whatever
-packing ``a`` was read in; every delta since ``a`` must be in that order. It adds the byte
-differences with one vectorised scatter per destination region and delta, and then always
-verifies every byte it covers against the publisher's chunk checksums (cut at the slot's cells: a
-reader packed for re-reads nothing to check): a chunk that does not match (its memory was changed
-by someone else, bad bytes, a bit flip) is read in full from the slot and written back
-(``repaired`` in the stats). Anything that makes the deltas unusable or dearer before the first
+asks again on their exact sizes, then reads the stream bytes of just the chunks its own reads cover
+and the headers again, with the slot stamps in that same read (``wbridge.pull.delta_reads``: a delta
+buffer rewritten meanwhile makes the pull go full; a slot reused, ``StaleVersionError``). Three
+reads in sequence: the checksum records come from the store while the headers are on the wire, and
+the headers' second read runs while the streams are decoded. Deltas are in ``v``'s slot byte order,
+which the session plans against, whatever packing ``a`` was read in; every delta since ``a`` must be
+in that order. It adds the byte differences with one vectorised scatter per destination region and
+delta, and then always verifies every byte it covers against the publisher's chunk checksums (cut at
+the slot's cells: a reader packed for re-reads nothing to check): a chunk that does not match (its
+memory was changed by someone else, bad bytes, a bit flip) is read in full from the slot and written
+back (``repaired`` in the stats). Anything that makes the deltas unusable or dearer before the first
 byte is written makes the caller pull in full; ``PullStats.delta_reason`` says why
 (``DELTA_REASONS``).
 """

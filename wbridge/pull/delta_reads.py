@@ -4,10 +4,11 @@ decoding them into writes, and applying the writes (the format: ``wbridge.protoc
 Per session and source, once (``prepare``): the source's reads sorted by slot offset, the runs of
 adjacent delta chunks they touch, and how they map onto the destination (``SourceGeometry``). Per
 pull: one batched read of the headers of the deltas ``a + 1 .. v`` and of their table entries for
-those runs (``heads``: a reader of a slice reads its slice of the tables), one of
-the stream bytes of just the runs of chunks the reads cover, then the headers again: a buffer
-rewritten meanwhile is not used (``fetch``). Decoding is vectorised per delta and run
-(``protocol.delta.decode``), then cut at the reads and grouped per destination region
+those runs (``heads``: a reader of a slice reads its slice of the tables), one of the stream bytes
+of just the runs of chunks the reads cover (``fetch``), then the headers again, with the slot's
+stamp where asked: a buffer rewritten meanwhile is not used (``recheck``). The first and last of
+these are prepared once per shape and replayed (``Scratch.prepared``). Decoding is vectorised per
+delta and run (``protocol.delta.decode``), then cut at the reads and grouped per destination region
 (``writes``); each write adds byte differences at its offsets (``apply``).
 """
 
