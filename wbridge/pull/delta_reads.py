@@ -174,7 +174,6 @@ def prepare(ctx: PullContext, session: Session) -> dict[int, SourceGeometry | st
 
     session.delta = geo
     session.closers.append(release)
-    ctx.size_pool(2)  # a delta pull reads the checksums and re-reads the headers on the pull's threads
     return geo
 
 
