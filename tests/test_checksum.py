@@ -63,3 +63,31 @@ def test_fixed_chunks_covered_in_part_are_read_again() -> None:
 
     assert verify_reads(batch, sums, [dest], fetch, where="t") == 0
     assert sorted(fetched) == [(0, 1 << 20), (1 << 20, 1 << 20), (2 << 20, 1 << 20)]
+
+
+def test_what_a_batch_covers_is_kept_for_that_batch_alone() -> None:
+    # ``cache``: the coverage of a batch is computed once; another batch (or other chunks) never reuses it
+    src, sums, batch, dest = _setup([100, 5000, (1 << 20) + 7, (2 << 20) + 3])
+    cache: dict = {}
+    assert verify_reads(batch, sums, [dest], None, where="t", cache=cache) == 0
+    kept = cache["coverage"]
+    assert verify_reads(batch, sums, [dest], None, where="t", cache=cache) == 0 and cache["coverage"] is kept
+    # another batch into the same destination: the third chunk's cell [2 MiB + 3, 3 MiB), one read
+    other = np.zeros(1 << 20, dtype=np.uint8)
+    other[: (1 << 20) - 3] = src[(2 << 20) + 3 :]
+    batch2 = ReadBatch.of([(0, (2 << 20) + 3, 0, 0, (1 << 20) - 3)])
+    assert verify_reads(batch2, sums, [other], None, where="t", cache=cache) == 0
+    other[5] ^= 1
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        verify_reads(batch2, sums, [other], None, where="t", cache=cache)
+    # other chunks for the first batch (fixed 1 MiB ones, each covered in part: read again)
+    fixed = chunk_sums([src], chunk=1 << 20, edges=[chunk_edges(len(src), [])])
+    fetched = []
+
+    def fetch(region: int, offset: int, n: int) -> np.ndarray:
+        fetched.append(offset)
+        return src[offset : offset + n].copy()
+
+    other[5] ^= 1
+    assert verify_reads(batch2, fixed, [other], fetch, where="t", cache=cache) == 0 and fetched == [2 << 20]
+    assert verify_reads(batch, fixed, [dest], fetch, where="t", cache=cache) == 0 and len(fetched) == 4

@@ -165,12 +165,12 @@ def test_subscriber_killed_mid_delta_pull_restarts_bit_exact(tmp_path) -> None:
                 w.stop()
 
 
-@pytest.mark.timeout(150)
-def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
+def paused_in_delta_pull(tmp_path, staging: Staging) -> tuple[Worker, Worker, str]:
+    """A publisher with ``staging`` and a subscriber that pulled version 1 and whose pull of version
+    2 is stopped at the delta entries (``start_paused_delta_pull``); and the path that releases it."""
     url = f"tcp://127.0.0.1:{free_port()}"
     signal, release = str(tmp_path / "paused"), str(tmp_path / "release")
-    kwargs = {"staging": Staging(slots=4, delta=Delta(history=2)), "mode": Async(max_staleness=20)}
-    pub = Worker("pub", DeltaPub, url, transport="tcp", **kwargs)
+    pub = Worker("pub", DeltaPub, url, transport="tcp", staging=staging, mode=Async(max_staleness=20))
     # counted reads: 1 the first (full) pull, 2 the delta headers, 3 the delta entries: pause there
     fault = ("pause", {"signal_path": signal, "release_path": release, "on_reads": (3,), "hold": 60.0})
     sub = Worker("sub", DeltaSub, url, transport="tcp", fault=fault)
@@ -178,6 +178,17 @@ def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
         pub.call("publish")
         sub.call("pull", min_version=1)
         start_paused_delta_pull(pub, sub, signal)
+    except BaseException:
+        sub.stop()
+        pub.stop()
+        raise
+    return pub, sub, release
+
+
+@pytest.mark.timeout(150)
+def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
+    pub, sub, release = paused_in_delta_pull(tmp_path, Staging(slots=4, delta=Delta(history=2)))
+    try:
         for v in (3, 4):  # v4 rewrites delta buffer 4 % 2 (v2's); v2's slot (2 of 4) stays
             pub.call("step", v, FRAC)
         open(release, "w").close()
@@ -196,6 +207,30 @@ def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
         pub.call("step", 6, FRAC)
         got = sub.call("pull", min_version=6)
         assert got["v"] == 6 and got["delta"] and got["repaired"] == 0, got
+        assert sub.call("bad", steps) == []
+    finally:
+        sub.stop()
+        pub.stop()
+
+
+@pytest.mark.timeout(150)
+def test_slot_reused_under_a_delta_pull_retries(tmp_path) -> None:
+    """A delta pull reads the slot stamps along with its second read of the delta headers (three
+    reads in all, no stamp read of its own after them): a slot reused under the pull still makes
+    it retry with a newer version (``StaleVersionError`` inside ``pull``), though its deltas were
+    intact."""
+    pub, sub, release = paused_in_delta_pull(tmp_path, Staging(slots=2, delta=Delta(history=4)))
+    try:
+        for v in (3, 4):  # v4 reuses v2's slot (one of 2); v2's delta stays (a ring of 4)
+            pub.call("step", v, FRAC)
+        open(release, "w").close()
+        got = sub.result(60.0)
+        assert got["v"] == 4 and got["retries"] >= 1, got
+        steps = [(v, FRAC) for v in (2, 3, 4, 5)]
+        pub.call("step", 5, FRAC)
+        got = sub.call("pull", min_version=5)
+        # headers and tables, entries, headers again with the stamp: no fourth read for the stamp
+        assert got["v"] == 5 and got["delta"] and got["retries"] == 0 and got["link_reads"] == 3, got
         assert sub.call("bad", steps) == []
     finally:
         sub.stop()

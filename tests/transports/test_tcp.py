@@ -201,3 +201,19 @@ def test_listener_survives_running_out_of_descriptors(served):
             timeout=5,
         )
         assert np.array_equal(dst, src[:64])
+
+
+def test_a_small_batch_takes_one_stream(served):
+    # handing a stream its frames costs a thread hop: a few KiB go on one stream (STREAM_MIN_BYTES)
+    server, region, src = served
+    with TcpTransport(token=TOKEN, streams=4, split_bytes=1 << 10) as client:
+        dst = np.zeros_like(src)
+        peer = client.connect(server.endpoint(), timeout=5)
+        local = [client.register(dst.ctypes.data, dst.nbytes)]
+        rows = [(0, a, 0, a, 1000) for a in range(0, 8000, 2000)]  # 4 reads, 4000 bytes
+        prep = client.prepare(peer, [region.descriptor], local, ReadBatch.of(rows))
+        assert [len(frames) > 0 for frames in prep.frames] == [True, False, False, False]
+        client.read(prep, timeout=5)
+        assert all(np.array_equal(dst[a : a + 1000], src[a : a + 1000]) for a in range(0, 8000, 2000))
+        big = client.prepare(peer, [region.descriptor], local, ReadBatch.of([(0, 0, 0, 0, src.nbytes)]))
+        assert all(len(frames) > 0 for frames in big.frames)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -173,23 +174,42 @@ def tensor_at(layout: Any) -> Any:
     return name_at
 
 
-def verify_reads(
-    batch: Any, sums: dict, dest: Sequence[Any], fetch, *, where: str, repair: Any = None, name_at: Any = None
-) -> int:
-    """Verifies every byte ``batch`` read into ``dest`` against the source's chunk sums.
+@dataclass(frozen=True)
+class Coverage:
+    """What a batch's reads cover of a source's checksum chunks (``coverage``): fixed for one batch
+    and one chunk layout, so computed once and checked against each version's sums. Per piece (a
+    read cut at chunk starts): its chunk ``c``, source offset ``lo``, length and destination; per
+    chunk its region, index and bounds; the chunks read whole in one piece (``single``, with that
+    piece), whole in several (``several``, gathered by ``gather``), and in part (``partial``)."""
 
-    The chunks the batch covers completely are gathered from the destination in source order
-    (one vectorised copy plan, no Python call per read) and hashed; for a chunk it covers only in
-    part, ``fetch(region, offset, n)`` reads the whole chunk again, its hash is checked, and the
-    destination bytes are compared with it (``fetch=None``: such a chunk is left to a later check
-    of the whole destination, nothing is read again). Raises ``IntegrityError``; with
-    ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is instead
-    written from the chunk read again (whose own hash must match); returns how many chunks were
-    repaired. ``name_at(dst_region, dst_offset)`` (``tensor_at``) names the destination tensor in errors.
-    """
+    batch: Any  # the batch it was computed for
+    key: tuple  # and the sums' (sizes, chunk, edges)
+    regions: list
+    c: np.ndarray
+    lo: np.ndarray
+    plen: np.ndarray
+    pdreg: np.ndarray
+    pdoff: np.ndarray
+    region_of: np.ndarray
+    index_in: np.ndarray
+    all_starts: np.ndarray
+    all_ends: np.ndarray
+    single: list  # (chunk, region, index, destination region, offset, length)
+    several: list  # (chunk, region, index, length), in ``gather`` order
+    gather: tuple  # (destination regions, offsets, lengths) of the pieces of ``several``, in order
+    partial: list
+    plans: dict = field(default_factory=dict)  # the gather's copy plan and scratch, by destination addresses
+
+
+def _key(sums: dict) -> tuple:
+    return (sums.get("sizes"), sums.get("chunk"), sums.get("edges"))
+
+
+def coverage(batch: Any, sums: dict, where: str) -> Coverage:
+    """What ``batch`` covers of the chunks of ``sums`` (``Coverage``): ``IntegrityError`` where it
+    reads regions ``sums`` has no chunks of, or past them."""
     from ..errors import IntegrityError
 
-    host = [host_array(d) for d in dest]
     order = np.lexsort((batch.src_offset, batch.src_region))
     keep = order[batch.nbytes[order] > 0]
     sreg, soff, n = batch.src_region[keep], batch.src_offset[keep], batch.nbytes[keep]
@@ -199,7 +219,6 @@ def verify_reads(
     try:
         starts = {r: _starts(sums, r) for r in regions}
         sizes = {r: int(sums["sizes"][r]) for r in regions}
-        expected = {r: sums["regions"][r] for r in regions}
     except (IndexError, KeyError, TypeError, ValueError):
         raise IntegrityError(f"{where}: no checksums for regions {regions}") from None
     base = {}
@@ -238,27 +257,83 @@ def verify_reads(
     region_of = np.repeat(np.array(regions, dtype=np.int64), [len(starts[r]) for r in regions])
     first_index = np.repeat(np.array([base[r] for r in regions], dtype=np.int64), [len(starts[r]) for r in regions])
     index_in = np.arange(len(all_starts)) - first_index
-    bad: list[int] = []
     piece_of = np.full(len(all_starts), -1, dtype=np.int64)
     piece_of[c] = np.arange(len(c))  # (the last piece of each chunk: the only one, for ``single``)
-    for k, p in zip(single.tolist(), piece_of[single].tolist()):
-        dr, do, m = int(pdreg[p]), int(pdoff[p]), int(plen[p])
-        if hash_bytes(host[dr][do : do + m]) != expected[int(region_of[k])][int(index_in[k])]:
-            bad.append(k)
+    p = piece_of[single]
+    singles = list(
+        zip(*(a.tolist() for a in (single, region_of[single], index_in[single], pdreg[p], pdoff[p], plen[p])))
+    )
+    severals = list(zip(*(a.tolist() for a in (several, region_of[several], index_in[several], length[several]))))
     in_several = np.isin(c, several)
-    gather_n = plen[in_several]
-    scratch = np.empty(int(gather_n.sum()), dtype=np.uint8)
-    if len(scratch):
-        at_scratch = np.cumsum(gather_n) - gather_n
-        addrs = np.array([h.ctypes.data for h in host], dtype=np.int64)
-        CopyPlan.of(scratch.ctypes.data + at_scratch, addrs[pdreg[in_several]] + pdoff[in_several], gather_n).run()
-    at = 0
-    for k in several.tolist():  # one hash per chunk (its pieces are contiguous in ``scratch``)
-        size = int(length[k])
-        h = hash_bytes(scratch[at : at + size])
-        at += size
-        if h != expected[int(region_of[k])][int(index_in[k])]:
+    gather = (pdreg[in_several], pdoff[in_several], plen[in_several])
+    partial = np.setdiff1d(touched, whole).tolist()
+    return Coverage(
+        batch, _key(sums), regions, c, lo, plen, pdreg, pdoff, region_of, index_in, all_starts, all_ends, singles,
+        severals, gather, partial,
+    )  # fmt: skip
+
+
+def verify_reads(
+    batch: Any,
+    sums: dict,
+    dest: Sequence[Any],
+    fetch,
+    *,
+    where: str,
+    repair: Any = None,
+    name_at: Any = None,
+    cache: dict | None = None,
+) -> int:
+    """Verifies every byte ``batch`` read into ``dest`` against the source's chunk sums.
+
+    The chunks the batch covers completely are gathered from the destination in source order
+    (one vectorised copy plan, no Python call per read) and hashed; for a chunk it covers only in
+    part, ``fetch(region, offset, n)`` reads the whole chunk again, its hash is checked, and the
+    destination bytes are compared with it (``fetch=None``: such a chunk is left to a later check
+    of the whole destination, nothing is read again). Raises ``IntegrityError``; with
+    ``repair(dst_region, dst_offset, bytes)`` a destination chunk that does not match is instead
+    written from the chunk read again (whose own hash must match); returns how many chunks were
+    repaired. ``name_at(dst_region, dst_offset)`` (``tensor_at``) names the destination tensor in errors.
+    ``cache``: a dict kept by the caller for this very batch, where what it covers (``coverage``)
+    is kept from call to call while the sums' chunks stay the same.
+    """
+    from ..errors import IntegrityError
+
+    host = [host_array(d) for d in dest]
+    cov = None if cache is None else cache.get("coverage")
+    if cov is None or cov.batch is not batch or cov.key != _key(sums):
+        cov = coverage(batch, sums, where)
+        if cache is not None:
+            cache["coverage"] = cov
+    try:
+        expected = {r: sums["regions"][r] for r in cov.regions}
+    except (IndexError, KeyError, TypeError, ValueError):
+        raise IntegrityError(f"{where}: no checksums for regions {cov.regions}") from None
+    c, lo, plen, pdreg, pdoff = cov.c, cov.lo, cov.plen, cov.pdreg, cov.pdoff
+    region_of, index_in, all_starts, all_ends = cov.region_of, cov.index_in, cov.all_starts, cov.all_ends
+    bad: list[int] = []
+    for k, r, i, dr, do, m in cov.single:  # (a step per chunk, not per read)
+        if hash_bytes(host[dr][do : do + m]) != expected[r][i]:
             bad.append(k)
+    gather_n = cov.gather[2]
+    if len(gather_n):
+        addrs = tuple(h.ctypes.data for h in host)
+        plan = cov.plans.get(addrs)
+        if plan is None:  # (one kept: a device destination's host copies move)
+            cov.plans.clear()
+            scratch = np.empty(int(gather_n.sum()), dtype=np.uint8)
+            at_scratch = np.cumsum(gather_n) - gather_n
+            src = np.array(addrs, dtype=np.int64)[cov.gather[0]] + cov.gather[1]
+            plan = cov.plans[addrs] = (CopyPlan.of(scratch.ctypes.data + at_scratch, src, gather_n), scratch)
+        plan[0].run()
+        scratch = plan[1]
+        at = 0
+        for k, r, i, size in cov.several:  # one hash per chunk (its pieces are contiguous in ``scratch``)
+            h = hash_bytes(scratch[at : at + size])
+            at += size
+            if h != expected[r][i]:
+                bad.append(k)
+    length = all_ends - all_starts
 
     def tensor(p: int) -> str:
         return "" if name_at is None else f" (tensor {name_at(int(pdreg[p]), int(pdoff[p]))})"
@@ -270,7 +345,7 @@ def verify_reads(
             f"[{int(all_starts[k])}, {int(all_ends[k])}){tensor(int(np.flatnonzero(c == k)[0]))} "
             "(corrupted in flight, or changed since?)"
         )
-    todo = bad + ([] if fetch is None else np.setdiff1d(touched, whole).tolist())
+    todo = bad + ([] if fetch is None else cov.partial)
     repaired = 0
     for k in todo:  # chunks read again: mismatches and chunks covered in part (few, by design)
         r, lo_k, size = int(region_of[k]), int(all_starts[k]), int(length[k])

@@ -10,7 +10,8 @@
    replicas when a source dies (``reads``, ``connect.failover``).
 4. Verifies full pulls against the publishers' checksums where asked (delta pulls always verify),
    and reads the slot stamps after the data: they, not the untrusted store's fence, prove the slot
-   did not change under the reads (``StaleVersionError`` otherwise). A source that dies before its
+   did not change under the reads (``StaleVersionError`` otherwise; a delta pull that read nothing
+   of the slots reads them with its last delta reads, ``PullResult.stamped``). A source that dies before its
    stamp confirmed what it sent (during a delta pull's repairs, say) is failed over: its replicas
    stand in and the version is read again in full.
 5. Staged: copies the private buffer into the live tensors; then acks ``v`` in the state key.
@@ -123,7 +124,8 @@ def check_options(ctx: PullContext, rec: VersionRecord, zone: ZoneReader | None)
 
 def _check(ctx: PullContext, a: Attempt, result: PullResult) -> None:
     """The checks after the reads: the publishers' checksums (``verify``; a delta pull checked its
-    own) and the slot stamps; sources that stopped answering raise ``SourcesFailed``."""
+    own) and the slot stamps (where the reads did not read them last themselves); sources that
+    stopped answering raise ``SourcesFailed``."""
     sources, rec = a.session.sources, a.rec
     if not result.delta and ctx.verify and rec.checksums:
         try:
@@ -131,7 +133,8 @@ def _check(ctx: PullContext, a: Attempt, result: PullResult) -> None:
         except IntegrityError:
             check_stamps(ctx, sources, rec.stamp, a.deadline)  # a slot reused under us is staleness
             raise
-    check_stamps(ctx, sources, rec.stamp, a.deadline, failover=True)
+    if not result.stamped:
+        check_stamps(ctx, sources, rec.stamp, a.deadline, failover=True)
 
 
 def _read(ctx: PullContext, a: Attempt, zone: ZoneReader | None) -> tuple[Attempt, PullResult]:

@@ -123,7 +123,7 @@ def connect_all(ctx: PullContext, session: Session, deadline: Deadline) -> Sessi
         if isinstance(e, SourcesFailed):
             return failover(ctx, session, e, deadline)
         raise
-    ctx.size_pool(len(sources))
+    ctx.size_pool(max(2, len(sources)))  # (2 at least: a delta pull's checksums and headers read again)
     dest = ctx.dest
     if dest.staged:
         dest.commit = commit_pairs(plan, dest.layout, dest.live, dest.buffers[0])

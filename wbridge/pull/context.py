@@ -70,7 +70,8 @@ class Attempt:
 @dataclass(frozen=True)
 class PullResult:
     """What one application of a version read: bytes from publishers and from relays of the zone,
-    reads posted, chunks repaired by verification, and whether it applied deltas."""
+    reads posted, chunks repaired by verification, whether it applied deltas, and whether it read
+    the slot stamps after its last read already (the seqlock check needs no read of its own)."""
 
     from_publishers: int
     from_peers: int
@@ -78,6 +79,7 @@ class PullResult:
     repaired: int = 0
     delta: bool = False
     reason: str = ""  # why it was a delta or a full pull (``wbridge.pull.delta.DELTA_REASONS``)
+    stamped: bool = False  # the slot stamps were read after every read of it (a delta pull reads them early)
 
     @property
     def nbytes(self) -> int:

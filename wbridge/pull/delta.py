@@ -5,15 +5,17 @@ A subscriber whose destination holds version ``a`` of the same publisher epoch, 
 ``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``), first asks the cost
 choice (``wbridge.pull.delta_cost``) whether a delta pull is worth trying on its link. Where it is,
 it reads per source rank the headers and tables of the deltas ``a + 1 .. v`` (one batched read),
-asks again on their exact sizes, then reads the stream bytes of just the chunks its own reads
-cover and the headers again (``wbridge.pull.delta_reads``: a delta buffer rewritten meanwhile makes
-the pull go full). Deltas are in ``v``'s slot byte order, which the session plans against, whatever
-packing ``a`` was read in; every delta since ``a`` must be in that order. It adds the byte
-differences with one vectorised scatter per destination region and delta, and then always
-verifies every byte it covers against the publisher's chunk checksums (cut at the slot's cells: a
-reader packed for re-reads nothing to check): a chunk that does not match (its memory was changed
-by someone else, bad bytes, a bit flip) is read in full from the slot and written back
-(``repaired`` in the stats). Anything that makes the deltas unusable or dearer before the first
+asks again on their exact sizes, then reads the stream bytes of just the chunks its own reads cover
+and the headers again, with the slot stamps in that same read (``wbridge.pull.delta_reads``: a delta
+buffer rewritten meanwhile makes the pull go full; a slot reused, ``StaleVersionError``). Three
+reads in sequence: the checksum records come from the store while the headers are on the wire, and
+the headers' second read runs while the streams are decoded. Deltas are in ``v``'s slot byte order,
+which the session plans against, whatever packing ``a`` was read in; every delta since ``a`` must be
+in that order. It adds the byte differences with one vectorised scatter per destination region and
+delta, and then always verifies every byte it covers against the publisher's chunk checksums (cut at
+the slot's cells: a reader packed for re-reads nothing to check): a chunk that does not match (its
+memory was changed by someone else, bad bytes, a bit flip) is read in full from the slot and written
+back (``repaired`` in the stats). Anything that makes the deltas unusable or dearer before the first
 byte is written makes the caller pull in full; ``PullStats.delta_reason`` says why
 (``DELTA_REASONS``).
 """
@@ -21,7 +23,7 @@ byte is written makes the caller pull in full; ``PullStats.delta_reason`` says w
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +87,7 @@ def choose(ctx: PullContext, session: Session, rec: Any, held: Held | None, dead
     guess = before_tables(cost, rec.v - held.v, full_bytes, ctx.verify)
     if guess.declined:
         return Choice(None, "cost")
-    return _pull(ctx, session, rec, held.v, deadline, cost, guess)
+    return _pull(ctx, session, rec, held.v, deadline, cost, guess, stamp=True)
 
 
 def pull(ctx: PullContext, session: Session, rec: Any, base: int, deadline: Deadline) -> PullResult | None:
@@ -111,9 +113,12 @@ def _pull(
     deadline: Deadline,
     cost: LinkCost | None,
     guess: Guess | None,
+    stamp: bool = False,
 ) -> Choice:
     """The delta pull proper: headers and tables, the choice on their exact sizes (``cost`` and
-    ``guess``; None: whatever it costs), streams, apply, verify-and-repair."""
+    ``guess``; None: whatever it costs), streams (the checksums read from the store meanwhile),
+    apply, verify-and-repair. ``stamp``: the slot stamps come with the last delta reads, and the
+    result says so where nothing was read from the slots after them (``PullResult.stamped``)."""
     t0 = time.perf_counter()
     spent = _setup_seconds(session)
     geo = [session.delta[s.rank] for s in session.sources]
@@ -124,6 +129,7 @@ def _pull(
         spent = [got[r].nbytes if r in got else h.nbytes for r, h in hs.items()]
         return Choice(None, reason, sum(spent), len(hs) + 2 * len(got))
 
+    sums = _sums_ahead(ctx, session.sources, rec, deadline)  # (from the store, while the headers are read)
     try:
         for src in session.sources:
             h = _reads.heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
@@ -136,29 +142,66 @@ def _pull(
         if reason is not None:
             return declined(reason)
         for src in session.sources:
-            r = _reads.fetch(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
-            if r is None:
-                return declined("header-changed")
-            got[src.rank] = r
+            got[src.rank] = _reads.fetch(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
+        stable = _recheck_behind(ctx, session, hs, rec.stamp if stamp else None, deadline)
     except TransportError:
         return declined("source-failed")  # the full pull reads around a dead source (failover) or reports it
     tr = time.perf_counter()
     writes = [_reads.writes(src, session, hs[src.rank], got[src.rank]) for src in session.sources]
+    try:
+        if not stable():
+            return declined("header-changed")
+    except TransportError:
+        return declined("source-failed")
     if any(w is None for w in writes):
         return declined("malformed")  # before any write
     for w in (w for per in writes for w in per):
         _reads.apply(ctx.dest.buffers[w.region], w)
     t1 = time.perf_counter()
-    repair = verify_repair(ctx, session.sources, rec, deadline)
+    repair = verify_repair(ctx, session.sources, rec, deadline, sums())
     read_bytes = sum(r.nbytes for r in got.values())
     if cost is not None:  # (the time spent setting up scratch buffers is not a delta's cost)
         setup = _setup_seconds(session) - spent
         reads = Timed(read_bytes, tr - t0 - setup)
         check = Timed(full_bytes, time.perf_counter() - t1)
         cost.delta_pull(DeltaPull(pairs, nbytes, rec.v - base, reads, Timed(pairs, t1 - tr), check))
-    read_bytes += repair.nbytes + STAMP_BYTES * len(session.sources)  # the stamp check that follows
+    read_bytes += repair.nbytes + STAMP_BYTES * len(session.sources)  # the stamps (read with the headers, or after)
     ops = sum(r.ops for r in got.values()) + repair.ops + len(session.sources)
-    return Choice(PullResult(read_bytes, 0, ops, repair.chunks, delta=True, reason="delta"), "delta")
+    done = PullResult(read_bytes, 0, ops, repair.chunks, delta=True, reason="delta", stamped=stamp and not repair.ops)
+    return Choice(done, "delta")
+
+
+def _recheck_behind(
+    ctx: PullContext, session: Session, hs: dict[int, _reads.Heads], stamp: Any, deadline: Deadline
+) -> Callable[[], bool]:
+    """Starts reading every source's delta headers again (``delta_reads.recheck``: with ``stamp``,
+    and the slot stamps) on the pull's threads, while this one decodes the streams (it writes
+    nothing), and returns what waits for them: whether no delta was rewritten under the reads."""
+
+    def again() -> bool:
+        return all(
+            _reads.recheck(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline, stamp)
+            for src in session.sources
+        )
+
+    if ctx.pool is None:
+        done = again()
+        return lambda: done
+    return ctx.pool.submit(again).result
+
+
+def _sums_ahead(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: Deadline) -> Callable[[], dict]:
+    """Starts reading the checksum records of ``rec`` of ``sources`` from the store on the pull's
+    threads (while the delta reads are on the wire) and returns what waits for them."""
+    ranks = [src.rank for src in sources]
+
+    def read() -> dict:
+        with ctx.chan.store.deadline(deadline.at):  # (the pull's deadline: it is per thread)
+            return _checksum.read_sums(ctx.chan, rec, ranks)
+
+    if ctx.pool is None:
+        return read
+    return ctx.pool.submit(read).result
 
 
 @dataclass(frozen=True)
@@ -171,12 +214,16 @@ class Repair:
     ops: int
 
 
-def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: Deadline) -> Repair:
-    """Verifies every byte the sources' reads cover against the publisher's chunk sums; a chunk
-    that does not match is read in full from the slot and written into ``dest``."""
+def verify_repair(
+    ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: Deadline, known: dict | None = None
+) -> Repair:
+    """Verifies every byte the sources' reads cover against the publisher's chunk sums (``known``:
+    their checksum records, read already; else read here); a chunk that does not match is read in
+    full from the slot and written into ``dest``."""
     import torch
 
-    known = _checksum.read_sums(ctx.chan, rec, [src.rank for src in sources])
+    if known is None:
+        known = _checksum.read_sums(ctx.chan, rec, [src.rank for src in sources])
     dest = ctx.dest.buffers
     repaired = nbytes = ops = 0
     for src in sources:
@@ -193,7 +240,7 @@ def verify_repair(ctx: PullContext, sources: Sequence[Source], rec: Any, deadlin
             dest[dreg][doff : doff + len(data)].copy_(torch.from_numpy(np.ascontiguousarray(data)))
 
         where = f"publisher rank {src.rank}, version {rec.v}"
-        repaired += _checksum.verify_reads(src.batch, sums, dest, counted, where=where, repair=write)
+        repaired += _checksum.verify_reads(src.batch, sums, dest, counted, where=where, repair=write, cache=src.checks)
         nbytes, ops = nbytes + count[0], ops + count[1]
     return Repair(repaired, nbytes, ops)
 

@@ -4,17 +4,20 @@ decoding them into writes, and applying the writes (the format: ``wbridge.protoc
 Per session and source, once (``prepare``): the source's reads sorted by slot offset, the runs of
 adjacent delta chunks they touch, and how they map onto the destination (``SourceGeometry``). Per
 pull: one batched read of the headers of the deltas ``a + 1 .. v`` and of their table entries for
-those runs (``heads``: a reader of a slice reads its slice of the tables), one of
-the stream bytes of just the runs of chunks the reads cover, then the headers again: a buffer
-rewritten meanwhile is not used (``fetch``). Decoding is vectorised per delta and run
-(``protocol.delta.decode``), then cut at the reads and grouped per destination region
+those runs (``heads``: a reader of a slice reads its slice of the tables), one of the stream bytes
+of just the runs of chunks the reads cover (``fetch``), then the headers again, with the slot's
+stamp where asked: a buffer rewritten meanwhile is not used (``recheck``). The first and last of
+these are prepared once per shape and replayed (``Scratch.prepared``). Decoding is vectorised per
+delta and run (``protocol.delta.decode``), then cut at the reads and grouped per destination region
 (``writes``); each write adds byte differences at its offsets (``apply``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,17 +31,21 @@ from ..protocol import checksum as _checksum
 from ..protocol import delta as _format
 from ..protocol.delta import CHUNK_BYTES, DELTA_MAGIC, DELTA_NONE, DELTA_STABLE, HEADER_BYTES, PAIR, table_rows
 from ..protocol.records import unb64
+from ..protocol.stamps import STAMP_BYTES, Stamp
 from .context import PullContext
+from .reads import stamp_read
 from .session import Session, Source
 
 
 @dataclass
 class Scratch:
-    """A host buffer registered with one transport (grown on demand)."""
+    """A host buffer registered with one transport (grown on demand), and the reads into it that
+    recur from pull to pull, prepared once (``prepared``; dropped when it grows)."""
 
     buf: Any = None
     region: Any = None
     spent: float = 0.0  # seconds spent allocating and registering (not a delta's cost: done once)
+    preps: dict = field(default_factory=dict)
 
     def ensure(self, t: Any, n: int) -> None:
         if self.buf is not None and int(self.buf.numel()) >= n:
@@ -49,7 +56,19 @@ class Scratch:
         self.region = t.register(address(self.buf), int(self.buf.numel()))
         self.spent += time.perf_counter() - t0
 
+    def prepared(self, t: Any, key: tuple, make: Callable[[], tuple]) -> Any:
+        """The read ``key`` into this buffer, prepared on first use: ``make()`` gives ``t.prepare``'s
+        arguments. (A delta pull's headers and tables, and the headers again, differ only in the
+        versions' ring positions: a few shapes, each prepared once.)"""
+        prep = self.preps.get(key)
+        if prep is None:
+            prep = self.preps[key] = t.prepare(*make())
+        return prep
+
     def release(self, t: Any) -> None:
+        for prep in self.preps.values():
+            quietly(t.release, prep)
+        self.preps = {}
         if self.region is not None:
             quietly(t.deregister, self.region)
         self.buf = self.region = None
@@ -81,6 +100,13 @@ class SourceGeometry:
     @property
     def scratches(self) -> tuple[Scratch, ...]:
         return (self.head, self.check, self.streams)
+
+    @functools.cached_property
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Where a delta buffer's header and the table entries of ``run_lo..run_hi`` are: ``(offsets,
+        lengths)`` (``table_rows``, after the header's)."""
+        at, n = table_rows(self.geo.nchunks, self.run_lo, self.run_hi)
+        return np.concatenate(([0], at)), np.concatenate(([HEADER_BYTES], n))
 
 
 def source_geometry(src: Source, slot_bytes: int, descs: list[bytes], sum_starts: np.ndarray) -> SourceGeometry | None:
@@ -178,15 +204,18 @@ def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
     k, nchunks = len(g.descs), g.geo.nchunks
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
     m = len(us)
-    rows_at, rows_n = table_rows(nchunks, g.run_lo, g.run_hi)
-    rows_at, rows_n = np.concatenate(([0], rows_at)), np.concatenate(([HEADER_BYTES], rows_n))
+    rows_at, rows_n = g.rows
     per = int(rows_n.sum())  # bytes per version: the header, then its runs' table entries
     g.head.ensure(t, m * per)
     r = len(rows_at)
-    dst = np.arange(m, dtype=np.int64)[:, None] * per + (np.cumsum(rows_n) - rows_n)[None, :]
-    batch = ReadBatch(np.repeat(us % k, r), np.tile(rows_at, m), np.zeros(m * r, np.int64), dst.reshape(-1),
+
+    def batch() -> tuple:
+        dst = np.arange(m, dtype=np.int64)[:, None] * per + (np.cumsum(rows_n) - rows_n)[None, :]
+        b = ReadBatch(np.repeat(us % k, r), np.tile(rows_at, m), np.zeros(m * r, np.int64), dst.reshape(-1),
                       np.tile(rows_n, m))  # fmt: skip
-    read(t, src, g.descs, g.head.region, batch, deadline)
+        return src.peer, list(g.descs), [g.head.region], b
+
+    t.read(g.head.prepared(t, ("heads", src.peer, m, int(us[0] % k)), batch), timeout=deadline.left(0.1))
     raw = g.head.buf.numpy()[: m * per].reshape(m, per).copy()
     head = raw[:, :HEADER_BYTES].view(np.uint64)
     gen = session.gens[src.rank] if session.gens else 0
@@ -223,13 +252,11 @@ class Fetched:
     ops: int
 
 
-def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -> Fetched | None:
+def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -> Fetched:
     """Reads the stream bytes of the runs of chunks ``src``'s reads cover (one row per delta, run
-    and stream), then the headers again; None where a delta was rewritten under the reads."""
+    and stream); ``recheck`` then reads the headers again."""
     g = session.delta[src.rank]
     k, m = len(g.descs), len(h.us)
-    g.check.ensure(t, m * HEADER_BYTES)
-    zeros = np.zeros(m, dtype=np.int64)
     n = h.lengths.reshape(-1)
     which = np.repeat(np.arange(m), h.lengths.shape[1] * h.lengths.shape[2])
     rows = n > 0
@@ -238,17 +265,11 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -
     nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
     if total:
         g.streams.ensure(t, total)
-        batch = ReadBatch(
-            (h.us % k)[which[rows]], h.offsets.reshape(-1)[rows], np.zeros(int(rows.sum()), dtype=np.int64),
-            at[:-1][rows], n[rows],
-        )  # fmt: skip
-        read(t, src, g.descs, g.streams.region, batch, deadline)
+        # (the versions' buffers alone: ``us`` are consecutive, so at most one per ring position)
+        batch = ReadBatch(which[rows], h.offsets.reshape(-1)[rows], np.zeros(int(rows.sum()), dtype=np.int64),
+                          at[:-1][rows], n[rows])  # fmt: skip
+        read(t, src, tuple(g.descs[u] for u in (h.us % k).tolist()), g.streams.region, batch, deadline)
         nbytes, ops = nbytes + total, ops + len(batch)
-    # the headers again: a delta rewritten under the reads is not used
-    again = ReadBatch(h.us % k, zeros, zeros, np.arange(m, dtype=np.int64) * HEADER_BYTES, np.full(m, HEADER_BYTES))
-    read(t, src, g.descs, g.check.region, again, deadline)
-    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), h.raw[:, :HEADER_BYTES]):
-        return None
     got = g.streams.buf.numpy()[:total].copy() if total else np.zeros(0, np.uint8)
     shape = h.lengths.shape
     pieces = tuple(
@@ -257,6 +278,31 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -
         for i in range(shape[0])
     )  # fmt: skip
     return Fetched(pieces, nbytes, ops)
+
+
+def recheck(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline, stamp: Stamp | None = None) -> bool:
+    """Reads the headers of ``src``'s deltas again after their streams (the seqlock check): False
+    where one was rewritten under the reads. With ``stamp``, the slot's stamp comes in that read
+    too (the seqlock check of a pull that reads nothing of the slot: ``reads.check_stamps`` needs
+    no read of its own), and ``StaleVersionError`` is raised where it does not say ``stamp``."""
+    g = session.delta[src.rank]
+    k, m = len(g.descs), len(h.us)
+    g.check.ensure(t, m * HEADER_BYTES)
+
+    def again() -> tuple:
+        rows = np.stack([h.us % k, 0 * h.us, 0 * h.us, np.arange(m) * HEADER_BYTES, np.full(m, HEADER_BYTES)])
+        if stamp is None:
+            return src.peer, list(g.descs), [g.check.region], ReadBatch(*rows)
+        rows = np.concatenate((rows, [[k], [0], [1], [0], [STAMP_BYTES]]), axis=1)  # the slot's stamp
+        return src.peer, [*g.descs, src.regions[stamp.slot][-1]], [g.check.region, src.stamp_region], ReadBatch(*rows)
+
+    key = ("again", src.peer, m, int(h.us[0] % k), None if stamp is None else stamp.slot)
+    t.read(g.check.prepared(t, key, again), timeout=deadline.left(0.1))
+    if not np.array_equal(g.check.buf.numpy()[: m * HEADER_BYTES].reshape(m, HEADER_BYTES), h.raw[:, :HEADER_BYTES]):
+        return False
+    if stamp is not None:
+        stamp_read(src, stamp)
+    return True
 
 
 def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadBatch, deadline: Deadline) -> None:
@@ -329,8 +375,7 @@ def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write]
 def apply(dst: Any, w: Write) -> None:
     """Adds ``w``'s byte differences into ``dst`` (a uint8 region, host or device), mod 256."""
     if isinstance(dst, np.ndarray) or dst.device.type == "cpu":
-        arr = _checksum.host_array(dst)
-        arr[w.offsets] += w.values
+        np.add.at(_checksum.host_array(dst), w.offsets, w.values)  # (numpy's fast path: twice ``a[i] += v``)
         return
     import torch
 
@@ -349,6 +394,7 @@ __all__ = [
     "heads",
     "prepare",
     "read",
+    "recheck",
     "source_geometry",
     "writes",
 ]

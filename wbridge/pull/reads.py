@@ -84,7 +84,7 @@ def check_stamps(
     read them on (the context's).
     ``failover=True``: sources that stopped answering raise ``SourcesFailed`` (what they sent is
     unconfirmed; their replicas may stand in), not the first one's ``TransportError``."""
-    words, slot = want.words, want.slot
+    slot = want.slot
 
     def one(src: Source) -> None:
         t = ctx.endpoints[src.transport]
@@ -99,15 +99,20 @@ def check_stamps(
             )
             src.stamp_prepared[slot] = prep
         t.read(prep, timeout=deadline.left(0.1))
-        got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
-        if got != words:
-            raise StaleVersionError(
-                f"publisher rank {src.rank}: slot {slot} holds version {got[1]} (state {got[2]}), not version {want.v}"
-            )
+        stamp_read(src, want)
 
     errors = _each(pool or ctx.pool, sources, one)
     if errors:
         raise failed_sources(errors) if failover else errors[0][1]
+
+
+def stamp_read(src: Source, want: Stamp) -> None:
+    """Checks the stamp just read into ``src.stamp``: ``StaleVersionError`` unless it says ``want``."""
+    got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
+    if got != want.words:
+        raise StaleVersionError(
+            f"publisher rank {src.rank}: slot {want.slot} holds version {got[1]} (state {got[2]}), not version {want.v}"
+        )
 
 
 def verify_sources(
@@ -162,4 +167,4 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(np.array_equal(a, b)) if isinstance(a, np.ndarray) else bool(a.equal(b))
 
 
-__all__ = ["check_stamps", "prepare_sources", "read_sources", "verify_held", "verify_sources"]
+__all__ = ["check_stamps", "prepare_sources", "read_sources", "stamp_read", "verify_held", "verify_sources"]

@@ -260,7 +260,7 @@ class Fetcher:
         if kept is None or kept.session is not session or kept.ranges != ranges:
             self.release()
             wide = widen([s.batch for s in session.sources], ranges, _checksum.CHUNK)
-            sources = [replace(s, batch=clip(s.batch, wide), prepared={}) for s in session.sources]
+            sources = [replace(s, batch=clip(s.batch, wide), prepared={}, checks={}) for s in session.sources]
             sources = [s for s in sources if len(s.batch)]  # a source none of whose bytes are here
             clipped = replace(session, sources=sources, delta=None, closers=[])
             self.clipped = kept = Clipped(session, ranges, wide, clipped)
@@ -275,7 +275,7 @@ class Fetcher:
         ctx = self.ctx
         while True:
             parts = [
-                replace(s, batch=s.batch if ranges is None else clip(s.batch, ranges), prepared={})
+                replace(s, batch=s.batch if ranges is None else clip(s.batch, ranges), prepared={}, checks={})
                 for s in a.session.sources
             ]
             try:

@@ -39,6 +39,7 @@ class Source:
     stamp: Any = None  # where the slot's stamp is read to
     stamp_region: Any = None
     stamp_prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared stamp read
+    checks: dict = field(default_factory=dict)  # what ``batch`` covers of the checksum chunks (``verify_reads``)
 
 
 @dataclass
@@ -115,7 +116,7 @@ def verify_source(
     (``protocol.checksum.read_sums``: of this very version, incarnation and slot layout);
     ``name_at`` names the destination tensor in errors (``protocol.checksum.tensor_at``)."""
     where = f"publisher rank {src.rank}, version {rec.v}"
-    _checksum.verify_reads(src.batch, sums, dest, fetch, where=where, name_at=name_at)
+    _checksum.verify_reads(src.batch, sums, dest, fetch, where=where, name_at=name_at, cache=src.checks)
 
 
 def connect_source(
