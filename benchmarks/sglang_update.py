@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Worker("trainer", Trainer, ckpt, port, timeout=300, context=mp.get_context("spawn"))
     opts = SGLangOptions(channel=CHANNEL, store=f"tcp://127.0.0.1:{port}", token=TOKEN, transport="tcp",
                          dtype="bfloat16", cache_dir=os.path.join(tmp, "cache"), commit=a.commit)  # fmt: skip
-    eng = sgl.Engine(model_path=ckpt, dtype="bfloat16", **{**CPU_ENGINE_ARGS, "mem_fraction_static": 0.3},
+    eng = sgl.Engine(model_path=ckpt, dtype="bfloat16", **CPU_ENGINE_ARGS,
                      **engine_args(opts))  # fmt: skip
     run = eng.loop.run_until_complete
     rows = []

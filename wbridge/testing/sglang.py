@@ -7,7 +7,10 @@ from typing import Any
 
 #: ``sgl.Engine`` / ``ServerArgs`` keywords that run SGLang 0.5.23 on a CPU without AMX (with
 #: ``SGLANG_USE_CPU_ENGINE=1`` and tests/sglang_stubs on the path); the radix cache is off so
-#: that greedy tokens compare exactly across weight updates.
+#: that greedy tokens compare exactly across weight updates. ``max_total_tokens`` sizes the KV
+#: pool; ``mem_fraction_static`` only has to exceed what SGLang sees the load take, and on a CPU
+#: it sees the machine's free memory, which other processes' allocations during the load lower
+#: too (at 0.05 an engine starting beside another engine failed with "no memory for the KV cache").
 CPU_ENGINE_ARGS: dict[str, Any] = dict(
     device="cpu",
     attention_backend="torch_native",
@@ -17,7 +20,7 @@ CPU_ENGINE_ARGS: dict[str, Any] = dict(
     max_total_tokens=4096,
     max_running_requests=8,
     chunked_prefill_size=512,
-    mem_fraction_static=0.05,
+    mem_fraction_static=0.3,
     tp_size=1,
     skip_server_warmup=True,
     skip_tokenizer_init=True,
