@@ -32,8 +32,29 @@ _MULTI_GET_GUARD = datetime.timedelta(seconds=2)
 _WAIT, _CANCEL_WAIT = 6, 12
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
 
-# One TCPStore connection at a time in this process, so that its new socket can be told apart.
+# One TCPStore connection at a time in this process, so that its new socket can be told apart:
+# every socket this module opens to a store port (a TCPStore client's, a probe's) is opened and, for
+# a probe, closed again under it. (A probe open while another thread connected was once taken for
+# that thread's client: its calls then went to a connection the server never validated, and its
+# waits missed the keys they waited for.)
 _CONNECT_LOCK = threading.Lock()
+
+
+def _probe(host: str, port: int, timeout: float) -> None:
+    """Opens and closes one TCP connection to ``host:port`` (raises ``OSError`` where none can be
+    made), under ``_CONNECT_LOCK``."""
+    if not _CONNECT_LOCK.acquire(timeout=max(timeout, 0.01)):
+        raise TimeoutError(f"another connect to a store held this process for {timeout:.1f}s")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    finally:
+        _CONNECT_LOCK.release()
+
+
+class _Ambiguous(RuntimeError):
+    """A new TCPStore client whose socket could not be told apart from another new one (the connect
+    is made again)."""
 
 
 def _socket_inodes() -> dict[str, int]:
@@ -87,10 +108,16 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
         socks = _new_sockets(before, port)
     finally:
         _CONNECT_LOCK.release()
+    if len(socks) != 1:
+        for s in socks:
+            s.close()
+        del store  # its own socket closes with it
+        raise _Ambiguous(
+            f"cannot tell the TCPStore client socket to port {port} apart: {len(socks)} new sockets to that "
+            f"port (another part of this process connected to the store at the same moment)"
+        )
     for s in socks:
         _set_timeouts(s, timeout)
-    if not socks:
-        raise StoreError(f"cannot find the TCPStore client socket to port {port} to bound its calls")
     # keep the dups: setting their timeouts later bounds a single call by a caller's deadline
     return store, socks
 
@@ -158,8 +185,7 @@ def _gone(url: str, host: str, port: int, how: str) -> str:
     """The message for a store whose connection was lost (``how``): a probe tells whether the host
     still accepts connections, and the message says what to check either way."""
     try:
-        with socket.create_connection((host, port), timeout=1.0):
-            pass
+        _probe(host, port, 1.0)
     except OSError as e:
         probe = "refused" if isinstance(e, ConnectionRefusedError) else (e.strerror or type(e).__name__)
         return f"store host {url} is gone (connection {how}; a new connection: {probe}): {_CHECK} {host}:{port}"
@@ -265,8 +291,7 @@ class TcpStore(Store):
         last: Exception | None = None
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection((host, port), timeout=min(2.0, timeout)):
-                    pass
+                _probe(host, port, min(2.0, timeout))
                 left = max(1.0, deadline - time.monotonic())
                 return _bounded_tcpstore(
                     lambda left=left: dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=left)),

@@ -1,0 +1,53 @@
+"""The TCP store's client finds its own connection among the process's sockets (it bounds each call
+by that socket's timeouts and sends its waits on it): other connections to the store's port opened
+at the same moment, by other threads' store clients or by anything else in the process (a health
+probe), are never taken for it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from wbridge.store import TcpStore
+
+
+@pytest.mark.timeout(120)
+def test_clients_connecting_beside_other_connections_to_the_port_wait_on_their_own() -> None:
+    host = TcpStore("127.0.0.1", 0, is_host=True, connect_timeout=30)
+    host.set("k", b"v")
+    stop, failures = threading.Event(), []
+
+    def probe() -> None:  # another part of the process opening connections to the store's port
+        while not stop.is_set():
+            with socket.create_connection(("127.0.0.1", host.port), timeout=5):
+                time.sleep(0.002)
+
+    def client(n: int) -> None:
+        for _ in range(n):
+            c = TcpStore("127.0.0.1", host.port, is_host=False, connect_timeout=30)
+            try:
+                t0 = time.monotonic()
+                c.wait("k", 20.0)  # the key exists: the wait's own connection answers at once
+                got = c.get("k")
+                if got != b"v" or time.monotonic() - t0 > 10.0:
+                    failures.append((got, round(time.monotonic() - t0, 1)))
+            except Exception as e:  # noqa: BLE001 - collected and reported
+                failures.append(repr(e)[:200])
+            finally:
+                c.close()
+
+    probes = [threading.Thread(target=probe, daemon=True) for _ in range(2)]
+    clients = [threading.Thread(target=client, args=(15,), daemon=True) for _ in range(3)]
+    try:
+        for t in probes + clients:
+            t.start()
+        for t in clients:
+            t.join(100)
+        assert not any(t.is_alive() for t in clients), "a client hung"
+        assert failures == [], failures
+    finally:
+        stop.set()
+        host.close()
