@@ -231,4 +231,7 @@ def test_sglang_moe_pulls_stacked_experts_bit_exact(tmp_path, sglang_host):
     assert any("experts.w13_weight" in k for k in step["checksums"]), sorted(step["checksums"])
     assert step["checksums"] == ref[1]["checksums"]
     assert step["tokens"] == ref[1]["tokens"] and step["tokens"] != eng["before"]
-    assert [s["version"] for s in step["spans"][0]] == ["default", "1"]
+    # a request that ran from before the pull until after its commit shows both versions (a loaded
+    # machine may have run none across it: test_sglang_pulls_in_background_... insists on one)
+    if step["req_t0"] < step["pull"]["pull_start"] and step["pull"]["committed_at"] < step["req_t1"]:
+        assert [s["version"] for s in step["spans"][0]] == ["default", "1"]
