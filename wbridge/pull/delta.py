@@ -184,10 +184,7 @@ def _recheck_behind(
             for src in session.sources
         )
 
-    if ctx.pool is None:
-        done = again()
-        return lambda: done
-    return ctx.pool.submit(again).result
+    return _started(ctx, again)
 
 
 def _sums_ahead(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline: Deadline) -> Callable[[], dict]:
@@ -199,9 +196,13 @@ def _sums_ahead(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline:
         with ctx.chan.store.deadline(deadline.at):  # (the pull's deadline: it is per thread)
             return _checksum.read_sums(ctx.chan, rec, ranks)
 
-    if ctx.pool is None:
-        return read
-    return ctx.pool.submit(read).result
+    return _started(ctx, read)
+
+
+def _started(ctx: PullContext, work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` started on the pull's threads, and what waits for its result (without a pool, the
+    waiting call runs it)."""
+    return work if ctx.pool is None else ctx.pool.submit(work).result
 
 
 @dataclass(frozen=True)
