@@ -219,18 +219,28 @@ def test_corrupt_relay_is_read_around(store) -> None:
         _stop(*good, bad, pub)
 
 
+def _until_begun(store, v: int, within: float = 30.0) -> None:
+    """Returns once a relay of zone ``b`` says it writes version ``v``."""
+    deadline = time.monotonic() + within
+    while not any(r.get("v") == v for r in _zone_records(store, "b").values()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no relay of zone b began version {v}")
+        time.sleep(0.005)
+
+
 class _CountingSub(SubActor):
     """A ``SubActor`` whose subscriber's store calls (its zone reader's scans and waits among them)
-    are counted, by ``benchmarks/control_plane.CountingStore``."""
+    are counted, by ``benchmarks/control_plane.CountingStore``: its subscriber opens no store of
+    its own but is given that one."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, url: str, *args, **kwargs) -> None:
         from benchmarks.control_plane import CountingStore
 
-        super().__init__(*args, **kwargs)
-        self.sub._store = CountingStore(self.sub._store)
+        self.counted = CountingStore(open_store(url))
+        super().__init__(self.counted, *args, **kwargs)
 
     def requests(self) -> int:
-        return self.sub._store.total()
+        return self.counted.total()
 
 
 @pytest.mark.timeout(240)
@@ -238,7 +248,9 @@ def test_relay_waits_for_a_slow_peer_on_the_store(store) -> None:
     """A relay whose peer is slow to announce its range (its first read takes 2.5 s more) blocks on
     the zone's next announcement key (a TCPStore wait) until it gives up on the peer after
     ``STALL_MIN_S``: a few store requests for that second, where polling the records every 10 ms
-    made hundreds. Both end bit-exact. (The waiting relay must start its pull while the slow one
+    made hundreds. Both end bit-exact. The slow relay begins first: its delayed read is its own
+    range (the fault delays its first read; begun after the waiting relay announced, that was its
+    read of the waiting relay's range). (The waiting relay must start its pull while the slow one
     still reads: where a loaded machine started it later, a new pair of relays tries again.)"""
     pub = Worker("pub", PubActor, store.url, 0, 1, 1, zone="train", staging=Staging(checksums=True))
     kw = {"fused": False, "zone": Zone("b", relay=True), "timeout": None}
@@ -251,7 +263,11 @@ def test_relay_waits_for_a_slow_peer_on_the_store(store) -> None:
                     w.result(60)
                 pub.call("publish", v)
                 before = waiting.call("requests")
-                rs = call_all([waiting, slow], "pull", v, timeout=30.0)
+                slow.send("pull", v)
+                _until_begun(store, v)
+                time.sleep(0.2)  # its own read is in (and sleeps): the waiting relay's range comes second
+                waiting.send("pull", v)
+                rs = [waiting.result(30), slow.result(30)]
                 used = waiting.call("requests") - before
             finally:
                 _stop(waiting, slow)
