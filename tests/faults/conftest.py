@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +44,27 @@ def standalone_store_proc(
             out += proc.stdout.readline()
     sel.close()
     return proc, f"tcp://{host}:{port}"
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc/<pid>/stat``: R, S, T...; "gone" if none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+def freeze_group(pid: int, within: float = 10.0) -> None:
+    """SIGSTOPs process group ``pid`` (a store hung: the kernel still accepts, nobody answers) and
+    returns once its leader is stopped (state T): the calls a test makes next meet a hung store,
+    not one still finishing its last request."""
+    os.killpg(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within
+    while process_state(pid) != "T":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop: state {process_state(pid)}")
+        time.sleep(0.005)
 
 
 @pytest.fixture

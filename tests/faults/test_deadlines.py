@@ -19,7 +19,7 @@ from tests.runtime.harness import Worker, WorkerError
 from wbridge import Async
 
 from .actors import FaultPub, FaultSub
-from .conftest import standalone_store_proc
+from .conftest import freeze_group, process_state, standalone_store_proc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,13 +29,16 @@ PUB = dict(model_kind="tiny", transport="tcp", mode=Async(max_staleness=100))
 SUB = dict(fused=False, model_kind="tiny", transport="tcp", lease_ttl=30.0)
 
 
-def timed_failure(w: Worker, method: str, *args, **kwargs) -> tuple[str, float]:
+def timed_failure(w: Worker, method: str, *args, store_pid: int | None = None, **kwargs) -> tuple[str, float]:
+    """The error class ``w.method(...)`` raised and the seconds it took; a test failure if it
+    returned (naming the state of the store's process ``store_pid``: a hung store is stopped, T)."""
     t0 = time.monotonic()
     try:
         got = w.call(method, *args, call_timeout=120.0, **kwargs)
     except WorkerError as e:
         return e.exc_type, time.monotonic() - t0
-    pytest.fail(f"{w!r}.{method}{args} returned {got!r} after {time.monotonic() - t0:.1f}s: expected a failure")
+    store = "" if store_pid is None else f" (store process {store_pid}: state {process_state(store_pid)})"
+    pytest.fail(f"{w!r}.{method}{args} returned {got!r} after {time.monotonic() - t0:.1f}s{store}: expected a failure")
 
 
 @pytest.mark.slow
@@ -48,7 +51,7 @@ def test_later_calls_end_by_their_timeout_on_a_hung_tcp_store() -> None:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []
 
-        os.killpg(proc.pid, signal.SIGSTOP)  # hung: the kernel still accepts, nobody answers
+        freeze_group(proc.pid)
         try:
             calls = [
                 (pub, "publish", (2,), dict(timeout=TIMEOUT)),
@@ -58,7 +61,7 @@ def test_later_calls_end_by_their_timeout_on_a_hung_tcp_store() -> None:
             took = {}
             for attempt in ("first", "second", "third"):  # the later ones reconnect
                 for w, method, args, kwargs in calls:
-                    kind, t = timed_failure(w, method, *args, **kwargs)
+                    kind, t = timed_failure(w, method, *args, store_pid=proc.pid, **kwargs)
                     took[f"{attempt} {method}{args[:1]}"] = round(t, 1)
                     assert kind in ("StoreError", "WaitTimeout"), (attempt, method, kind)
             print("seconds per call on the hung store:", took)
@@ -93,7 +96,7 @@ def test_wait_for_subscribers_ends_by_its_timeout_when_the_store_is_gone(store: 
         pub = Worker("pub", FaultPub, url, 0, 1, 1, **PUB)
         assert pub.call("api", "wait_for_subscribers", 0, timeout=TIMEOUT) == 0
         if store == "etcd":
-            os.killpg(server.proc.pid, signal.SIGSTOP)  # stopped: connections hang
+            freeze_group(server.proc.pid)  # stopped: connections hang
         else:
             proc.kill()  # the store's host is gone: connections refused
             proc.wait(10)

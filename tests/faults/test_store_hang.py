@@ -15,7 +15,7 @@ from tests.runtime.harness import Worker, WorkerError
 from wbridge import Async
 
 from .actors import FaultPub, FaultSub
-from .conftest import standalone_store_proc
+from .conftest import freeze_group, standalone_store_proc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,7 +50,7 @@ def test_calls_end_by_their_timeout_when_the_store_hangs(store: str) -> None:
         pub.call("publish", 1)
         assert sub.call("pull", min_version=1)["bad"] == []
 
-        os.killpg(pid, signal.SIGSTOP)  # hung: the kernel still accepts, nobody answers
+        freeze_group(pid)
         try:
             kind, took = timed_failure(pub, "publish", 2, timeout=TIMEOUT)
             assert kind in ("StoreError", "WaitTimeout") and took < TIMEOUT + SLACK, (kind, took)
