@@ -45,7 +45,7 @@ HEAVY_SECONDS = {
     "tests/correspondence/test_sglang_example.py": 67,
     "tests/correspondence/test_ray.py": 60,
     "tests/correspondence/test_vllm_faults.py": 60,
-    "tests/correspondence/test_vllm_updater.py": 56,
+    "tests/correspondence/test_vllm_updater.py": 35,
     "tests/correspondence/test_vllm_lora.py": 50,
     "tests/correspondence/test_sglang_lora.py": 35,
     "tests/correspondence/test_vllm_trainer_driven.py": 31,

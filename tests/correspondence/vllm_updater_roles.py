@@ -22,6 +22,11 @@ from cues import wait_file
 from vllm_roles import CHANNEL, MAX_TOKENS, PROMPT, TOKEN, engine_args
 
 TIMEOUT = 240.0
+# Between a stream's requests in phase B. Back to back, three streams kept the engine's processes
+# so busy that the trainer, runnable, waited on the run queue for most of a minute per publish
+# (its main thread's /proc schedstat: 2.8 s run, 56 s waiting): phase B took 50-180 s instead of
+# 5, 240 CPU-seconds in all, and in a full run it starved the tests beside it (313 s).
+PACE_S = 0.05
 
 
 def trainer(ckpt: str, out: str, port: int) -> None:
@@ -146,6 +151,7 @@ async def engine_main(ckpt: str, out: str, port: int) -> None:
                             spans = [(s.version, s.start, s.end) for s in c.weight_versions or ()]
                             got.append({"tag": tag, "n": len(c.token_ids), "spans": spans})
                     n += 1
+                    await asyncio.sleep(PACE_S)  # the engine idles a little: the trainer gets CPU
                 return got
 
             tasks = [asyncio.create_task(stream(i)) for i in range(3)]
