@@ -1,7 +1,8 @@
 """Subscribers joining and leaving at random while a sync publisher group publishes 100 versions:
 195 come and go cleanly (a few at a time, each pulling 1-2 versions), 5 more die at once (SIGKILL
-of their process) half-way. No pull is torn, no publish or pull hangs, and afterwards no record of
-any of the 200 is left in the store (dead subscribers are collected)."""
+of their process) half-way, or once all five have joined. No pull is torn, no publish or pull
+hangs, and afterwards no record of any of the 200 is left in the store (dead subscribers are
+collected)."""
 
 from __future__ import annotations
 
@@ -38,12 +39,14 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
         # lifetimes (a loaded machine slows joins and pulls down, not publishes: a bound on the
         # number of versions ran out before them; a pull waiting for a version that never comes
         # would count as a hang)
-        v, give_up = 0, time.monotonic() + GO_ON_S
-        while v < VERSIONS or (sum(w.call("left") for w in churn) < 195 and time.monotonic() < give_up):
+        v, give_up, killed = 0, time.monotonic() + GO_ON_S, False
+        while v < VERSIONS or ((not killed or sum(w.call("left") for w in churn) < 195) and time.monotonic() < give_up):
             v += 1
-            if v == VERSIONS // 2:
-                assert victims.call("joined") == 5
+            # half-way, or later where a loaded machine had not joined all five by then (seen:
+            # none of them at version 50 in a clean-clone run)
+            if not killed and v >= VERSIONS // 2 and victims.call("joined") == 5:
                 victims.kill()
+                killed = True
             for p in pubs:
                 p.send("publish", v, timeout=30.0)
             t0 = time.monotonic()
@@ -53,6 +56,7 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
                 except TimeoutError:
                     hangs += 1
             slowest = max(slowest, time.monotonic() - t0)
+        assert killed, f"the five victims never all joined: {victims.call('joined')} by version {v}"
         stats = [w.call("finish", 60.0) for w in churn]
         assert sum(s["running"] for s in stats) == 0, stats
         assert sum(s["joined"] for s in stats) + 5 == 200, stats
