@@ -84,8 +84,10 @@ if [ "${WBRIDGE_SKIP_SGLANG:-0}" != 1 ] && stale .venv-sglang; then
     dill fastapi orjson msgspec pydantic psutil setproctitle einops interegular partial_json_parser \
     pybase64 xxhash python-multipart tiktoken pillow scipy gguf anthropic zstandard aiohttp requests \
     uvloop watchfiles regex tqdm packaging numpy distro easydict IPython jsonschema
-  # peft (and its accelerate): the SGLang LoRA tests' trainer side
-  .venv-sglang/bin/pip install -q -c "$pin" peft==0.21.2
+  # peft (and its accelerate): the SGLang LoRA tests' trainer side; numba: wbridge's delta encoder
+  # (trainers publish from this venv; the version sglang names, numpy kept as installed above)
+  .venv-sglang/bin/pip freeze | grep -E "^numpy==" >> "$pin"
+  .venv-sglang/bin/pip install -q -c "$pin" peft==0.21.2 numba==0.65.1
   rm -f "$pin"
   .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
   stamp .venv-sglang

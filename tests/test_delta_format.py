@@ -1,8 +1,10 @@
-"""The delta format's codec (``wbridge.protocol.delta``) on its own: every change found by the scan
-is decoded back exactly, from the whole buffer or from any run of chunks alone, at every density
-(every Elias-Fano width and the bitmap), with short last pairs, escapes and raw bytes, whatever a
-reused workspace held before; tables or streams that do not make sense are refused, never decoded
-into wrong writes."""
+"""The delta format's codec (``wbridge.protocol.delta``) on its own: every change is decoded back
+exactly, from the whole buffer or from any run of chunks alone, at every density (every
+Elias-Fano width and the bitmap), with short last pairs, escapes and raw bytes, whatever a reused
+workspace held before, whether the compiled encoder scanned the slots itself or coded pairs found
+elsewhere (the two write the same buffer), and so is what the independent numpy reference encoder
+(``tests/delta_reference.py``) writes; tables or streams that do not make sense are refused, never
+decoded into wrong writes."""
 
 from __future__ import annotations
 
@@ -10,8 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from wbridge.protocol import _delta_kernels as kernels
 from wbridge.protocol import delta as F
 from wbridge.publish.delta import scan
+
+from . import delta_reference as R
+
+PATHS = ("slots", "pairs", "reference")  # encode_slots, encode (a GPU scan's pairs), the numpy reference
 
 
 def changed(size: int, frac: float, seed: int, ulp: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -40,21 +47,31 @@ def dirty() -> F.Workspace:
     publisher's does from version to version."""
     ws = F.Workspace()
     a, b = changed(1 << 20, 0.9, 99, ulp=False)
-    found = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40, ws)
-    assert found is not None
-    F.encode(found.at, found.diffs, F.geometry(len(a)), ws, found.bitmap)
+    assert F.encode_slots(a, b, F.geometry(len(a)), 1 << 40, ws) is not None
     return ws
 
 
+def truth(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The changed pairs of ``a`` -> ``b`` and their byte differences, found by the torch scan (a
+    GPU's) on the host."""
+    found = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40)
+    assert found is not None
+    return found.at.copy(), found.diffs.copy()
+
+
 def coded(
-    a: np.ndarray, b: np.ndarray, with_bitmap: bool = True, ws: F.Workspace | None = None
+    a: np.ndarray, b: np.ndarray, path: str = "slots", ws: F.Workspace | None = None
 ) -> tuple[F.Geometry, np.ndarray, np.ndarray, np.ndarray, F.Parsed]:
     geo = F.geometry(len(a))
     ws = ws or dirty()
-    found = scan(torch.from_numpy(a), torch.from_numpy(b), 1 << 40, ws)
-    assert found is not None
-    at, diffs = found.at.copy(), found.diffs.copy()
-    e = F.encode(found.at, found.diffs, geo, ws, found.bitmap if with_bitmap else None)
+    at, diffs = truth(a, b)
+    if path == "slots":
+        e = F.encode_slots(a, b, geo, 1 << 40, ws)
+    elif path == "pairs":
+        e = F.encode(at, diffs, geo, ws)
+    else:
+        e = R.encode(at, diffs, geo, F.Workspace())
+    assert e is not None
     # (a publisher declines a delta larger than its buffer; the codec itself has no such limit)
     buf = np.zeros(max(geo.buffer_bytes, F.table_bytes(geo.nchunks) + e.nbytes), np.uint8)
     F.write(buf, e)
@@ -74,17 +91,49 @@ def applied(a: np.ndarray, at: np.ndarray, diffs: np.ndarray) -> np.ndarray:
     return out[: len(a)]
 
 
-@pytest.mark.parametrize("frac", [0.0, 1e-5, 3e-4, 0.003, 0.015, 0.1, 0.3, 0.9])
+@pytest.mark.parametrize("frac", [0.0, 1e-5, 3e-4, 0.003, 0.015, 0.1, 0.3, 0.9, 1.0])
 @pytest.mark.parametrize("size", [1, 6, 4093, 300_001, 300_003])
 def test_every_change_decodes_back_exactly(size: int, frac: float) -> None:
-    for seed, ulp in ((1, True), (2, False)):
+    for seed, ulp in ((1, True), (2, False)):  # (not ulp: raw bytes and escapes throughout)
         a, b = changed(size, frac, seed, ulp)
-        for with_bitmap in (True, False):  # (a GPU scan makes no bitmap)
-            geo, at, diffs, buf, p = coded(a, b, with_bitmap)
+        bufs = {}
+        for path in PATHS:
+            geo, at, diffs, buf, p = coded(a, b, path)
             got = decoded(p, buf, 0, geo.nchunks - 1)
             assert got is not None
             assert np.array_equal(got[0], at) and np.array_equal(got[1], diffs)
             assert np.array_equal(applied(a, *got), b)
+            bufs[path] = buf
+        # the slot encoder and the pair encoder write the same buffer
+        assert np.array_equal(bufs["slots"], bufs["pairs"])
+
+
+def test_every_elias_fano_width_and_the_bitmap_decode_back_exactly() -> None:
+    """Densities from one changed pair in 2**13 to all of them: each low width the encoders choose,
+    and the bitmap, decoded back (pairs anywhere: no structure for the positions to exploit)."""
+    widths = set()
+    for i, frac in enumerate(np.geomspace(1e-4, 1.0, 24)):
+        rng = np.random.default_rng(30 + i)
+        size = 64 * 8192 + int(rng.integers(0, 4))
+        a = rng.integers(0, 256, size, dtype=np.uint8)
+        b = a.copy()
+        hit = rng.random(size) < frac / 4  # (a pair of four bytes changes at about frac)
+        b[hit] += rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
+        for path in PATHS:
+            geo, at, diffs, buf, p = coded(a, b, path, ws=F.Workspace())
+            got = decoded(p, buf, 0, geo.nchunks - 1)
+            assert got is not None and np.array_equal(got[0], at) and np.array_equal(got[1], diffs)
+            widths.add(p.low_bits)
+    assert 0 in widths and len(widths) >= 8, widths
+
+
+def test_more_changed_pairs_than_allowed_make_no_delta() -> None:
+    a, b = changed(300_001, 0.1, 6)
+    geo = F.geometry(len(a))
+    n = len(truth(a, b)[0])
+    assert F.encode_slots(a, b, geo, n - 1) is None
+    e = F.encode_slots(a, b, geo, n)
+    assert e is not None and e.pairs == n
 
 
 def test_a_reused_workspace_codes_every_version_alike() -> None:
@@ -93,9 +142,10 @@ def test_a_reused_workspace_codes_every_version_alike() -> None:
     ws = dirty()
     for i, (size, frac) in enumerate([(300_001, 0.1), (300_001, 0.3), (300_001, 0.001), (64_005, 0.9)]):
         a, b = changed(size, frac, 10 + i, ulp=i % 2 == 0)
-        _, _, _, buf, p = coded(a, b, ws=ws)
-        _, _, _, fresh, q = coded(a, b, ws=F.Workspace())
-        assert np.array_equal(buf, fresh)
+        for path in ("slots", "pairs"):
+            _, _, _, buf, p = coded(a, b, path, ws=ws)
+            _, _, _, fresh, q = coded(a, b, path, ws=F.Workspace())
+            assert np.array_equal(buf, fresh)
 
 
 def position_bits(n: int, pairs: int, lb: int) -> int:
@@ -122,7 +172,7 @@ def test_every_elias_fano_width_is_used_and_chosen_by_size() -> None:
 def test_fields_of_every_width_unpack_from_any_entry(width: int) -> None:
     rng = np.random.default_rng(width)
     values = rng.integers(0, 1 << width, 1001).astype(np.int64)
-    packed = F._pack_bits(values, width, dirty())
+    packed = R.pack_bits(values, width, dirty())
     assert len(packed) == -(-1001 // F.GROUP) * width  # whole groups of fields
     bits = np.unpackbits(values.astype("<u2").view(np.uint8), bitorder="little").reshape(1001, 16)[:, :width]
     assert np.array_equal(np.unpackbits(packed, bitorder="little")[: 1001 * width], bits.reshape(-1))
@@ -132,6 +182,14 @@ def test_fields_of_every_width_unpack_from_any_entry(width: int) -> None:
         assert np.array_equal(got, values[first:])
     with pytest.raises(ValueError):
         F._unpack_bits(packed[:-1], 0, 1001, width)
+    # the compiled encoder's positions at this width: the reference's high bits and low fields
+    pairs = 1 << 16
+    for n in (1, 7, 8, 1001):
+        at = np.sort(rng.choice(pairs, n, replace=False)).astype(np.int64)
+        want_high, want_low = R._positions(at, width, pairs, None, F.Workspace())
+        high, low = np.full(len(want_high), 0xA5, np.uint8), np.full(len(want_low), 0xA5, np.uint8)
+        kernels.positions(at, width, high, low, False)
+        assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
 
 
 def test_a_run_of_chunks_decodes_alone_from_its_own_ranges() -> None:
@@ -151,7 +209,7 @@ def test_adam_like_changes_cost_under_two_bytes_per_changed_word() -> None:
     a, b = changed(4 << 20, 0.015, 4)
     geo, at, diffs, buf, p = coded(a, b)
     words = int((a.view(np.uint16) != b.view(np.uint16)).sum())
-    e = F.encode(at, diffs, geo, bitmap=None)
+    e = F.encode(at, diffs, geo)
     assert (e.nbytes + F.table_bytes(geo.nchunks)) / words < 2.0
     assert e.low_bits != 0  # (Elias-Fano at this density; the bitmap where most pairs change)
 

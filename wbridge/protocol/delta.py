@@ -1,5 +1,5 @@
-"""The on-wire format of a version's delta, and its codec (``wbridge.publish.delta`` scans the
-slots, ``wbridge.pull.delta_reads`` reads and applies).
+"""The on-wire format of a version's delta, and its codec (``wbridge.publish.delta`` encodes each
+version against the last, ``wbridge.pull.delta_reads`` reads and applies).
 
 A delta says, per changed **pair** (4 bytes: two 2-byte words) of a staging slot, where it is and
 how each of its bytes moved against the base version's byte (``new - old`` mod 256). An Adam step
@@ -18,7 +18,7 @@ whose reads start or end on an odd byte applies them too. Coded as:
 - **values**: each byte's difference ``d`` as a 2-bit code ``min(d + 1 mod 256, 3)`` (0: -1,
   1: unchanged, 2: +1, 3: other, its byte in ``raw``); a pair's four codes make one byte ``k``,
   which a per-delta dictionary of the 15 most frequent ``k`` (in the header, from a sample of the
-  pairs) turns into a 4-bit symbol (``sym``); symbol 15 escapes, its ``k`` in ``esc``.
+  changed pairs) turns into a 4-bit symbol (``sym``); symbol 15 escapes, its ``k`` in ``esc``.
 
 Layout of one delta buffer (native byte order, little-endian hosts)::
 
@@ -36,19 +36,24 @@ decodes them alone (``decode``): nothing of other readers' changes. The header s
 ``DELTA_WRITING`` while the buffer is rewritten and ``DELTA_NONE`` where the version has no delta;
 readers read it before and after the streams (a seqlock). Pairs are in the byte order of ``v``'s
 slot (its packing generation's layout); a slot's last pair may be short (padded with bytes that
-never change). Everything here is vectorised numpy: no Python step per pair, and the coding works
-on the changed pairs alone (a few passes over them, each over a compact array), table lookups two
-pairs at a time.
+never change).
+
+The encoder (``encode_slots`` from two slots on the host, ``encode`` from changed pairs found
+elsewhere) runs as compiled loops (``_delta_kernels``, numba, imported on the first encode only):
+one streaming pass over the slots, then passes over the changed pairs alone. The dictionary
+counts the ``k`` of up to 65536 of the changed pairs. The reader (``parse``, ``ranges``,
+``decode``) is vectorised numpy: no Python step per pair, table lookups two pairs at a time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
 PAIR = 4  # bytes per pair
-CHUNK_PAIRS = 8192  # pairs per chunk (32 KiB of slot): >= 2 ** MAX_LOW_BITS
+CHUNK_PAIRS = 8192  # pairs per chunk (32 KiB of slot): >= 2 ** MAX_LOW_BITS, a multiple of 64
 CHUNK_BYTES = PAIR * CHUNK_PAIRS
 MAX_LOW_BITS = 13
 GROUP = 8  # low fields are packed this many at a time (``low_bits`` bytes a group)
@@ -63,17 +68,12 @@ STREAMS = ("high", "low", "sym", "esc", "raw")
 OFFSETS = 11  # header fields 11..15: the byte offset of each stream
 CAPACITY_FRACTION = 2  # a delta buffer's streams hold up to half the slot's bytes
 # A bitmap of positions is taken where it is at most this much larger than the best Elias-Fano:
-# the scan makes it as it goes (a pass over its mask), while Elias-Fano costs a scatter and a
-# packing per changed pair (at 24% of pairs changed, 1.5 ms of a 10 MB slot's 7 ms of encoding),
-# and a bitmap decodes faster. The price, over AdamW steps at lr 1e-5 (``benchmarks/delta.py``,
-# about 10% of elements changed): 1.29 bytes per changed element where 1.0 (size alone) gives
-# 1.16, for encode_gbps 2.0-2.3 against 1.7 (pull_speedup 6.7-7.0 against 5.6, single runs);
-# lr 1e-6 (Elias-Fano at any slack) is not affected.
+# the host scan makes it as it goes (a word per 64 pairs compared), while Elias-Fano costs a pass
+# over the changed pairs (bits set and fields packed one pair at a time), and a bitmap decodes
+# faster. The price, over AdamW steps at lr 1e-5 (``benchmarks/delta.py``, about 10% of elements
+# changed): 1.29 bytes per changed element where 1.0 (size alone) gives 1.16; lr 1e-6 (Elias-Fano
+# at any slack) is not affected.
 BITMAP_SLACK = 1.5
-_NIBBLE_ONES = np.uint64(0x1111111111111111)
-
-
-_SPREAD = np.uint32(0x41041)  # four 2-bit fields at bits 0, 8, 16, 24 -> one byte at bit 18
 SAME = 0x55  # the ``k`` of a pair whose four bytes did not change (never coded)
 _CODE_DIFF = (0xFF, 0, 0x01, 0)  # code -> its byte difference (3: from the raw stream)
 _KDIFF = np.array(  # k -> its four byte differences as a little-endian uint32 (raw bytes 0)
@@ -93,16 +93,12 @@ class Workspace:
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
 
-    def get(self, name: str, n: int, dtype: type | np.dtype, keep: int = 0) -> np.ndarray:
-        """``n`` elements of ``dtype`` under ``name``: the first ``keep`` as the last call left
-        them (an array filled piece by piece), the rest undefined."""
+    def get(self, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
+        """``n`` elements of ``dtype`` under ``name``, undefined."""
         size = n * np.dtype(dtype).itemsize
         a = self._arrays.get(name)
         if a is None or len(a) < size:
-            grown = np.empty(max(4096, size + size // 4), np.uint8)
-            if a is not None and keep:
-                grown[: keep * np.dtype(dtype).itemsize] = a[: keep * np.dtype(dtype).itemsize]
-            a = self._arrays[name] = grown
+            a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
         return a[:size].view(dtype)
 
     def mask(self, name: str, n: int) -> np.ndarray:
@@ -111,17 +107,6 @@ class Workspace:
         m = self.get(name, -(-n // 8) * 8, bool)
         m[n:] = False
         return m
-
-    def full(self, name: str, n: int, value: int, dtype: type | np.dtype) -> np.ndarray:
-        """``n`` elements of ``dtype``, each ``value`` (numpy's minimum of a uint8 array and a
-        scalar runs an order of magnitude slower than of two arrays)."""
-        key = f"_full.{name}"
-        a = self._arrays.get(key)
-        size = n * np.dtype(dtype).itemsize
-        if a is None or len(a) < size:
-            a = self._arrays[key] = np.empty(max(4096, size + size // 4), np.uint8)
-            a.view(dtype)[:] = value
-        return a[:size].view(dtype)
 
     def lookup(self, table: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out[:] = table[index]`` for small unsigned ``index``: numpy's take first converts such
@@ -180,43 +165,6 @@ def geometry(slot_bytes: int) -> Geometry | None:
         return None
     pairs = -(-slot_bytes // PAIR)
     return Geometry(slot_bytes, pairs, -(-pairs // CHUNK_PAIRS), max(4096, slot_bytes // CAPACITY_FRACTION))
-
-
-def _pack_bits(values: np.ndarray, width: int, ws: Workspace | None = None) -> np.ndarray:
-    """``values`` (non-negative int64, each < 2**width, width <= 16) as ``width``-bit fields,
-    little-endian, in whole groups of ``GROUP`` fields (``width`` bytes each, the last padded with
-    zero fields): neighbouring fields merged into one word, then neighbouring words, three times
-    (a few whole-array operations, none per field)."""
-    ws = ws or Workspace()
-    n = len(values)
-    if width == 0 or not n:
-        return np.zeros(0, np.uint8)
-    m = -(-n // GROUP)
-    small = width in (1, 2, 4, 8)  # (a group's fields fit in a byte per field's width: bytes throughout)
-    v = ws.get("pack.v", GROUP * m, np.uint8 if small else np.uint32)
-    np.copyto(v[:n], values, casting="unsafe")
-    v[n:] = 0
-    if small:
-        for level in (1, 2, 4):
-            if level * width >= 8:
-                break
-            merged = np.left_shift(v[1::2], np.uint8(level * width), out=ws.get(f"pack.{level}", len(v) // 2, np.uint8))
-            v = np.bitwise_or(merged, v[0::2], out=merged)
-        return v
-    two = np.left_shift(v[1::2], np.uint32(width), out=ws.get("pack.2", 4 * m, np.uint32))
-    np.bitwise_or(two, v[0::2], out=two)  # 2 fields (<= 32 bits)
-    four = ws.get("pack.4", 2 * m, np.uint64)
-    np.copyto(four, two[1::2])
-    np.left_shift(four, np.uint64(2 * width), out=four)
-    np.bitwise_or(four, two[0::2], out=four)  # 4 fields (<= 64 bits)
-    words = ws.get("pack.w", 2 * m, np.uint64).reshape(m, 2)  # a group's low and high 64 bits
-    np.left_shift(four[1::2], np.uint64(4 * width), out=words[:, 0])  # (bits past 64 fall off)
-    np.bitwise_or(words[:, 0], four[0::2], out=words[:, 0])
-    if width > 8:  # the fields' bits past 64
-        np.right_shift(four[1::2], np.uint64(64 - 4 * width), out=words[:, 1])
-    out = ws.get("pack.out", m * width, np.uint8).reshape(m, width)
-    out[:] = words.view(np.uint8).reshape(m, 16)[:, :width]
-    return out.reshape(-1)
 
 
 def _unpack_bits(data: np.ndarray, skip: int, count: int, width: int) -> np.ndarray:
@@ -282,102 +230,94 @@ class Encoded:
         return sum((len(s) + 7) // 8 * 8 for s in self.streams)
 
 
-def _dictionary(x: np.ndarray) -> np.ndarray:
-    """The 15 most frequent ``k`` of the coded pairs ``x`` (``k`` at bit 18; a sample of a few
-    thousand decides), as the delta's dictionary (uint8[16], the last unused)."""
-    step = max(1, len(x) // 8192)
-    sample = np.right_shift(x[::step], np.uint32(18)) & np.uint32(0xFF)
-    counts = np.bincount(sample, minlength=256)
-    counts[SAME] = -1  # (no changed pair has it)
-    dictionary = np.zeros(16, np.uint8)
-    dictionary[:DICT_SIZE] = np.argsort(-counts, kind="stable")[:DICT_SIZE]
-    return dictionary
+def encode_slots(
+    prev: np.ndarray, cur: np.ndarray, geo: Geometry, most: int, ws: Workspace | None = None
+) -> Encoded | None:
+    """Codes what changed from slot ``prev`` to slot ``cur`` (uint8, ``geo.slot_bytes`` each; a
+    short last pair compared padded with zeros): one compiled pass over the two slots finds the
+    changed pairs (their indices, byte differences and bitmap), then the coding works on those
+    pairs alone (``_delta_kernels``). None where more than ``most`` pairs changed. Its streams may
+    be views of ``ws``: write them (``write``) before ``ws`` is used again."""
+    from . import _delta_kernels as kernels
 
-
-def _positions(pairs_at: np.ndarray, lb: int, pairs: int, bitmap: np.ndarray | None, ws: Workspace) -> tuple:
-    """The ``high`` and ``low`` streams of the changed pairs ``pairs_at`` of a slot of ``pairs``
-    pairs at low width ``lb`` (0: a bitmap, ``bitmap`` where the scan made one)."""
-    n = len(pairs_at)
-    if lb == 0:
-        if bitmap is None:
-            mask = ws.mask("enc.bitmap", pairs)
-            mask[:pairs] = False
-            mask[pairs_at] = True
-            bitmap = np.packbits(mask[:pairs], bitorder="little")
-        return bitmap, np.zeros(0, np.uint8)
-    buckets = -(-pairs // (1 << lb))
-    high_bits = ws.get("enc.high", buckets + n, bool)
-    high_bits.fill(False)
-    q = np.right_shift(pairs_at, lb, out=ws.get("enc.q", n, np.int64))
-    high_bits[np.add(q, ws.arange(n), out=q)] = True
-    high = np.packbits(high_bits, bitorder="little")
-    return high, _pack_bits(np.bitwise_and(pairs_at, (1 << lb) - 1, out=q), lb, ws)
-
-
-def _escapes(sym: np.ndarray, ws: Workspace) -> np.ndarray:
-    """The ranks of the pairs whose symbol is ``ESCAPE`` (few), ascending, from the symbol bytes
-    ``sym`` (two a byte, zero-padded to a multiple of 8): nibbles of all ones found eight bytes
-    at a time, then only the words holding one looked at."""
-    words = sym.view(np.uint64)
-    t = np.right_shift(words, np.uint64(1), out=ws.get("esc.t", len(words), np.uint64))
-    np.bitwise_and(t, words, out=t)
-    u = np.right_shift(t, np.uint64(2), out=ws.get("esc.u", len(words), np.uint64))
-    np.bitwise_and(t, u, out=t)
-    np.bitwise_and(t, _NIBBLE_ONES, out=t)  # bit 4j: nibble j is 15
-    hit = np.flatnonzero(np.not_equal(t, 0, out=ws.get("esc.hit", len(t), bool)))
-    bits = np.flatnonzero(np.unpackbits(np.take(t, hit).view(np.uint8), bitorder="little").view(bool))
-    return np.take(hit, bits >> 6) * 16 + ((bits & 63) >> 2)
-
-
-def encode(
-    pairs_at: np.ndarray,
-    diffs: np.ndarray,
-    geo: Geometry,
-    ws: Workspace | None = None,
-    bitmap: np.ndarray | None = None,
-) -> Encoded:
-    """Codes the changed pairs ``pairs_at`` (ascending pair indices, int64) whose byte differences
-    are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``; ``bitmap``
-    (a bit per pair of the slot, set where it changed, as the scan made it) saves remaking it.
-    Its streams may be views of ``ws``: write them (``write``) before ``ws`` is used again."""
     ws = ws or Workspace()
-    n = len(pairs_at)
-    d = np.ascontiguousarray(diffs).reshape(-1)
-    # each byte's 2-bit code, and each pair's four of them as one byte k (at bit 18 of x)
-    c = np.add(d, np.uint8(1), out=ws.get("enc.c", 4 * n, np.uint8))
-    np.minimum(c, ws.full("three", 4 * n, 3, np.uint8), out=c)
-    half = (n + 1) // 2
-    x = ws.get("enc.x", 2 * half, np.uint32)
-    np.multiply(c.view(np.uint32), _SPREAD, out=x[:n])
-    dictionary = _dictionary(x[:n])
-    lut = np.full(256, ESCAPE, np.uint8)
-    lut[dictionary[:DICT_SIZE]] = np.arange(DICT_SIZE, dtype=np.uint8)
-    if n % 2:
-        x[n] = np.uint32(int(dictionary[0]) << 18)  # (the last half byte: symbol 0)
-    # two pairs' symbols per byte: one lookup of both k (a 64 Ki-entry table) per byte
-    both = (lut[None, :] | (lut[:, None] << np.uint8(4))).reshape(-1)
-    y = x[: 2 * half].view(np.uint64)
-    idx = np.right_shift(y, np.uint64(18), out=ws.get("enc.i", half, np.uint64))
-    np.bitwise_and(idx, np.uint64(0xFF), out=idx)
-    hi = np.right_shift(y, np.uint64(42), out=ws.get("enc.h", half, np.uint64))
-    np.bitwise_and(hi, np.uint64(0xFF00), out=hi)
-    np.bitwise_or(idx, hi, out=idx)
-    padded = ws.get("enc.sym", -(-half // 8) * 8, np.uint8)
-    padded[half:] = 0
-    sym = np.take(both, idx.view(np.int64), out=padded[:half], mode="clip")
-    escaped = _escapes(padded, ws)
-    esc = (np.right_shift(np.take(x, escaped), np.uint32(18)) & np.uint32(0xFF)).astype(np.uint8)
-    # raw bytes: the differences of bytes coded 3, in pair then byte order
-    is_raw = ws.mask("enc.rm", 4 * n)
-    np.equal(c, 3, out=is_raw[: 4 * n])
-    raw_at = nonzero(is_raw, ws, "enc.raw")
-    raw = np.take(d, raw_at)
-    # tables: cumulative counts at chunk starts
-    lb = low_bits_for(n, geo.pairs, BITMAP_SLACK if bitmap is not None else 1.0)
-    starts = np.searchsorted(pairs_at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
-    tables = np.stack([starts, np.searchsorted(escaped, starts), np.searchsorted(raw_at >> 2, starts)])
-    high, low_fields = _positions(pairs_at, lb, geo.pairs, bitmap, ws)
-    return Encoded(lb, dictionary, tables.astype(np.uint32), (high, low_fields, sym, esc, raw))
+    size, pairs = geo.slot_bytes, geo.pairs
+    whole = size // PAIR * PAIR
+    tails = np.zeros((2, PAIR), np.uint8)
+    tails[0, : size - whole], tails[1, : size - whole] = prev[whole:size], cur[whole:size]
+    tail = tails.view(np.uint32)[:, 0].astype(np.uint64)
+    at = ws.get("enc.at", pairs, np.uint32 if pairs <= 1 << 32 else np.int64)
+    diffs = ws.get("enc.diffs", pairs, np.uint32)
+    bitmap = ws.get("enc.bitmap", -(-pairs // 64), np.uint64)
+    tables = np.zeros((3, geo.nchunks + 1), np.uint32)
+    a, b = prev[:whole].view(np.uint32), cur[:whole].view(np.uint32)
+    n = kernels.scan(a, b, tail[0], tail[1], int(whole < size), most, CHUNK_PAIRS // 64, bitmap, at, diffs, tables[0])
+    if n < 0:
+        return None
+    return _code(kernels, at[:n], diffs[:n], tables, geo, ws, bitmap.view(np.uint8)[: -(-pairs // 8)])
+
+
+def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace | None = None) -> Encoded:
+    """Codes the changed pairs ``pairs_at`` (ascending pair indices, int64) whose byte differences
+    are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``: what a
+    scan elsewhere found (on a GPU), coded as ``encode_slots`` codes its own. Its streams may be
+    views of ``ws``: write them (``write``) before ``ws`` is used again."""
+    from . import _delta_kernels as kernels
+
+    ws = ws or Workspace()
+    at = np.ascontiguousarray(pairs_at, dtype=np.int64)
+    values = np.ascontiguousarray(diffs, dtype=np.uint8).reshape(-1).view(np.uint32)
+    tables = np.zeros((3, geo.nchunks + 1), np.uint32)
+    tables[0] = np.searchsorted(at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
+    return _code(kernels, at, values, tables, geo, ws, None)
+
+
+def _code(
+    kernels: ModuleType,
+    at: np.ndarray,
+    diffs: np.ndarray,
+    tables: np.ndarray,
+    geo: Geometry,
+    ws: Workspace,
+    bitmap: np.ndarray | None,
+) -> Encoded:
+    """The changed pairs ``at`` with their byte differences ``diffs`` (uint32) and pair table
+    (``tables[0]``) as one delta: the dictionary (the 15 most frequent ``k`` of up to 65536 of the
+    pairs), the low width, then symbols, escapes, raw bytes, their tables and the positions
+    (``bitmap``: the scan's, where it made one)."""
+    n, pairs = len(at), geo.pairs
+    lb = low_bits_for(n, pairs, BITMAP_SLACK)
+    if lb == 0:
+        high = bitmap if bitmap is not None else ws.get("enc.high", -(-pairs // 8), np.uint8)
+        low = ws.get("enc.low", 0, np.uint8)
+    else:
+        high = ws.get("enc.high", -(-(-(-pairs // (1 << lb)) + n) // 8), np.uint8)
+        low = ws.get("enc.low", -(-n // GROUP) * lb, np.uint8)
+    dictionary = np.zeros(16, np.uint8)
+    ks, sym, esc = (
+        ws.get("enc.k", n, np.uint8),
+        ws.get("enc.sym", (n + 1) // 2, np.uint8),
+        ws.get("enc.esc", n, np.uint8),
+    )
+    raw = ws.get("enc.raw", PAIR * n + PAIR, np.uint8)
+    ne, nraw = kernels.code(
+        at,
+        diffs,
+        lb,
+        max(1, n // 65536),
+        SAME,
+        ESCAPE,
+        ks,
+        dictionary,
+        tables,
+        sym,
+        esc,
+        raw,
+        high,
+        low,
+        bitmap is None,
+    )
+    return Encoded(lb, dictionary, tables, (high, low, sym, esc[:ne], raw[:nraw]))
 
 
 def write(buf: np.ndarray, e: Encoded) -> None:
@@ -576,6 +516,7 @@ __all__ = [
     "Workspace",
     "decode",
     "encode",
+    "encode_slots",
     "geometry",
     "nonzero",
     "parse",

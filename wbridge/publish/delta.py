@@ -11,13 +11,13 @@ holds them (``remap``): a new reader layout, a repack, a late joiner or a rejoin
 subscriber its base. The chunk checksums of every staged slot are cut at its cells
 (``wbridge.protocol.checksum.slot_sums``), so a reader packed for verifies whole chunks only.
 
-The scan is one pass over the two slots as 4-byte pairs, block by block on the host: their
-byte-wise difference, a mask of the changed pairs (packed into the positions bitmap as it goes),
-its set indices, and a gather of just those pairs' differences (``scan``; on a GPU the same in
-torch, only the changed pairs come to the host); the coding then works on the changed pairs alone
-(``protocol.delta.encode``). The header
-says ``WRITING`` while the buffer is rewritten and ``NONE`` where the version has no delta (no base,
-or more changes than the buffer holds: readers then pull in full).
+On the host the scan and the coding are one compiled pass over the two slots as 4-byte pairs
+(64 pairs compared into a word of the positions bitmap, then only its changed pairs visited),
+then passes over the changed pairs alone (``protocol.delta.encode_slots``); on a GPU the scan is
+torch (``scan``: only the changed pairs come to the host) and the coding the same passes
+(``protocol.delta.encode``). The header says ``WRITING`` while the buffer is rewritten and
+``NONE`` where the version has no delta (no base, or more changes than the buffer holds: readers
+then pull in full).
 """
 
 from __future__ import annotations
@@ -140,11 +140,15 @@ class DeltaRing:
             if prev is None:
                 head[3] = DELTA_NONE
                 return none
-        found = scan(prev, cur, self.geo.capacity * 2, self.work)
-        if found is None:  # more changed pairs than 4 bits each fit
+        most = self.geo.capacity * 2  # (more changed pairs than 4 bits each fit: no delta)
+        if cur.device.type == "cpu":
+            coded = _format.encode_slots(prev.numpy(), cur.numpy(), self.geo, most, self.work)
+        else:
+            found = scan(prev, cur, most)
+            coded = None if found is None else _format.encode(found.at, found.diffs, self.geo, self.work)
+        if coded is None:
             head[3] = DELTA_NONE
             return none
-        coded = _format.encode(found.at, found.diffs, self.geo, self.work, found.bitmap)
         if coded.nbytes > self.geo.capacity:
             head[3] = DELTA_NONE
             return none
@@ -153,83 +157,41 @@ class DeltaRing:
         return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
 
 
-SCAN_BLOCK = 1 << 20  # pairs compared at a time (4 MiB of each slot): temporaries stay small
-
-
 @dataclass(frozen=True)
 class Changes:
-    """What ``scan`` found: the changed pairs' indices (ascending, int64), their byte differences
-    ``cur - prev`` (uint8 ``[n, 4]``), and, from a host scan, the bitmap of the changed pairs
-    (uint8, a bit per pair of the slot, little-endian): views of the workspace."""
+    """What ``scan`` found: the changed pairs' indices (ascending, int64) and their byte
+    differences ``cur - prev`` (uint8 ``[n, 4]``)."""
 
     at: np.ndarray
     diffs: np.ndarray
-    bitmap: np.ndarray | None
 
 
-def scan(prev: Any, cur: Any, most: int, ws: _format.Workspace | None = None) -> Changes | None:
-    """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size); None
-    where more than ``most`` changed. A short last pair is compared padded with zeros. On the host,
-    block by block (``SCAN_BLOCK`` pairs): the byte-wise difference of the two slots, a mask of
-    its non-zero 32-bit words (packed into the bitmap as well), the mask's set indices (8-pair
-    groups first where few are set: ``protocol.delta.nonzero``), then a gather of just those
-    pairs' differences (torch's gather: twice numpy's take here). One difference and one gather
-    cost less than a compare and a gather from each slot."""
+def scan(prev: Any, cur: Any, most: int) -> Changes | None:
+    """The pairs (4 bytes) where ``cur`` differs from ``prev`` (uint8 tensors of one size, on any
+    device), in torch: only the changed pairs come to the host. None where more than ``most``
+    changed. A short last pair is compared padded with zeros. (A host ring codes its slots in one
+    compiled pass instead: ``protocol.delta.encode_slots``.)"""
     import torch
 
-    ws = ws or _format.Workspace()
     size = int(cur.numel())
     whole = size // PAIR * PAIR
-    full, pairs = whole // PAIR, -(-size // PAIR)
+    full = whole // PAIR
     short = whole < size and bool(torch.any(prev[whole:] != cur[whole:]))
-    if cur.device.type == "cpu":
-        a, b = prev.numpy(), cur.numpy()
-        bitmap = ws.get("scan.bitmap", -(-pairs // 8), np.uint8)
-        n = 0
-        for s in range(0, full, SCAN_BLOCK):
-            e = min(s + SCAN_BLOCK, full)
-            d = ws.get("scan.d", PAIR * (e - s), np.uint8)
-            np.subtract(b[PAIR * s : PAIR * e], a[PAIR * s : PAIR * e], out=d)
-            mask = ws.mask("scan.mask", e - s)
-            np.not_equal(d.view(np.uint32), 0, out=mask[: e - s])
-            bitmap[s // 8 : -(-e // 8)] = np.packbits(mask[: e - s], bitorder="little")
-            got = _format.nonzero(mask, ws, "scan")
-            k = len(got)
-            if n + k + short > most:
-                return None
-            # (straight into the arrays the coding reads: no list of pieces to concatenate)
-            at = ws.get("scan.found", n + k + 1, np.int64, keep=n)
-            diffs = ws.get("scan.values", n + k + 1, np.uint32, keep=n)
-            np.add(got, s, out=at[n : n + k])
-            out = torch.from_numpy(diffs[n : n + k].view(np.int32))
-            torch.index_select(torch.from_numpy(d.view(np.int32)), 0, torch.from_numpy(got), out=out)
-            n += k
-        if pairs > full and full % 8 == 0:
-            bitmap[full // 8] = 0  # (the short last pair's byte: no block packed it)
-        if short:
-            bitmap[full // 8] |= np.uint8(1 << (full % 8))
-        at = ws.get("scan.found", n + 1, np.int64, keep=n)
-        diffs = ws.get("scan.values", n + 1, np.uint32, keep=n).view(np.uint8)
-        at[n] = full
-        n += short
-        at, diffs = at[:n], diffs[: PAIR * n]
-    else:  # on the GPU: the same ops in torch, only the changed pairs come to the host
-        a4, b4 = prev[:whole].view(torch.int32), cur[:whole].view(torch.int32)
-        found = torch.nonzero(a4 != b4).squeeze(1)
-        n = int(found.numel()) + short
-        if n > most:
-            return None
-        rows_a, rows_b = prev[:whole].view(-1, PAIR), cur[:whole].view(-1, PAIR)
-        at = np.append(found.cpu().numpy(), [full] * short).astype(np.int64)
-        diffs = np.zeros(4 * n, np.uint8)
-        diffs[: 4 * (n - short)] = (rows_b[found] - rows_a[found]).cpu().numpy().reshape(-1)
-        bitmap = None
+    a4, b4 = prev[:whole].view(torch.int32), cur[:whole].view(torch.int32)
+    found = torch.nonzero(a4 != b4).squeeze(1)
+    n = int(found.numel()) + short
+    if n > most:
+        return None
+    rows_a, rows_b = prev[:whole].view(-1, PAIR), cur[:whole].view(-1, PAIR)
+    at = np.append(found.cpu().numpy(), [full] * short).astype(np.int64)
+    diffs = np.zeros(4 * n, np.uint8)
+    diffs[: 4 * (n - short)] = (rows_b[found] - rows_a[found]).cpu().numpy().reshape(-1)
     if short:  # the slot's short last pair
         ta, tb = np.zeros(PAIR, np.uint8), np.zeros(PAIR, np.uint8)
         ta[: size - whole] = prev[whole:].cpu().numpy()
         tb[: size - whole] = cur[whole:].cpu().numpy()
         diffs[4 * (n - 1) :] = tb - ta
-    return Changes(at, diffs.reshape(n, PAIR), bitmap)
+    return Changes(at, diffs.reshape(n, PAIR))
 
 
 def build_ring(

@@ -47,7 +47,8 @@ test_gpu_check.py``), so the references cannot rot. What only a GPU run exercise
 1. the snapshot copy on the publisher's own CUDA stream after the caller's event
    (``publish.staging.snapshot``, ``publish.staging.writes_end``), and the cast and FP8 kernels on the device;
 2. the packed copy as torch strided views (``publish.packing.copy_torch``);
-3. the delta encode in torch (``publish.delta.DeltaRing.encode``'s GPU branch), its checksums through a
+3. the delta scan in torch (``publish.delta.DeltaRing.encode``'s GPU branch: ``publish.delta.scan``,
+   its changed pairs then coded on the host by ``protocol.delta.encode``), its checksums through a
    host copy (``protocol.checksum.host_array``), and the delta scatter into CUDA memory
    (``pull.delta_reads.apply``);
 4. nixl's VRAM registrations and NCCL process groups on CUDA memory (``transports._nccl_group``),
