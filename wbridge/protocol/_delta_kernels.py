@@ -3,8 +3,9 @@ imports this module only where it encodes: a process that never encodes a delta 
 numba).
 
 - ``scan``: one streaming pass over two slots (as 32-bit pairs): 64 pairs compared into a mask
-  word (the positions bitmap's word), then only its set bits walked, each changed pair's index
-  and byte differences appended; the pair table noted at each chunk start.
+  word (the positions bitmap's word) and their differences computed, then only its set bits
+  walked, each changed pair's index and byte differences appended; the pair table noted at each
+  chunk start.
 - ``code``: passes over the changed pairs alone (the scan's, or what a GPU scan found): ``codes``
   (each pair's ``k``), ``count`` (a sample's ``k``, for the dictionary), ``symbols`` (4-bit
   symbols, escapes, the escape table), ``raws`` (the raw stream and table: only the pairs with a
@@ -84,13 +85,14 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
     (``bitmap``, uint64 words, zero past the last pair), each changed pair's index (``at``) and
     byte differences (``diffs``, uint32), and at each chunk start (every ``chunk_words`` words)
     the changed pairs before it (``ptab``: one entry per chunk, then the total). 64 pairs are
-    compared into a mask word, then only its set bits are walked. Returns the changed pairs, or
-    -1 as soon as a chunk start finds more than ``most``. ``at`` and ``diffs`` hold room for
-    every pair."""
+    compared into a mask word (their differences computed alongside, without a branch), then only
+    its set bits are walked. Returns the changed pairs, or -1 as soon as a chunk start finds more
+    than ``most``. ``at`` and ``diffs`` hold room for every pair."""
     full = a.shape[0]
     pairs = full + has_tail
     n = 0
     whole = full // 64
+    word = np.empty(64, np.uint32)  # a word's pairs' byte differences
     for w in range(whole):
         base = w * 64
         if w % chunk_words == 0:
@@ -98,14 +100,16 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
                 return -1
             ptab[w // chunk_words] = n
         m = _U0
-        for j in range(64):
-            m |= np.uint64(a[base + j] != b[base + j]) << np.uint64(j)
+        for j in range(64):  # (no branch: vectorised)
+            x, y = np.uint64(a[base + j]), np.uint64(b[base + j])
+            word[j] = _diff(x, y)
+            m |= np.uint64(x != y) << np.uint64(j)
         bitmap[w] = m
         while m:
-            p = base + np.int64(trailing_zeros(m))
+            j = np.int64(trailing_zeros(m))
             m &= m - _U1
-            at[n] = p
-            diffs[n] = _diff(np.uint64(a[p]), np.uint64(b[p]))
+            at[n] = base + j
+            diffs[n] = word[j]
             n += 1
     if pairs > whole * 64:  # the last, partial word (and the short last pair)
         base = whole * 64
