@@ -169,7 +169,7 @@ def geometry(slot_bytes: int) -> Geometry | None:
 
 def _unpack_bits(data: np.ndarray, skip: int, count: int, width: int) -> np.ndarray:
     """``count`` fields of ``width`` bits after the first ``skip`` of ``data`` (whole groups of
-    ``GROUP`` fields, as ``_pack_bits`` wrote them), int64; ValueError where ``data`` is short."""
+    ``GROUP`` fields, as the encoder packs them), int64; ValueError where ``data`` is short."""
     if width == 0 or count == 0:
         return np.zeros(count, np.int64)
     m = -(-(skip + count) // GROUP)
