@@ -230,6 +230,11 @@ class Encoded:
         return sum((len(s) + 7) // 8 * 8 for s in self.streams)
 
 
+def _index_dtype(pairs: int) -> type:
+    """The dtype the encoder holds pair indices in: 4 bytes each where they fit."""
+    return np.uint32 if pairs <= 1 << 32 else np.int64
+
+
 def encode_slots(
     prev: np.ndarray, cur: np.ndarray, geo: Geometry, most: int, ws: Workspace | None = None
 ) -> Encoded | None:
@@ -246,7 +251,7 @@ def encode_slots(
     tails = np.zeros((2, PAIR), np.uint8)
     tails[0, : size - whole], tails[1, : size - whole] = prev[whole:size], cur[whole:size]
     tail = tails.view(np.uint32)[:, 0].astype(np.uint64)
-    at = ws.get("enc.at", pairs, np.uint32 if pairs <= 1 << 32 else np.int64)
+    at = ws.get("enc.at", pairs, _index_dtype(pairs))
     diffs = ws.get("enc.diffs", pairs, np.uint32)
     bitmap = ws.get("enc.bitmap", -(-pairs // 64), np.uint64)
     tables = np.zeros((3, geo.nchunks + 1), np.uint32)
@@ -265,10 +270,10 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace
     from . import _delta_kernels as kernels
 
     ws = ws or Workspace()
-    at = np.ascontiguousarray(pairs_at, dtype=np.int64)
-    values = np.ascontiguousarray(diffs, dtype=np.uint8).reshape(-1).view(np.uint32)
     tables = np.zeros((3, geo.nchunks + 1), np.uint32)
-    tables[0] = np.searchsorted(at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
+    tables[0] = np.searchsorted(pairs_at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
+    at = np.ascontiguousarray(pairs_at, dtype=_index_dtype(geo.pairs))  # (as encode_slots': one compiled code)
+    values = np.ascontiguousarray(diffs, dtype=np.uint8).reshape(-1).view(np.uint32)
     return _code(kernels, at, values, tables, geo, ws, None)
 
 
