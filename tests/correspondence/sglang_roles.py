@@ -24,6 +24,7 @@ CHANNEL = "policy"
 TOKEN = "sglang-test-token"
 PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
 LONG = [[3 + i, 17, 29, 5 + i] for i in range(4)]
+LONG_TOKENS = 160  # each long request's (about 0.4 s a batch here)
 
 
 def trainer(ckpt: str, out: str, port: int, delta: bool = False) -> None:
@@ -93,11 +94,12 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
     """Long requests decode while the trainer is asked for version ``want``; returns, once the
     engine holds ``want``, the stats and every batch of requests started meanwhile.
 
-    Batches start staggered (a new one whenever fewer than two decode) so that one is decoding
-    all through the pull however fast a batch runs on this machine (``_during`` picks it)."""
+    Batches start staggered (a new one whenever fewer than two decode) so that some are decoding
+    when the pull starts and when it commits, however long either takes on this machine
+    (``_around`` picks them)."""
     import asyncio
 
-    sp = {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}  # all run to the end
+    sp = {"max_new_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}  # all run to the end
 
     async def batch() -> dict:
         t0 = time.time()
@@ -121,14 +123,14 @@ async def _update_under_load(eng, out: str, want: int) -> dict:
     return {"batches": await asyncio.gather(*tasks), "stats": stats}
 
 
-def _during(batches: list[dict], pull: dict) -> dict:
-    """The batch that ran furthest on both sides of the pull: from before it started until after
-    it committed (if none did, the test reports the one that came closest).
+def _around(batches: list[dict], t: float) -> dict:
+    """The batch that ran furthest on both sides of the moment ``t`` (if none spans it, the test
+    reports the one that came closest).
 
-    The widest margin, not the first batch that spans the pull: a batch's end is when its outputs
+    The widest margin, not the first batch that spans ``t``: a batch's end is when its outputs
     reached this loop, some ms after its last token, so one that ended a few ms after the commit
     may have decoded every token before it."""
-    return max(batches, key=lambda b: min(pull["pull_start"] - b["t0"], b["t1"] - pull["committed_at"]))
+    return max(batches, key=lambda b: min(t - b["t0"], b["t1"] - t))
 
 
 def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
@@ -150,14 +152,18 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
         run = eng.loop.run_until_complete(_update_under_load(eng, out, want))
         stats = run["stats"]
         rec = next(h for h in stats[0]["history"] if h["version"] == want)
-        box = _during(run["batches"], rec)
+        box = _around(run["batches"], rec["committed_at"])
+        start = _around(run["batches"], rec["pull_start"])
         spans = [o["meta_info"].get("weight_versions") for o in box["outs"]]
         res["steps"].append(
             {
                 "version": want,
                 "req_t0": box["t0"],
                 "req_t1": box["t1"],
+                "start_t0": start["t0"],
+                "start_t1": start["t1"],
                 "spans": spans,
+                "long_tokens": LONG_TOKENS,
                 "finish": [o["meta_info"]["finish_reason"]["type"] for o in box["outs"]],
                 "pull": rec,
                 "tokens": _greedy(eng),
@@ -198,16 +204,25 @@ def rejoin(ckpt: str, out: str, port: int, name: str) -> None:
 
 
 def reference(out: str, *versions: str) -> None:
-    """Fresh engines (one after the other) loaded from the trainer's bf16 checkpoints."""
+    """One fresh engine loaded from the trainer's bf16 checkpoint of the first version, then
+    SGLang's own loader (``update_weights_from_disk``, which flushes the cache) for each later
+    one: the tokens and checksums of each checkpoint as SGLang loads it, with one engine start."""
     import sglang as sgl
     import torch
 
     from wbridge.testing.sglang import CPU_ENGINE_ARGS
 
     res = {}
-    for v in versions:
-        eng = sgl.Engine(model_path=os.path.join(out, f"v{v}"), dtype="bfloat16", **CPU_ENGINE_ARGS)
-        res[int(v)] = {"tokens": _greedy(eng), "checksums": checksums(eng)}
+    first, *later = versions
+    eng = sgl.Engine(model_path=os.path.join(out, f"v{first}"), dtype="bfloat16", **CPU_ENGINE_ARGS)
+    try:
+        res[int(first)] = {"tokens": _greedy(eng), "checksums": checksums(eng)}
+        for v in later:
+            ok, msg, *_ = eng.update_weights_from_disk(os.path.join(out, f"v{v}"))
+            if not ok:
+                raise RuntimeError(f"update_weights_from_disk(v{v}): {msg}")
+            res[int(v)] = {"tokens": _greedy(eng), "checksums": checksums(eng)}
+    finally:
         eng.shutdown()
     torch.save(res, os.path.join(out, "reference.pt"))
 
