@@ -19,12 +19,13 @@ from collections.abc import Callable
 def command_line(
     doc: str, *, steps: int, interval: float, lr: float, lr_help: str, check_help: str
 ) -> argparse.Namespace:
-    """The options every example takes (``--steps``, ``--interval``, ``--lr``, ``--check``,
-    ``--out``), with an example's defaults and words, parsed; ``doc``: its docstring."""
+    """The options every example takes (``--steps``, ``--interval``, ``--lr``, ``--pause``,
+    ``--check``, ``--out``), with an example's defaults and words, parsed; ``doc``: its docstring."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--interval", type=float, default=interval, help="seconds per trainer step (at least)")
     ap.add_argument("--lr", type=float, default=lr, help=lr_help)
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds a rollout rests between batches (0: none)")
     ap.add_argument("--check", action="store_true", help=check_help)
     ap.add_argument("--out", default=None, help="write result.json here")
     return ap.parse_args()

@@ -124,6 +124,7 @@ async def serve(i: int, args: argparse.Namespace, store_port: int, token: str, s
                 if out.finished:
                     completions.append((v, len(out.outputs[0].token_ids)))
             n += 1
+            await asyncio.sleep(args.pause)
 
     await asyncio.gather(stream(0), stream(1))
     await lora.update(min_version=last.value)  # wbridge: the last version installed

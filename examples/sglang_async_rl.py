@@ -98,7 +98,7 @@ def greedy(eng) -> list[int]:
     return eng.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 12, "temperature": 0})["output_ids"]
 
 
-def rollout(i: int, ckpt: str, store: str, up, stop, final_version, results) -> None:
+def rollout(i: int, ckpt: str, store: str, pause: float, up, stop, final_version, results) -> None:
     from wbridge.integrations.sglang import server_stats, wait_version  # wbridge
 
     eng = engine(ckpt, True, store)
@@ -110,6 +110,7 @@ def rollout(i: int, ckpt: str, store: str, up, stop, final_version, results) -> 
         for out in eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 24, "temperature": 1.0}):
             seen.append((out["meta_info"]["weight_version"], time.time()))  # the version that produced it
         gen += 1
+        stop.wait(pause)
     stats = wait_version(eng, final_version.value, timeout=120.0)  # wbridge
     results.put(("rollout", i, {"seen": seen, "tokens": greedy(eng), "stats": stats or server_stats(eng)}))
     eng.shutdown()
@@ -128,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps (each one version)")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds per training step")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds a rollout rests between batches (0: none)")
     ap.add_argument("--check", action="store_true", help="compare with a fresh engine on the final weights")
     ap.add_argument("--out", help="write result.json here")
     args = ap.parse_args()
@@ -158,7 +160,8 @@ def run(args: argparse.Namespace, work: str) -> dict:
     procs = [
         ctx.Process(target=trainer, args=(r, 2, ckpt, store, dist_port, targs, go, done, results)) for r in range(2)
     ]
-    procs += [ctx.Process(target=rollout, args=(i, ckpt, store, up, stop, final_version, results)) for i in range(2)]
+    rargs = (ckpt, store, args.pause, up, stop, final_version, results)
+    procs += [ctx.Process(target=rollout, args=(i, *rargs)) for i in range(2)]
     for p in procs:
         p.start()
     try:

@@ -105,6 +105,7 @@ def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, start
     while not stop.is_set():
         for v, out in updater.generate(prompts, sp):  # wbridge: each completion with its version
             completions.append((v, len(out.outputs[0].token_ids)))
+        stop.wait(args.pause)
     updater.update(min_version=last.value)  # wbridge: waits until the kernels hold the last version
     stats = updater.stats()  # wbridge: per update: version, bytes, delta and why, pull/commit/pause seconds
     result = {"completions": completions, "version": updater.version, "greedy": greedy(llm), "stats": stats}

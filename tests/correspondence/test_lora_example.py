@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from .venvs import NO_VLLM, VLLM_PY, run_example
+from .venvs import NO_VLLM, PAUSE, VLLM_PY, run_example
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ from .venvs import NO_VLLM, VLLM_PY, run_example
 @pytest.mark.skipif(not os.path.exists(VLLM_PY), reason=NO_VLLM)
 @pytest.mark.timeout(600)
 def test_lora_async_rl_example(tmp_path):
-    run_example(VLLM_PY, "lora_async_rl.py", ["--steps", 4, "--interval", 1.0], tmp_path, timeout=560)
+    run_example(VLLM_PY, "lora_async_rl.py", ["--steps", 4, "--interval", 1.0, *PAUSE], tmp_path, timeout=560)
     res = json.load(open(tmp_path / "result.json"))
     published, last = res["published"], res["published"][-1]
     print(f"\npublished {published}; adapter {res['adapter_bytes']} bytes; exact {res['exact']}")

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from .venvs import NO_SGLANG, SGLANG_PY, run_example, sglang_env
+from .venvs import NO_SGLANG, PAUSE, SGLANG_PY, run_example, sglang_env
 
 pytestmark = [
     pytest.mark.slow,
@@ -19,7 +19,7 @@ pytestmark = [
 
 @pytest.mark.timeout(900)
 def test_sglang_async_rl_example(tmp_path):
-    run_example(SGLANG_PY, "sglang_async_rl.py", ["--steps", 3, "--interval", 2], tmp_path, 840, sglang_env())
+    run_example(SGLANG_PY, "sglang_async_rl.py", ["--steps", 3, "--interval", 2, *PAUSE], tmp_path, 840, sglang_env())
     r = json.loads((tmp_path / "result.json").read_text())
     print(json.dumps(r, indent=1))
     assert r["published"] == [1, 2, 3, 4]

@@ -14,7 +14,7 @@ import pytest
 
 from tests.logs import noise
 
-from .venvs import NO_VLLM, VLLM_PY, run_example
+from .venvs import NO_VLLM, PAUSE, VLLM_PY, run_example
 
 
 @pytest.mark.slow
@@ -23,7 +23,8 @@ from .venvs import NO_VLLM, VLLM_PY, run_example
 @pytest.mark.timeout(600)
 def test_vllm_async_rl_example(tmp_path):
     # 7 s steps: above the watcher's 5 s wait slice (wbridge.integrations.follow), so idle waits time out
-    log = run_example(VLLM_PY, "vllm_async_rl.py", ["--steps", 3, "--interval", 7], tmp_path, timeout=560)
+    args = ["--steps", 2, "--interval", 7, *PAUSE]
+    log = run_example(VLLM_PY, "vllm_async_rl.py", args, tmp_path, timeout=560)
     assert not noise(log), "\n".join(noise(log)[:10])
     res = json.load(open(tmp_path / "result.json"))
     last, published = res["last"], res["published"]

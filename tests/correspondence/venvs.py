@@ -60,6 +60,12 @@ def kill_group(p: subprocess.Popen) -> None:
     p.wait(timeout=30)
 
 
+#: The examples' ``--pause`` under test: each rollout rests this long between its batches. Back to
+#: back, two engines generating kept both cores busy for an example's whole run, and the suite
+#: beside it waited for CPU; a rollout still generates many batches per version.
+PAUSE = ("--pause", 0.2)  # (not the Ray example: its driver watches for an update in flight)
+
+
 def run_example(
     python: str, script: str, args: Sequence, out, timeout: float, env: Mapping[str, str] | None = None
 ) -> str:
