@@ -13,7 +13,9 @@ from wbridge.testing.workers import WorkerError, call_all  # noqa: F401 (re-expo
 # forkserver: one process imports torch and wbridge once, every worker is a cheap fork of it
 # (spawn re-imports torch in every worker: seconds each on a loaded 2-core machine).
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "numpy", "wbridge", "wbridge.testing.synthetic", "tests.runtime.actors"])
+CTX.set_forkserver_preload(
+    ["torch", "numpy", "wbridge", "wbridge.testing.synthetic", "tests.runtime.actors", "tests.runtime.warm"]
+)
 
 
 class Worker(_Worker):

@@ -262,6 +262,17 @@ def encode_slots(
     return _code(kernels, at[:n], diffs[:n], tables, geo, ws, bitmap.view(np.uint8)[: -(-pairs // 8)])
 
 
+def load_encoder() -> None:
+    """Loads the compiled encoder now (numba's start-up and the kernels' machine code, from its cache
+    or compiled): about 0.3 s of CPU once per process, else paid by its first delta. A process that
+    forks publishers (a forkserver) calls it once, and every fork starts with the encoder loaded."""
+    prev = np.zeros(PAIR * 256, np.uint8)
+    cur = prev.copy()
+    cur[::7] = 1
+    geo = geometry(len(cur))
+    encode_slots(prev, cur, geo, geo.pairs)
+
+
 def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace | None = None) -> Encoded:
     """Codes the changed pairs ``pairs_at`` (ascending pair indices, int64) whose byte differences
     are the rows of ``diffs`` (uint8 ``[n, 4]``, no row all zero), for a slot of ``geo``: what a
@@ -523,6 +534,7 @@ __all__ = [
     "encode",
     "encode_slots",
     "geometry",
+    "load_encoder",
     "nonzero",
     "parse",
     "parse_buffer",
