@@ -4,7 +4,8 @@ figures. Under 5 minutes on one CUDA GPU; needs nothing beyond ``scripts/setup.s
 
 Parts (each prints one line ``gpu_check: ok|FAIL|SKIP <part>: <detail>``; each runs its publisher in
 a process of its own and the subscriber in this one, every call bounded by a timeout). A part whose
-package is missing here (nixl-cu12, vLLM's CUDA build) is a SKIP that says so; the others run:
+package is missing here (nixl-cu12, vLLM's CUDA build; numba for ``delta`` and ``figures``) is a SKIP
+that says so; the others run:
 
 - ``nixl``, ``nccl``, ``tcp``, ``local``: two versions of a tiny Llama (trainer layout: one rank,
   separate q/k/v) pulled into a fused TP-rank layout through that transport. nccl needs a second
@@ -297,6 +298,16 @@ class Skip(Exception):
 
 
 NIXL_MISSING = "nixl-cu12 is not installed (pip install 'wbridge[nixl]')"
+NUMBA_MISSING = "numba is not installed (pip install numba): the publisher's delta encoder needs it"
+
+
+def need_numba() -> None:
+    """A Skip where numba, which a publisher with deltas encodes with, is not installed (a bare GPU
+    machine's ``python3``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None:
+        raise Skip(NUMBA_MISSING)
 
 
 @dataclass(frozen=True)
@@ -449,6 +460,7 @@ def part_fp8_block128(device: str) -> str:
 
 
 def part_delta(device: str) -> str:
+    need_numba()
     r = feature_route(device)
     s = Session(
         r.transport,
@@ -551,6 +563,7 @@ def measure_figures(device: str) -> tuple[Figures, str]:
     """The device figures, from a large tensor published with deltas in ``Async`` mode
     (publishes need not wait for pulls): versions 1, 3 and 5 are pulled in full (``delta_history=1``,
     two versions apart), 2 to 5 each encode a delta; every pulled byte is checked."""
+    need_numba()
     nbytes = FIGURE_BYTES["cpu" if device == "cpu" else "cuda"]
     options = {"staging": Staging(delta=Delta(history=1)), "mode": Async(max_staleness=2)}
     r = device_route(device, "the VRAM read figure")
