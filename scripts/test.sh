@@ -5,10 +5,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # --fast: the inner-loop tier (under 2 minutes here): every module, without the tests marked slow
 # (real vLLM engines, Mooncake's open/close cycles, multi-process model training, benchmark runs).
-# Tests run on 4 pytest-xdist workers: most slow tests wait (leases, timeouts, restarts), so 4
-# overlap well even on 2 cores; the CPU-bound ones (marked heavy) run one at a time (tests/conftest.py).
+# Tests run on 6 pytest-xdist workers: most slow tests wait (leases, timeouts, restarts), so 6
+# overlap well even on 2 cores; the CPU-bound ones (marked heavy) run two at a time (tests/conftest.py).
 # Later arguments win: `scripts/test.sh -n 0` runs everything in one process, for debugging.
-args=(-n 4)
+args=(-n 6)
 for a in "$@"; do
   if [ "$a" = "--fast" ]; then args+=(-m "not slow"); else args+=("$a"); fi
 done

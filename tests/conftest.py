@@ -2,10 +2,12 @@
 
 ``heavy`` tests (real vLLM/SGLang engines, Ray, multi-process training) run ``HEAVY_AT_ONCE`` at a
 time under ``pytest -n N`` (``scripts/test.sh``). Most of their processes run one thread
-(``OMP_NUM_THREADS=1``), so one heavy test keeps about one core busy; on these 2 cores two at once
-left the other workers' tests too little CPU (a clean-clone run took 881 s instead of about 1000,
-but four timing-bound tests failed at load 14), so it is one. Their modules are split into that
-many lanes of about equal length (``HEAVY_SECONDS``); each lane
+(``OMP_NUM_THREADS=1``), so one heavy test keeps about one core busy. On these 2 cores, two at once
+once left the other workers' tests too little CPU (timing-bound tests failed at load 14); since the
+examples' rollouts rest between batches and SGLang's idle schedulers sleep instead of spinning a
+core each, two lanes fit (a run: the lanes ended at 698 and 722 s, the other workers at
+517-571 s: 746 s in all). Their modules are split into that many lanes
+of about equal length (``HEAVY_SECONDS``); each lane
 heads one worker's share of the collection (work-stealing scheduling hands each worker a contiguous
 share and moves tests from the end of a long queue to an idle worker; ours never moves a heavy
 test), so each lane runs on one worker, its module fixtures once (a module engine started once); a
@@ -34,23 +36,23 @@ def _has_cuda() -> bool:
         return False
 
 
-HEAVY_AT_ONCE = 1  # 2 on a machine with cores to spare
+HEAVY_AT_ONCE = 2
 # About how long each heavy module takes alone on a quiet machine (s): balances the lanes.
 # A module not listed counts HEAVY_DEFAULT_SECONDS.
 HEAVY_SECONDS = {
-    "tests/correspondence/test_sglang_engine.py": 140,
+    "tests/correspondence/test_sglang_engine.py": 116,
     "tests/correspondence/test_vllm_engine.py": 110,
-    "tests/correspondence/test_lora_example.py": 76,
-    "tests/correspondence/test_vllm_async_rl.py": 72,
-    "tests/correspondence/test_sglang_example.py": 67,
-    "tests/correspondence/test_ray.py": 60,
+    "tests/correspondence/test_sglang_example.py": 69,
+    "tests/correspondence/test_lora_example.py": 63,
     "tests/correspondence/test_vllm_faults.py": 60,
+    "tests/correspondence/test_ray.py": 55,
+    "tests/correspondence/test_vllm_async_rl.py": 49,
+    "tests/correspondence/test_vllm_lora.py": 40,
+    "tests/benchmarks/test_delta_smoke.py": 40,
     "tests/correspondence/test_vllm_updater.py": 35,
-    "tests/correspondence/test_vllm_lora.py": 50,
-    "tests/correspondence/test_sglang_lora.py": 35,
-    "tests/correspondence/test_vllm_trainer_driven.py": 31,
+    "tests/correspondence/test_sglang_lora.py": 30,
+    "tests/correspondence/test_vllm_trainer_driven.py": 28,
     "tests/correspondence/test_dtensor.py": 27,
-    "tests/benchmarks/test_delta_smoke.py": 50,
 }
 HEAVY_DEFAULT_SECONDS = 30
 
