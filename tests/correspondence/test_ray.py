@@ -4,7 +4,7 @@ Two FSDP2 trainer actors (tiny Qwen2, fp32 masters, AdamW on random tokens) publ
 ``async`` mode (``max_staleness=1``) through ``wbridge.integrations.ray``; two vLLM CPU rollout
 actors generate continuously and tag each completion with its weight version. The driver kills
 rollout 1 (``ray.kill``, restartable) while an update is in flight and evicts it from the channel
-(``ch.evict``): the trainers, which would otherwise wait for the dead rollout until its 30 s lease
+(``ch.evict``): the trainers, which would otherwise wait for the dead rollout until its 60 s lease
 lapsed, go on publishing without waiting; Ray restarts it and it rejoins on the newest version. At
 the end each rollout's greedy tokens equal a fresh engine's loaded from a checkpoint of the
 trainers' final weights.
@@ -22,7 +22,7 @@ import pytest
 
 from .venvs import NO_VLLM, VLLM_PY, run_example
 
-LEASE_TTL = 30.0  # the rollouts' subscriber lease: a publish that waited it out would be unmistakable
+LEASE_TTL = 60.0  # the rollouts' subscriber lease: a publish that waited it out would be unmistakable
 
 
 def _why_not() -> str | None:
@@ -90,9 +90,10 @@ def test_ray_async_rl_with_rollout_restart(tmp_path):
     assert rejoin_version >= newest_at_start
     # the trainers went on publishing while it was dead and restarting: every publish after the
     # kill waited a fraction of the lease (without the eviction, the dead rollout, 1 version behind
-    # within 2 steps, would have held one for up to the 30 s lease), and some came before the rejoin
+    # within 2 steps, would have held one for up to the 60 s lease; beside another engine test one
+    # waited 10.8 s for the live rollouts), and some came before the rejoin
     assert len(after) >= 2, f"fewer than 2 publishes after the kill: {after}"
-    assert max(w for _, _, w in after) < LEASE_TTL / 6, after
+    assert max(w for _, _, w in after) < LEASE_TTL / 4, after
     assert [v for v, t, _ in after if t + killed <= rejoin_t], f"none published before the rejoin at {rejoin_t}"
     # greedy tokens after the updates equal a fresh engine loaded from the same weights
     assert r0["greedy"] == r1["greedy"] == res["reference"]
