@@ -277,6 +277,8 @@ def test_relay_waits_for_a_slow_peer_on_the_store(store) -> None:
         else:
             pytest.fail(f"the waiting relay never started its pull before its slow peer was done: {rs}")
         assert rs[0]["t_ack"] - rs[0]["t_start"] > 1.0, rs[0]  # it did wait for the slow peer
-        assert used < 50, used
+        # its whole pull's store requests: a reader polling every 10 ms through the 1.5 s or more of
+        # waiting would add 150; one clean-clone run beside the engines counted 52 without one
+        assert used < 100, used
     finally:
         _stop(pub)
