@@ -167,15 +167,19 @@ def wait_up(actor, timeout: float = 300.0) -> dict:
 
 def kill_mid_update(ch, actor, at_version: int, timeout: float = 120.0) -> tuple[float, int]:
     """Kills ``actor`` (Ray restarts it) once it holds ``at_version`` or later and an update is in
-    flight; tells the channel at once. Returns when it was killed and how many subscribers that evicted."""
+    flight: the trainers committed a version its engine does not run yet (its workers pull or have
+    staged it). Tells the channel at once. Returns when it was killed and how many subscribers that
+    evicted."""
     deadline = time.monotonic() + timeout
-    while True:
-        s = ray.get(actor.status.remote(), timeout=timeout)
-        if s["pulling"] and s["version"] >= at_version:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no update in flight past version {at_version} within {timeout}s: {s}")
-        time.sleep(0.02)
+    with ch.subscriber() as watch:  # wbridge: never registered, it only reads the newest version
+        while True:
+            newest = watch.latest()  # wbridge: first the newest committed, then what the rollout holds
+            s = ray.get(actor.status.remote(), timeout=timeout)
+            if s["version"] >= at_version and (s["pulling"] or (newest or 0) > s["version"]):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no update in flight past version {at_version} within {timeout}s: {s}")
+            time.sleep(0.02)
     ray.kill(actor, no_restart=False)
     t = time.time()
     return t, ch.evict(actor)  # wbridge: it is dead, stop waiting for it now (not after its lease)
