@@ -284,20 +284,25 @@ class Rollout(_Side, RolloutRank):
             th.start()
 
             def boundary(need: int) -> None:
+                """Copies in the newest complete version, waiting for one >= ``need``. A version
+                staged while it waits is copied in at once: the puller pulls the next one only
+                after that copy (waiting with it staged would deadlock on a later ``need``)."""
                 deadline = time.monotonic() + timeout
                 with cv:
-                    while state["ready"] < need and state["error"] is None:
+                    while True:
+                        if state["error"] is not None:
+                            raise state["error"]
+                        if state["ready"] > swapped["v"]:
+                            self._swap()
+                            swapped["v"] = state["ready"]
+                            self.held = base + swapped["v"]
+                            cv.notify_all()
+                        if swapped["v"] >= need:
+                            return
                         left = deadline - time.monotonic()
                         if left <= 0:
                             raise TimeoutError(f"rollout {self.idx}: no version >= {need} within {timeout:.0f}s")
                         cv.wait(left)
-                    if state["error"] is not None:
-                        raise state["error"]
-                    if state["ready"] > swapped["v"]:
-                        self._swap()
-                        swapped["v"] = state["ready"]
-                        self.held = base + swapped["v"]
-                        cv.notify_all()
 
             for k in range(1, steps + 1):
                 self.generate(seconds)
