@@ -1,8 +1,13 @@
 """Shared fixtures and markers. ``gpu`` tests skip where no CUDA device exists.
 
+Every process of the suite runs one OpenMP thread (``OMP_NUM_THREADS=1``, set here before anything
+imports torch, so the workers and every process they start inherit it; a value the caller set
+wins). The suite runs many processes on few cores, and torch's idle OpenMP threads spin between
+its parallel regions: ``tests/runtime`` took 217 CPU-seconds with torch's default threads and 100
+with one thread each (141 s and 81 s of wall time under ``-n 6`` on 2 cores).
+
 ``heavy`` tests (real vLLM/SGLang engines, Ray, multi-process training) run ``HEAVY_AT_ONCE`` at a
-time under ``pytest -n N`` (``scripts/test.sh``). Most of their processes run one thread
-(``OMP_NUM_THREADS=1``), so one heavy test keeps about one core busy. On these 2 cores, two at once
+time under ``pytest -n N`` (``scripts/test.sh``); one keeps about one core busy. On these 2 cores, two at once
 once left the other workers' tests too little CPU (timing-bound tests failed at load 14); since the
 examples' rollouts rest between batches and SGLang's idle schedulers sleep instead of spinning a
 core each, two lanes fit (a run: the lanes ended at 698 and 722 s, the other workers at
@@ -25,6 +30,8 @@ import time
 import uuid
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # see the module docstring
 
 
 def _has_cuda() -> bool:

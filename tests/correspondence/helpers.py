@@ -118,7 +118,7 @@ def run_ranks(
 
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    penv = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
+    penv = dict(os.environ, PYTHONPATH=root, **(env or {}))
     procs = [
         subprocess.Popen(
             [python or sys.executable, script, str(r), str(world), str(port), *extra],

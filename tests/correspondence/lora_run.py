@@ -31,7 +31,7 @@ def run_lora(tmp, spawn_role: Callable, script: str, **env: str) -> dict:
     logs = {n: str(tmp / f"{n}.log") for n in ("trainer", "engine")}
     with open(logs["trainer"], "w") as ft, open(logs["engine"], "w") as fe:
         cmd = [sys.executable, os.path.join(HERE, "lora_roles.py"), "trainer", base, out, port]
-        trainer = spawn(cmd, ft, dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+        trainer = spawn(cmd, ft, dict(os.environ, PYTHONPATH=ROOT))
         try:
             engine = spawn_role("engine", base, out, port, log=fe, script=script, env={"TMPDIR": str(tmpdir), **env})
             _wait([engine], 500, {"engine": logs["engine"]})

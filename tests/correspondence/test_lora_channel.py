@@ -94,7 +94,7 @@ def test_plain_adapter_pulls_bit_exact_and_reads_the_adapters_bytes() -> None:
 def test_fsdp2_trainer_ranks_publish_their_shards_deltas_and_checksums(tmp_path) -> None:
     world, steps = 2, 4
     port, store_port = free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=ROOT)
     script = os.path.join(HERE, "lora_fsdp_worker.py")
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(world)]
     procs = [

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 @pytest.mark.timeout(240)
 def test_megatron_publishers_to_traced_vllm_style_subscribers(tmp_path):
     port, world, versions = free_port(), 2, 2
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=ROOT)
     procs = [
         subprocess.Popen(
             [

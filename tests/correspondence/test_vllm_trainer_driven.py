@@ -33,7 +33,6 @@ def _serve(ckpt, port: int, plugin, log):
         os.environ,
         PYTHONPATH=os.pathsep.join([ROOT, str(plugin)]),
         VLLM_CPU_KVCACHE_SPACE="1",
-        OMP_NUM_THREADS="1",
         VLLM_LOGGING_LEVEL="WARNING",
         VLLM_SERVER_DEV_MODE="1",  # vLLM serves its RL weight-sync routes only in dev mode
     )

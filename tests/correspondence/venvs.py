@@ -29,7 +29,6 @@ def vllm_env(path: Iterable[str] = ()) -> dict[str, str]:
         os.environ,
         PYTHONPATH=os.pathsep.join([ROOT, *map(str, path)]),
         VLLM_CPU_KVCACHE_SPACE="1",
-        OMP_NUM_THREADS="1",
         VLLM_LOGGING_LEVEL="WARNING",
     )
 
@@ -40,7 +39,6 @@ def sglang_env(path: Iterable[str] = ()) -> dict[str, str]:
         os.environ,
         PYTHONPATH=os.pathsep.join([ROOT, STUBS, *map(str, path)]),
         SGLANG_USE_CPU_ENGINE="1",
-        OMP_NUM_THREADS="1",
     )
 
 
