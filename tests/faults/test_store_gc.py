@@ -12,8 +12,11 @@ import requests
 
 from tests.runtime.harness import Worker, call_all, free_port
 from wbridge import Staging, open_store
+from wbridge.protocol import generation as _generation
+from wbridge.protocol.channel import ChannelStore
+from wbridge.protocol.keys import Keys
 
-from .actors import Churn, FaultPub, FaultSub
+from .actors import TOKEN, Churn, FaultPub, FaultSub
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,22 +51,38 @@ def test_key_count_stays_bounded_over_many_versions(kind: str, request) -> None:
     pubs = [Worker(f"pub{r}", FaultPub, url, r, 2, 2, **kw) for r in range(2)]
     sub = Worker("sub", FaultSub, url, 1, 0, fused=False, model_kind="tiny", transport="tcp", verify=True)
     churn = Worker("churn", Churn, url, 7, 6, 2, ttl=2.0)  # 6 subscribers join, pull and leave
-    try:
-        churn.call("start")
-        counts = {}
-        for v in range(1, VERSIONS + 1):
+    client = host if host is not None else open_store(url)
+    v = 0
+
+    def publish(n: int) -> None:
+        nonlocal v
+        for _ in range(n):
+            v += 1
             call_all(pubs, "publish", v)
             assert sub.call("pull", min_version=v)["bad"] == []
-            if v in (10, VERSIONS):
-                if v == VERSIONS:
-                    stats = churn.call("finish", 60.0)
-                    assert stats["left"] == 6 and stats["torn"] == 0 and stats["hangs"] == 0, stats
-                    call_all(pubs, "publish", v + 1)  # a scan after they left collects them
-                    assert sub.call("pull", min_version=v + 1)["bad"] == []
-                counts[v] = count()
-        assert counts[VERSIONS] <= counts[10], f"the store grew from {counts[10]} to {counts[VERSIONS]} keys"
+
+    try:
+        # while the subscribers come and go: each brings its layout (kept, one key per distinct
+        # layout) and the publishers pack for each new set of layouts (a key per rank and set)
+        churn.call("start")
+        publish(10)
+        while churn.call("left") < 6 and v < VERSIONS:
+            publish(1)
+        stats = churn.call("finish", 60.0)
+        assert stats["left"] == 6 and stats["torn"] == 0 and stats["hangs"] == 0, stats
+        publish(1)  # its scan collects those that left
+        keys = Keys("t").at(_generation.current(ChannelStore(client, Keys("t"), TOKEN.encode())))
+        n = client.get_int(keys.subs)
+        assert n == 7 + stats["join_retries"], (n, stats)  # the pulling subscriber and the 6 (a failed join: an id)
+        names = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "live"), keys.sub(i, "state"))]
+        held = [k for k, val in zip(names, client.get_many(names)) if val is not None]
+        assert len(held) == 3, f"keys of departed subscribers are still in the store: {held}"
+        # then versions alone: the per-version keys of old versions are collected as new ones come
+        before = count()
+        publish(VERSIONS)
+        after = count()
+        assert after <= before, f"the store grew from {before} to {after} keys over {VERSIONS} versions"
     finally:
         for w in [churn, sub, *pubs]:
             w.stop()
-        if host is not None:
-            host.close()
+        client.close()
