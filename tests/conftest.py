@@ -7,12 +7,12 @@ its parallel regions: ``tests/runtime`` took 217 CPU-seconds with torch's defaul
 with one thread each (141 s and 81 s of wall time under ``-n 6`` on 2 cores).
 
 ``heavy`` tests (real vLLM/SGLang engines, Ray, multi-process training) run ``HEAVY_AT_ONCE`` at a
-time under ``pytest -n N`` (``scripts/test.sh``); one keeps about one core busy. On these 2 cores, two at once
-once left the other workers' tests too little CPU (timing-bound tests failed at load 14); since the
-examples' rollouts rest between batches and SGLang's idle schedulers sleep instead of spinning a
-core each, two lanes fit (a run: the lanes ended at 698 and 722 s, the other workers at
-517-571 s: 746 s in all). Their modules are split into that many lanes
-of about equal length (``HEAVY_SECONDS``); each lane
+time under ``pytest -n N`` (``scripts/test.sh``); one keeps about one core busy. On these 2 cores,
+two at once once left the other workers' tests too little CPU (timing-bound tests failed at load
+14); since the examples' rollouts rest between batches and SGLang's idle schedulers sleep instead
+of spinning a core each, two lanes fit (a run: the lanes ended 578 and 539 s after the first test
+started, the other workers at 482-530 s). Their modules are split into that many lanes of about
+equal length (``HEAVY_SECONDS``); each lane
 heads one worker's share of the collection (work-stealing scheduling hands each worker a contiguous
 share and moves tests from the end of a long queue to an idle worker; ours never moves a heavy
 test), so each lane runs on one worker, its module fixtures once (a module engine started once); a
@@ -44,22 +44,24 @@ def _has_cuda() -> bool:
 
 
 HEAVY_AT_ONCE = 2
-# About how long each heavy module takes alone on a quiet machine (s): balances the lanes.
-# A module not listed counts HEAVY_DEFAULT_SECONDS.
+# About how long each heavy module takes in a suite run on these 2 cores (s: the sum of its tests'
+# setup, call and teardown, beside the other workers): balances the lanes. A module not listed
+# counts HEAVY_DEFAULT_SECONDS.
 HEAVY_SECONDS = {
-    "tests/correspondence/test_sglang_engine.py": 116,
-    "tests/correspondence/test_vllm_engine.py": 110,
-    "tests/correspondence/test_sglang_example.py": 69,
-    "tests/correspondence/test_lora_example.py": 63,
-    "tests/correspondence/test_vllm_faults.py": 60,
-    "tests/correspondence/test_ray.py": 55,
-    "tests/correspondence/test_vllm_async_rl.py": 49,
-    "tests/correspondence/test_vllm_lora.py": 40,
-    "tests/benchmarks/test_delta_smoke.py": 40,
-    "tests/correspondence/test_vllm_updater.py": 35,
-    "tests/correspondence/test_sglang_lora.py": 30,
-    "tests/correspondence/test_vllm_trainer_driven.py": 28,
-    "tests/correspondence/test_dtensor.py": 27,
+    "tests/correspondence/test_sglang_engine.py": 208,
+    "tests/correspondence/test_sglang_example.py": 137,
+    "tests/correspondence/test_vllm_engine.py": 134,
+    "tests/correspondence/test_lora_example.py": 125,
+    "tests/benchmarks/test_delta_smoke.py": 119,
+    "tests/correspondence/test_vllm_async_rl.py": 89,
+    "tests/correspondence/test_ray.py": 87,
+    "tests/correspondence/test_vllm_faults.py": 62,
+    "tests/correspondence/test_vllm_updater.py": 51,
+    "tests/correspondence/test_vllm_lora.py": 37,
+    "tests/correspondence/test_vllm_trainer_driven.py": 32,
+    "tests/correspondence/test_sglang_lora.py": 15,
+    "tests/correspondence/test_dtensor.py": 13,
+    "tests/correspondence/test_lora_channel.py": 10,
 }
 HEAVY_DEFAULT_SECONDS = 30
 
