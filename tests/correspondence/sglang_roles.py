@@ -5,7 +5,7 @@ repo and tests/sglang_stubs on PYTHONPATH and sets SGLANG_USE_CPU_ENGINE=1).
     python sglang_roles.py engine CKPT OUT PORT NAME N      # subscribed engine: N updates, then waits
     python sglang_roles.py rejoin CKPT OUT PORT NAME        # a restarted engine: pulls the newest
     python sglang_roles.py server CKPT OUT PORT HTTP_PORT     # the HTTP server, subscribed
-    python sglang_roles.py reference OUT V [V ...]          # fresh engines from OUT/v<V> (bf16)
+    python sglang_roles.py reference OUT V [V ...]          # one engine: OUT/v<V> (bf16) in turn
     python sglang_roles.py host FD                          # reference on request (role_host)
 
 Files in OUT are the cues: ``want_<v>`` asks the trainer for version v, ``v<v>/`` is its bf16

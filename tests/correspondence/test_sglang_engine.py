@@ -100,7 +100,7 @@ def test_sglang_pulls_in_background_commits_between_steps_and_rejoins(tmp_path, 
             assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
             assert spans[1]["end"] == step["long_tokens"]
         assert step["token_version"] == str(v)
-        # bit-exact: SGLang's checksum of every parameter equals a fresh engine's from the bf16 weights
+        # bit-exact: SGLang's checksum of every parameter equals the reference's from the bf16 weights
         assert len(step["checksums"]) == 17  # every parameter of the 2-layer Qwen2
         assert step["checksums"] == ref[v]["checksums"], v
         assert step["tokens"] == ref[v]["tokens"], v
