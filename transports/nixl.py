@@ -66,8 +66,10 @@ os.environ.setdefault("UCX_MODULES", "^*efa*")
 
 try:
     from nixl_cu12 import nixl_agent, nixl_agent_config
+    from nixl_cu12._api import nixlBind as _bindings
 except ImportError:
     from nixl import nixl_agent, nixl_agent_config  # other builds of the same API
+    from nixl._api import nixlBind as _bindings
 
 # NIXL's Python logger prints an INFO line per agent and backend to *stdout* (its own handler), which
 # corrupts machine-readable output such as ``wbridge bench transport --json``; warnings still show.
@@ -77,6 +79,8 @@ _log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 _env_lock = threading.Lock()
 MAX_METADATA = 1 << 20
+# the longest an idle agent's progress thread sleeps between two looks at its UCX workers (us)
+PROGRESS_WAKE_US = 1000
 SIOCGIFADDR = 0x8915
 
 
@@ -108,11 +112,32 @@ def _net_devices(host: str) -> str | None:
     return ",".join([iface, *rdma_ports()])
 
 
+def _quiet_progress(agent: Any, name: str) -> None:
+    """Give ``agent`` (no backend yet) a progress thread that sleeps while nothing happens.
+
+    nixl's Python wrapper builds its C++ agent with ``pthrDelay = 0`` and exposes no setting for it.
+    The UCX backend's progress thread waits in ``poll()`` on its workers' event descriptors with that
+    delay as the timeout, so 0 is a busy loop: every agent spins a core for its whole life, idle or
+    not (5.0 CPU-s in 5 idle seconds; 0.1 with ``PROGRESS_WAKE_US``). UCX events still wake the
+    thread at once; the delay is only the period of the wake-up NIXL keeps for events ``poll()``
+    misses. The C++ agent is rebuilt here with the wrapper's other settings, before any backend
+    exists (a backend takes the delay when it is created)."""
+    config = _bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = _bindings.NIXL_THREAD_SYNC_NONE  # the wrapper's choice without a listen thread
+    config.pthrDelay = PROGRESS_WAKE_US
+    config.lthrDelay = 100000
+    config.captureTelemetry = False
+    agent.agent = _bindings.nixlAgent(name, config)
+
+
 def new_agent(name: str, host: str, backend: str = "UCX") -> tuple[Any, str | None]:
     """A NIXL agent called ``name`` with ``backend`` started, its network devices limited to the
     interface of ``host`` plus the RDMA ports (see the module docstring), and the ``UCX_NET_DEVICES``
     value it started with (None: UCX's default). ``TransportError`` if the backend does not start."""
     agent = nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[]))
+    _quiet_progress(agent, name)
     devices = os.environ.get("UCX_NET_DEVICES") or _net_devices(host)
     with _env_lock:  # UCX takes its configuration from the environment only, when the backend starts
         saved = os.environ.get("UCX_NET_DEVICES")

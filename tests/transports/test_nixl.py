@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -115,3 +116,38 @@ def test_process_exits_zero_after_use():
 
 def test_no_leaks_over_10_cycles():
     open_read_close_cycles("nixl", 10)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (every thread), from ``/proc``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_agents_sleep():
+    """Between reads neither side's NIXL agent spins a core: nixl's Python wrapper starts the UCX
+    progress thread with no delay, a busy loop (a whole core each, 5 CPU-s in 5 idle seconds);
+    ``transports.nixl`` gives it one. The bound leaves room for a loaded machine, where a spinning
+    thread still gets far more than 0.3 s of 3."""
+    with (
+        Peer("nixl", [{"size": 4096, "seed": 1}], token=TOKEN, timeout=TIMEOUT) as server,
+        Nixl(token=TOKEN.encode()) as t,
+    ):
+        peer = t.connect(server.endpoint, timeout=TIMEOUT)
+        dst = np.empty(4096, dtype=np.uint8)
+        prep = t.prepare(
+            peer, server.descriptors, [t.register(dst.ctypes.data, dst.nbytes)], ReadBatch.of([(0, 0, 0, 0, 4096)])
+        )
+        t.read(prep, timeout=TIMEOUT)
+        assert np.array_equal(dst, region_bytes(4096, 1))
+        used = {"reader": -_cpu_seconds(os.getpid()), "server": -_cpu_seconds(server.proc.pid)}
+        time.sleep(3.0)
+        used = {
+            "reader": used["reader"] + _cpu_seconds(os.getpid()),
+            "server": used["server"] + _cpu_seconds(server.proc.pid),
+        }
+        assert max(used.values()) < 0.3, f"CPU seconds in 3 idle seconds: {used}"
+        t.read(prep, timeout=TIMEOUT)  # and the agents still serve after their sleep
+        assert np.array_equal(dst, region_bytes(4096, 1))
+        assert server.stop() == 0
