@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Any
 
@@ -108,12 +109,20 @@ class SubActor:
         return h.hexdigest()
 
     def pull(
-        self, min_version: int | None = None, timeout: float = 30.0, garbage: int | None = 0xA5, delay: float = 0.0
+        self,
+        min_version: int | None = None,
+        timeout: float = 30.0,
+        garbage: int | None = 0xA5,
+        delay: float = 0.0,
+        gate: str | None = None,
     ) -> dict:
+        """Pulls after ``delay`` seconds, or with ``gate`` (a file's path) once the file exists or
+        ``delay`` has passed, whichever comes first; ``t_start`` is when the pull began."""
         if garbage is not None:
             self.fill(garbage)
-        if delay:
-            time.sleep(delay)
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline and not (gate is not None and os.path.exists(gate)):
+            time.sleep(0.01)
         t0 = time.time()
         v = self.sub.pull(min_version=min_version, timeout=timeout)
         t1 = time.time()

@@ -1,7 +1,8 @@
 """Blocking semantics of the sync modes, checked with timestamps taken in the processes.
 
-A subscriber is told to wait ``DELAY`` seconds before it starts pulling; a publish that must wait
-for its ack can only return after that start, and one that must not wait returns before it."""
+A subscriber is told to wait before it starts pulling (``DELAY`` seconds, or at a gate the test
+opens: ``HOLD``); a publish that must wait for its ack can only return after that start, and one
+that must not wait returns before it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,21 @@ from .actors import PubActor, SubActor
 from .harness import Worker, free_port
 
 DELAY = 1.0
+# A subscriber held at a gate starts pulling once the test opens the gate, or after HOLD seconds: a
+# publish that must not wait returns while it is held (however slow a loaded machine makes it), and
+# one that wrongly waits for its ack returns only after HOLD.
+HOLD = 20.0
+
+
+def held_publish(pub: Worker, v: int, gate) -> dict:
+    """``publish(v)`` while the subscriber is held; the gate opens 0.5 s after the call went out.
+    A publish that must wait for the subscriber's ack returns after the gate opened; one that does
+    not wait has returned by then (unless a loaded machine slowed it past 0.5 s: the check can
+    then miss, never fail wrongly)."""
+    pub.send("publish", v)
+    time.sleep(0.5)
+    gate.touch()
+    return pub.result(60.0)
 
 
 def pair(mode: str, lease_ttl: float = 10.0, **pub_kwargs) -> tuple[Worker, Worker]:
@@ -40,12 +56,13 @@ def test_sync_publish_returns_after_every_ack() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_one_step_off_waits_only_for_the_previous_version() -> None:
+def test_one_step_off_waits_only_for_the_previous_version(tmp_path) -> None:
     pub, sub = pair("one_step_off")
+    gate = tmp_path / "pull"
     try:
-        sub.send("pull", min_version=1, delay=DELAY)
+        sub.send("pull", min_version=1, delay=HOLD, gate=str(gate))
         p1 = pub.call("publish", 1)
-        p2 = pub.call("publish", 2)
+        p2 = held_publish(pub, 2, gate)
         s1 = sub.result()
         assert s1["bad"] == []
         assert p1["t_ret"] < s1["t_start"], "publish(1) waited for an ack it must not wait for"
@@ -58,11 +75,13 @@ def test_one_step_off_waits_only_for_the_previous_version() -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("k", [1, 2])
-def test_async_blocks_only_past_max_staleness(k: int) -> None:
+def test_async_blocks_only_past_max_staleness(k: int, tmp_path) -> None:
     pub, sub = pair(Async(max_staleness=k))
+    gate = tmp_path / "pull"
     try:
-        sub.send("pull", min_version=1, delay=DELAY)
-        returns = [pub.call("publish", v)["t_ret"] for v in range(1, k + 2)]
+        sub.send("pull", min_version=1, delay=HOLD, gate=str(gate))
+        returns = [pub.call("publish", v)["t_ret"] for v in range(1, k + 1)]
+        returns.append(held_publish(pub, k + 1, gate)["t_ret"])
         s = sub.result()
         assert s["bad"] == [] or s["v"] > 1
         # versions 1..k leave the subscriber (acked 0) at most k behind: no waiting
