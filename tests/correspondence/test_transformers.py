@@ -4,6 +4,8 @@ from configs (no hub). Layouts are traced through transformers' own checkpoint c
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,8 @@ from wbridge.testing.hf import qwen2_config, qwen3_moe_config
 from .engines import VllmStyleModel, assert_like_loaded, hf_shapes
 from .helpers import check_entries, plan_transfer
 
-transformers = pytest.importorskip("transformers")
+if importlib.util.find_spec("transformers") is None:  # found, not imported: each collecting worker would pay
+    pytest.skip("transformers is not installed (pip install -e '.[transformers]')", allow_module_level=True)
 pytestmark = pytest.mark.slow
 
 
