@@ -50,4 +50,6 @@ def test_clients_connecting_beside_other_connections_to_the_port_wait_on_their_o
         assert failures == [], failures
     finally:
         stop.set()
+        for t in probes:  # before the store closes: a probe connecting after that is refused
+            t.join(10)
         host.close()
