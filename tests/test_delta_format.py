@@ -70,7 +70,7 @@ def coded(
     elif path == "pairs":
         e = F.encode(at, diffs, geo, ws)
     else:
-        e = R.encode(at, diffs, geo, F.Workspace())
+        e = R.encode(at, diffs, geo, R.Workspace())
     assert e is not None
     # (a publisher declines a delta larger than its buffer; the codec itself has no such limit)
     buf = np.zeros(max(geo.buffer_bytes, F.table_bytes(geo.nchunks) + e.nbytes), np.uint8)
@@ -81,8 +81,24 @@ def coded(
 
 
 def decoded(p: F.Parsed, buf: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Chunks ``lo..hi`` decoded by the library (``decode``, and byte by byte: ``changes``), each
+    checked against the numpy reference decoder's result."""
     offsets, lengths = F.ranges(p, np.array([lo]), np.array([hi]))
-    return F.decode(p, lo, hi, [buf[o : o + n] for o, n in zip(offsets[0], lengths[0])])
+    pieces = [buf[o : o + n] for o, n in zip(offsets[0], lengths[0])]
+    want = R.decode(p, lo, hi, pieces)
+    got = F.decode(p, lo, hi, pieces, dirty())
+    assert (got is None) == (want is None)
+    if got is None:
+        return None
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    n = len(got[0])
+    pos, values = np.full(4 * n, -1, np.int64), np.zeros(4 * n, np.uint8)
+    m = F.changes(p, lo, hi, pieces, pos, values, dirty())
+    moved = np.flatnonzero(want[1].reshape(-1))
+    assert m == len(moved)
+    assert np.array_equal(pos[:m], 4 * want[0][moved // 4] + moved % 4)
+    assert np.array_equal(values[:m], want[1].reshape(-1)[moved])
+    return want[0].copy(), want[1].copy()
 
 
 def applied(a: np.ndarray, at: np.ndarray, diffs: np.ndarray) -> np.ndarray:
@@ -178,15 +194,15 @@ def test_fields_of_every_width_unpack_from_any_entry(width: int) -> None:
     assert np.array_equal(np.unpackbits(packed, bitorder="little")[: 1001 * width], bits.reshape(-1))
     for first in (0, 1, 7, 8, 333, 1000):
         group = first // F.GROUP
-        got = F._unpack_bits(packed[group * width :], first % F.GROUP, 1001 - first, width)
+        got = R.unpack_bits(packed[group * width :], first % F.GROUP, 1001 - first, width)
         assert np.array_equal(got, values[first:])
     with pytest.raises(ValueError):
-        F._unpack_bits(packed[:-1], 0, 1001, width)
+        R.unpack_bits(packed[:-1], 0, 1001, width)
     # the compiled encoder's positions at this width: the reference's high bits and low fields
     pairs = 1 << 16
     for n in (1, 7, 8, 1001):
         at = np.sort(rng.choice(pairs, n, replace=False)).astype(np.int64)
-        want_high, want_low = R._positions(at, width, pairs, None, F.Workspace())
+        want_high, want_low = R._positions(at, width, pairs, None, R.Workspace())
         high, low = np.full(len(want_high), 0xA5, np.uint8), np.full(len(want_low), 0xA5, np.uint8)
         kernels.positions(at, width, high, low, False)
         assert np.array_equal(high, want_high) and np.array_equal(low, want_low)
@@ -232,12 +248,47 @@ def test_malformed_tables_and_streams_are_refused() -> None:
     assert np.all(part.tables[:, 0] == -1) and np.all(part.tables[:, 3:] == -1)
     entries[:4] = 0xFF
     assert F.parse(buf[: F.HEADER_BYTES], entries, lo, hi, geo.nchunks, geo.pairs) is None
-    offsets, lengths = F.ranges(p, np.array([0]), np.array([geo.nchunks - 1]))
-    pieces = [buf[o : o + n].copy() for o, n in zip(offsets[0], lengths[0])]
-    for stream in (3, 4):  # an escape or raw byte short
-        short = [x.copy() for x in pieces]
-        short[stream] = short[stream][:-1]
-        assert F.decode(p, 0, geo.nchunks - 1, short) is None
-    broken = [x.copy() for x in pieces]
-    broken[0][:] = 0  # no pair at all in the high bits
-    assert F.decode(p, 0, geo.nchunks - 1, broken) is None
+    # streams that do not make sense, refused by the library's decoder and the reference alike
+    deltas = (coded(a, b), coded(*changed(3 * F.CHUNK_BYTES, 0.4, 6, ulp=False)), coded(*changed(1 << 20, 0.05, 7)))
+    assert [d[4].low_bits > 0 for d in deltas] == [True, False, True]  # (Elias-Fano, and a bitmap)
+    unchanged = 0
+    cases = {
+        "an escape short": (3, lambda x: x[:-1]),
+        "a raw byte short": (4, lambda x: x[:-1]),
+        "an escape too many": (3, lambda x: np.append(x, x[:1])),
+        "a raw byte too many": (4, lambda x: np.append(x, x[:1])),
+        "a symbol byte short": (2, lambda x: x[:-1]),
+        "no pair at all in the high bits": (0, np.zeros_like),
+        "a pair too many in the high bits": (0, lambda x: np.full_like(x, 0xFF)),
+    }
+    for geo, _, _, buf, p in deltas:
+        offsets, lengths = F.ranges(p, np.array([0]), np.array([geo.nchunks - 1]))
+        pieces = [buf[o : o + n].copy() for o, n in zip(offsets[0], lengths[0])]
+        assert len(pieces[3]) and len(pieces[4])
+        bad = dict(cases)
+        if p.low_bits:
+            bad["pairs out of order (low fields)"] = (1, np.zeros_like)
+            bad["a low field short"] = (1, lambda x: x[:-1])
+        plain = np.flatnonzero(pieces[3] & (pieces[3] >> 1) & 0x55 == 0)  # escapes without a raw byte
+        if len(plain):  # (one made an unchanged pair: every other stream still adds up)
+            unchanged += 1
+            bad["an escape of an unchanged pair"] = (
+                3,
+                lambda x, i=plain[0]: np.where(np.arange(len(x)) == i, F.SAME, x),
+            )
+        for why, (stream, spoil) in bad.items():
+            broken = [x.copy() for x in pieces]
+            broken[stream] = spoil(broken[stream])
+            assert F.decode(p, 0, geo.nchunks - 1, broken) is None, why
+            assert R.decode(p, 0, geo.nchunks - 1, broken) is None, why
+    assert unchanged
+
+
+def test_adding_changes_checks_every_offset_before_writing() -> None:
+    dst = np.arange(64, dtype=np.uint8)
+    assert F.add(dst, np.array([3, 3, 60], np.int64), np.array([1, 255, 7], np.uint8))
+    assert dst[3] == 3 and dst[60] == 67  # (an offset may repeat: both added, mod 256)
+    before = dst.copy()
+    for bad in (64, -1):
+        assert not F.add(dst, np.array([0, 1, bad], np.int64), np.array([1, 1, 1], np.uint8))
+        assert np.array_equal(dst, before)  # nothing written

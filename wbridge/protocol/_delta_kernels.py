@@ -1,6 +1,8 @@
-"""The delta encoder's loops, compiled with numba (``wbridge.protocol.delta`` says the format, and
-imports this module only where it encodes: a process that never encodes a delta never imports
-numba).
+"""The delta codec's loops, compiled with numba (``wbridge.protocol.delta`` says the format, and
+imports this module only where it encodes or decodes: a process that never does either never
+imports numba).
+
+Encoding:
 
 - ``scan``: one streaming pass over two slots (as 32-bit pairs): 64 pairs compared into a mask
   word (the positions bitmap's word) and their differences computed, then only its set bits
@@ -12,10 +14,19 @@ numba).
   raw byte visited) and ``positions`` (Elias-Fano ``high`` and ``low``, or a bitmap where the
   scan made none).
 
+Decoding (a run of chunks, from its stream pieces):
+
+- ``decode``: the pairs' positions (``bitmap_positions`` or ``elias_fano_positions``: set bits
+  walked 64 at a time) and byte differences (``pair_diffs``: a symbol each), every piece checked
+  to be used exactly; each step its own function (inlined into one loop, the checks between
+  them slow the symbol loop tenfold).
+- ``changed_bytes``: the changed bytes of decoded pairs; ``add_at``: adds them into a
+  destination, after checking every offset.
+
 Each loop is branch-light: masks of 64 pairs computed without branches (vectorised by the
 compiler), then a walk of their set bits; the rare cases (escapes) behind a branch.
 
-``scan`` and ``code`` are compiled on first use (the steps compiled into ``code``) and cached
+``scan``, ``code`` and the decoder are compiled on first use (the steps compiled into them) and cached
 next to this file (``__pycache__/numba-<version>``), so a later process loads the machine code
 instead of compiling. Where that directory cannot be written numba's own fallbacks apply
 (``__pycache__``, then a per-user cache directory); where no cache directory can be written at
@@ -283,3 +294,154 @@ def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, ra
     nraw = raws(ks, diffs, tables[0], raw, tables[2])
     positions(at, lb, high, low, make_bitmap)
     return ne, nraw
+
+
+@njit(inline="always")
+def _pair_code(k, kdiff, raw, r):
+    """A pair's byte differences (uint64 holding 32 bits) from its ``k``: ``kdiff[k]``, with each
+    byte coded 3 taken from ``raw`` from ``r`` on; and the raw bytes after it (-1: ``raw`` short)."""
+    d = np.uint64(kdiff[k])
+    if k & (k >> 1) & 0x55:  # a byte coded 3 (few)
+        for j in range(4):
+            if (k >> (2 * j)) & 3 == 3:
+                if r >= len(raw):
+                    return d, -1
+                d |= np.uint64(raw[r]) << np.uint64(8 * j)
+                r += 1
+    return d, r
+
+
+@_inner
+def bitmap_positions(high, first, at):
+    """The pairs of a bitmap (``high``, a bit per pair from pair ``first``) into ``at``, 64 bits
+    at a time; how many, or -1 where more than ``at`` holds."""
+    n = len(at)
+    i = 0
+    nb = len(high)
+    for w in range((nb + 7) // 8):
+        m = _U0
+        for j in range(min(8, nb - 8 * w)):
+            m |= np.uint64(high[8 * w + j]) << np.uint64(8 * j)
+        while m:
+            if i == n:
+                return -1
+            at[i] = first + 64 * w + np.int64(trailing_zeros(m))
+            m &= m - _U1
+            i += 1
+    return i
+
+
+@_inner
+def elias_fano_positions(high, low, lb, p0, first, at):
+    """The pairs of rank ``p0`` on (``len(at)`` of them) from Elias-Fano ``high`` bits (the first
+    at bit ``((first >> lb) + p0) % 8``) and ``low`` fields of ``lb`` bits (from field ``p0 % 8``)
+    into ``at``; how many were found before the bits ran out, or -1 where the low fields are short
+    or the pairs are not strictly ascending."""
+    n = len(at)
+    h = (first >> lb) + p0  # the high bit of the run's first pair
+    bucket = (h - p0) - (h % 8)  # the bucket of the piece's first bit, less the pairs before it
+    f = p0 % 8  # the first pair's low field
+    nl = len(low)
+    if (f + n + 7) // 8 * lb > nl:
+        return -1
+    mask = np.int64((1 << lb) - 1)
+    prev = np.int64(-1)
+    i = 0
+    nb = len(high)
+    for w in range((nb + 7) // 8):
+        m = _U0
+        for j in range(min(8, nb - 8 * w)):
+            m |= np.uint64(high[8 * w + j]) << np.uint64(8 * j)
+        if w == 0:
+            m &= ~_U0 << np.uint64(h % 8)
+        while m:
+            if i == n:
+                return i
+            q = 64 * w + np.int64(trailing_zeros(m))
+            m &= m - _U1
+            bit = (f + i) * lb
+            o = bit >> 3
+            v = np.int64(low[o])
+            if o + 1 < nl:
+                v |= np.int64(low[o + 1]) << 8
+            if o + 2 < nl:
+                v |= np.int64(low[o + 2]) << 16
+            p = ((q + bucket - i) << lb) | ((v >> (bit & 7)) & mask)
+            if p <= prev:
+                return -1
+            at[i] = prev = p
+            i += 1
+    return i
+
+
+@_inner
+def pair_diffs(sym, esc, raw, s0, dictionary, escape, same, kdiff, diffs):
+    """Each pair's byte differences (``diffs``, uint32) from its symbol (from nibble ``s0`` of
+    ``sym``): symbol ``escape`` takes its ``k`` from ``esc`` (in order, never ``same``), the
+    others from ``dictionary``; ``kdiff[k]``, its bytes coded 3 taken from ``raw`` (in order).
+    True where every escape and raw byte was used, no more."""
+    e = 0
+    r = 0
+    for i in range(len(diffs)):
+        t = s0 + i
+        s = (sym[t >> 1] >> (4 * (t & 1))) & 15
+        if s == escape:  # (few)
+            if e >= len(esc) or esc[e] == same:
+                return False
+            k = np.int64(esc[e])
+            e += 1
+        else:
+            k = np.int64(dictionary[s])
+        d, r = _pair_code(k, kdiff, raw, r)
+        if r < 0:
+            return False
+        diffs[i] = d
+    return e == len(esc) and r == len(raw)
+
+
+@_jit
+def decode(high, low, sym, esc, raw, lb, p0, first, end, dictionary, escape, same, kdiff, at, diffs):
+    """Decodes the changed pairs of a run of chunks (as many as ``at`` holds) from its stream
+    pieces: their pair indices (``at``, int64, ascending) and byte differences (``diffs``,
+    uint32; ``pair_diffs``). ``high``: with ``lb`` > 0 Elias-Fano high bits and ``low`` fields
+    (``elias_fano_positions``: the run's first pair is of rank ``p0``), with ``lb`` 0 the bitmap
+    of the run's pairs from pair ``first``. False where the pieces do not make sense: a pair out
+    of order or outside ``first .. end - 1``, or a piece too short or too long."""
+    n = len(at)
+    s0 = p0 % 2
+    if len(sym) != (s0 + n + 1) // 2:
+        return False
+    got = bitmap_positions(high, first, at) if lb == 0 else elias_fano_positions(high, low, lb, p0, first, at)
+    if got != n or (n > 0 and (at[0] < first or at[n - 1] >= end)):
+        return False
+    return pair_diffs(sym, esc, raw, s0, dictionary, escape, same, kdiff, diffs)
+
+
+@_jit
+def changed_bytes(at, diffs, pos, values):
+    """The bytes that changed of the pairs ``at`` (int64) with byte differences ``diffs``
+    (uint32): their byte offsets (``pos``, ascending where ``at`` is) and differences
+    (``values``, uint8, none 0), each with room for four per pair (written without a branch:
+    every byte stored, the count advanced by the changed ones). Returns how many."""
+    m = 0
+    for i in range(len(at)):
+        d = np.uint64(diffs[i])
+        base = 4 * at[i]
+        for j in range(4):
+            v = (d >> np.uint64(8 * j)) & _FF
+            pos[m] = base + j
+            values[m] = v
+            m += np.int64(v != _U0)
+    return m
+
+
+@_jit
+def add_at(dst, offsets, values):
+    """``dst[offsets] += values`` (uint8, mod 256; an offset may repeat), after checking that
+    every offset is in ``dst``: returns False, writing nothing, where one is not."""
+    for i in range(len(offsets)):
+        if offsets[i] < 0 or offsets[i] >= len(dst):
+            return False
+    for i in range(len(offsets)):
+        dst[offsets[i]] += values[i]
+    return True

@@ -38,11 +38,13 @@ readers read it before and after the streams (a seqlock). Pairs are in the byte 
 slot (its packing generation's layout); a slot's last pair may be short (padded with bytes that
 never change).
 
-The encoder (``encode_slots`` from two slots on the host, ``encode`` from changed pairs found
-elsewhere) runs as compiled loops (``_delta_kernels``, numba, imported on the first encode only):
-one streaming pass over the slots, then passes over the changed pairs alone. The dictionary
-counts the ``k`` of up to 65536 of the changed pairs. The reader (``parse``, ``ranges``,
-``decode``) is vectorised numpy: no Python step per pair, table lookups two pairs at a time.
+The codec runs as compiled loops (``_delta_kernels``, numba, imported on the first encode or
+decode only). The encoder (``encode_slots`` from two slots on the host, ``encode`` from changed
+pairs found elsewhere): one streaming pass over the slots, then passes over the changed pairs
+alone; the dictionary counts the ``k`` of up to 65536 of the changed pairs. The reader: ``parse``
+and ``ranges`` (numpy, a step per run of chunks at most), then ``decode`` (a run's pairs) or
+``changes`` (its changed bytes), one pass over the run's streams each. The tests hold an
+independent numpy codec to compare with (``tests/delta_reference.py``).
 """
 
 from __future__ import annotations
@@ -79,9 +81,6 @@ _CODE_DIFF = (0xFF, 0, 0x01, 0)  # code -> its byte difference (3: from the raw 
 _KDIFF = np.array(  # k -> its four byte differences as a little-endian uint32 (raw bytes 0)
     [sum(_CODE_DIFF[(k >> (2 * j)) & 3] << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32
 )
-_KRAW = np.array(  # k -> a 1 in each byte coded 3 (raw), as a little-endian uint32
-    [sum(int((k >> (2 * j)) & 3 == 3) << (8 * j) for j in range(4)) for k in range(256)], dtype=np.uint32
-)
 
 
 class Workspace:
@@ -100,44 +99,6 @@ class Workspace:
         if a is None or len(a) < size:
             a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
         return a[:size].view(dtype)
-
-    def mask(self, name: str, n: int) -> np.ndarray:
-        """A bool array of ``n`` elements and False after them up to a multiple of 8 (what
-        ``nonzero`` takes): the caller fills ``[:n]``."""
-        m = self.get(name, -(-n // 8) * 8, bool)
-        m[n:] = False
-        return m
-
-    def lookup(self, table: np.ndarray, index: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``out[:] = table[index]`` for small unsigned ``index``: numpy's take first converts such
-        indices to a fresh intp array, so they are widened into a reused one here."""
-        wide = self.get("_lookup", len(index), np.intp)
-        np.copyto(wide, index, casting="unsafe")
-        return np.take(table, wide, out=out, mode="clip")
-
-    def arange(self, n: int) -> np.ndarray:
-        """``0 .. n - 1`` as int64 (computed once per size class)."""
-        a = self._arrays.get("_arange")
-        if a is None or len(a) < 8 * n:
-            self._arrays["_arange"] = a = np.arange(max(1024, n + n // 4), dtype=np.int64).view(np.uint8)
-        return a[: 8 * n].view(np.int64)
-
-
-def nonzero(mask: np.ndarray, ws: Workspace, name: str) -> np.ndarray:
-    """The indices (int64, ascending) of the True elements of ``mask`` (bool, a multiple of 8
-    long: ``Workspace.mask``). Where few of its 8-element groups hold one, the groups are found
-    first (a pass over an eighth of the words) and only theirs are looked at; else one pass. May
-    be a view of ``ws`` under ``name``."""
-    words = mask.view(np.uint64)
-    hit = np.not_equal(words, 0, out=ws.get(f"{name}.hit", len(words), bool))
-    if 2 * np.count_nonzero(hit) > len(words):
-        return np.flatnonzero(mask)
-    groups = np.flatnonzero(hit)
-    j = np.flatnonzero(np.take(words, groups, out=ws.get(f"{name}.sub", len(groups), np.uint64)).view(bool))
-    group = np.right_shift(j, 3, out=ws.get(f"{name}.group", len(j), np.int64))
-    out = np.take(groups, group, out=ws.get(f"{name}.at", len(j), np.int64), mode="clip")  # (clip: unbuffered)
-    np.left_shift(out, 3, out=out)
-    return np.bitwise_or(out, np.bitwise_and(j, 7, out=j), out=out)
 
 
 def table_bytes(nchunks: int) -> int:
@@ -165,40 +126,6 @@ def geometry(slot_bytes: int) -> Geometry | None:
         return None
     pairs = -(-slot_bytes // PAIR)
     return Geometry(slot_bytes, pairs, -(-pairs // CHUNK_PAIRS), max(4096, slot_bytes // CAPACITY_FRACTION))
-
-
-def _unpack_bits(data: np.ndarray, skip: int, count: int, width: int) -> np.ndarray:
-    """``count`` fields of ``width`` bits after the first ``skip`` of ``data`` (whole groups of
-    ``GROUP`` fields, as the encoder packs them), int64; ValueError where ``data`` is short."""
-    if width == 0 or count == 0:
-        return np.zeros(count, np.int64)
-    m = -(-(skip + count) // GROUP)
-    if len(data) < m * width:
-        raise ValueError("short field stream")
-    out = np.empty(GROUP * m, np.int64)
-    if width in (1, 2, 4, 8):
-        per = 8 // width
-        b = data[: m * width]
-        fields = out.reshape(-1, per)
-        for j in range(per):
-            np.bitwise_and(np.right_shift(b, np.uint8(j * width)), np.uint8((1 << width) - 1), out=fields[:, j],
-                           casting="unsafe")  # fmt: skip
-        return out[skip : skip + count]
-    words = np.zeros((m, 16), np.uint8)
-    words[:, :width] = data[: m * width].reshape(m, width)
-    w = words.view(np.uint64)  # [m, 2]: the group's low and high 64 bits
-    mask = np.uint64((1 << width) - 1)
-    fields = out.reshape(m, GROUP).view(np.uint64)
-    for j in range(GROUP):
-        s = j * width
-        if s + width <= 64:
-            f = w[:, 0] >> np.uint64(s)
-        elif s >= 64:
-            f = w[:, 1] >> np.uint64(s - 64)
-        else:  # straddles the two halves
-            f = (w[:, 0] >> np.uint64(s)) | (w[:, 1] << np.uint64(64 - s))
-        np.bitwise_and(f, mask, out=fields[:, j])
-    return out[skip : skip + count]
 
 
 def low_bits_for(changed: int, pairs: int, slack: float = 1.0) -> int:
@@ -354,17 +281,13 @@ def write(buf: np.ndarray, e: Encoded) -> None:
 
 @dataclass(frozen=True)
 class Parsed:
-    """A delta's header, dictionary and tables as a reader read them (``parse``), and the lookup
-    tables its symbols decode through: per byte of the symbol stream (two pairs), the two pairs'
-    byte differences (raw bytes 0) and a 1 in each raw-coded byte, as uint64."""
+    """A delta's header, dictionary and tables as a reader read them (``parse``)."""
 
     low_bits: int
     pairs: int  # of the whole slot
     dictionary: np.ndarray  # uint8[16]
     tables: np.ndarray  # int64[3, nchunks + 1]; -1 where not read
     offsets: np.ndarray  # int64[5]: where each stream starts in the buffer
-    byte_diffs: np.ndarray  # uint64[256]
-    byte_raws: np.ndarray  # uint64[256]
 
 
 def table_rows(nchunks: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -374,17 +297,6 @@ def table_rows(nchunks: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray
     base = HEADER_BYTES + 4 * (nchunks + 1) * np.arange(3, dtype=np.int64)
     offsets = (base[:, None] + 4 * lo[None, :]).reshape(-1)
     return offsets, np.tile(4 * (hi - lo + 2), 3)
-
-
-def _symbol_tables(dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per byte of the symbol stream, its two pairs' differences and raw marks (``Parsed``); the
-    escape symbol's are 0 (the escape stream fills them in)."""
-    k = dictionary[:DICT_SIZE].astype(np.intp)
-    diff = np.zeros(16, np.uint64)
-    raws = np.zeros(16, np.uint64)
-    diff[:DICT_SIZE], raws[:DICT_SIZE] = _KDIFF[k], _KRAW[k]
-    lo, hi = np.arange(256) & 15, np.arange(256) >> 4
-    return diff[lo] | (diff[hi] << np.uint64(32)), raws[lo] | (raws[hi] << np.uint64(32))
 
 
 def parse(
@@ -413,8 +325,7 @@ def parse(
             if b + 1 == nchunks and got[-1] != totals[t]:
                 return None
             tables[t, a : b + 2] = got
-    byte_diffs, byte_raws = _symbol_tables(dictionary)
-    return Parsed(lb, pairs, dictionary, tables, head[OFFSETS : OFFSETS + 5].astype(np.int64), byte_diffs, byte_raws)
+    return Parsed(lb, pairs, dictionary, tables, head[OFFSETS : OFFSETS + 5].astype(np.int64))
 
 
 def parse_buffer(buf: np.ndarray, nchunks: int, pairs: int) -> Parsed | None:
@@ -442,78 +353,67 @@ def ranges(p: Parsed, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.nd
     return first + p.offsets[None, :], end - first
 
 
-def _positions_of(p: Parsed, lo: int, hi: int, high: np.ndarray, low: np.ndarray, ws: Workspace) -> np.ndarray | None:
-    """The pair indices of chunks ``lo..hi`` (ascending, checked), from their ``high`` and
-    ``low`` stream pieces; None where malformed."""
-    t, lb = p.tables, p.low_bits
-    p0, p1 = int(t[0, lo]), int(t[0, hi + 1])
-    n = p1 - p0
-    if lb == 0:
-        at = np.flatnonzero(np.unpackbits(high, bitorder="little").view(bool))  # (0 or 1: valid bools)
-        if len(at) != n:
-            return None
-        np.add(at, lo * CHUNK_PAIRS, out=at)
-    else:
-        h0 = ((lo * CHUNK_PAIRS) >> lb) + p0
-        at = np.flatnonzero(np.unpackbits(high, bitorder="little")[h0 % 8 :].view(bool))[:n]
-        if len(at) != n:
-            return None
-        np.add(at, h0 - p0, out=at)
-        np.subtract(at, ws.arange(n), out=at)  # the bucket of each pair
-        np.left_shift(at, lb, out=at)
-        np.bitwise_or(at, _unpack_bits(low, p0 % GROUP, n, lb), out=at)
-        if np.any(np.less_equal(at[1:], at[:-1], out=ws.get("dec.b", n - 1, bool))):
-            return None
-    if at[0] < lo * CHUNK_PAIRS or at[-1] >= min((hi + 1) * CHUNK_PAIRS, p.pairs):
-        return None
-    return at
-
-
 def decode(
     p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], ws: Workspace | None = None
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """The changed pairs of chunks ``lo..hi`` from their stream ``pieces`` (as ``ranges`` cut
-    them): ``(pair indices ascending, byte differences [n, 4] uint8)``, views of ``ws`` (valid until
-    its next use); None where malformed."""
+    """The changed pairs of chunks ``lo..hi`` from their stream ``pieces`` (uint8, as ``ranges``
+    cut them): ``(pair indices ascending, byte differences [n, 4] uint8)``, views of ``ws`` (valid
+    until its next use); None where malformed."""
+    from . import _delta_kernels as kernels
+
     ws = ws or Workspace()
-    t = p.tables
-    p0, p1 = int(t[0, lo]), int(t[0, hi + 1])
+    p0, p1 = int(p.tables[0, lo]), int(p.tables[0, hi + 1])
     n = p1 - p0
-    if n == 0:
-        return np.zeros(0, np.int64), np.zeros((0, 4), np.uint8)
-    try:
-        at = _positions_of(p, lo, hi, pieces[0], pieces[1], ws)
-        if at is None:
-            return None
-        # each symbol byte (two pairs) to both pairs' differences and raw marks at once
-        sym = pieces[2]
-        first = p0 % 2
-        if len(sym) != (first + n + 1) // 2:
-            return None
-        diffs = ws.lookup(p.byte_diffs, sym, ws.get("dec.d", len(sym), np.uint64)).view(np.uint32)
-        marks = ws.lookup(p.byte_raws, sym, ws.get("dec.r", len(sym), np.uint64))
-        # escapes: the symbols 15 (few), their k from the escape stream
-        found = ws.mask("dec.em", 2 * len(sym))
-        np.equal(np.bitwise_and(sym, np.uint8(0x0F), out=ws.get("dec.lo", len(sym), np.uint8)), ESCAPE,
-                 out=found[0 : 2 * len(sym) : 2])  # fmt: skip
-        np.greater_equal(sym, np.uint8(ESCAPE << 4), out=found[1 : 2 * len(sym) : 2])
-        escaped = nonzero(found, ws, "dec.esc")
-        escaped = escaped[(escaped >= first) & (escaped < first + n)]  # (half bytes of other chunks)
-        k = pieces[3]
-        if len(escaped) != len(k) or np.any(k == SAME):
-            return None
-        diffs[escaped] = _KDIFF[k]
-        marks.view(np.uint32)[escaped] = _KRAW[k]
-        # the bytes coded 3 (in pair, then byte order) take the raw stream's bytes
-        raw_at = nonzero(marks.view(bool), ws, "dec.raw") - 4 * first
-        raw_at = raw_at[(raw_at >= 0) & (raw_at < 4 * n)]
-        if len(raw_at) != len(pieces[4]):
-            return None
-        out = diffs[first : first + n].view(np.uint8)
-        out[raw_at] = pieces[4]
-    except (ValueError, IndexError):
+    at, diffs = ws.get("dec.at", n, np.int64), ws.get("dec.d", n, np.uint32)
+    if n and not _decoded(kernels, p, lo, hi, pieces, at, diffs):
         return None
-    return at, out.reshape(n, 4)
+    return at, diffs.view(np.uint8).reshape(n, PAIR)
+
+
+def changes(
+    p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], offsets: np.ndarray, values: np.ndarray, ws: Workspace
+) -> int | None:
+    """The bytes that changed in chunks ``lo..hi`` (``decode``'s pairs, byte by byte): their slot
+    offsets (ascending) into ``offsets`` (int64) and differences into ``values`` (uint8, none 0),
+    each with room for ``PAIR`` per changed pair; how many, or None where malformed."""
+    from . import _delta_kernels as kernels
+
+    got = decode(p, lo, hi, pieces, ws)
+    if got is None:
+        return None
+    return kernels.changed_bytes(got[0], got[1].reshape(-1).view(np.uint32), offsets, values)
+
+
+def _decoded(
+    kernels: ModuleType, p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], at: np.ndarray, diffs: np.ndarray
+) -> bool:
+    p0 = int(p.tables[0, lo])
+    first, end = lo * CHUNK_PAIRS, min((hi + 1) * CHUNK_PAIRS, p.pairs)
+    high, low, sym, esc, raw = (np.ascontiguousarray(x, dtype=np.uint8) for x in pieces)
+    return kernels.decode(
+        high, low, sym, esc, raw, p.low_bits, p0, first, end, p.dictionary, ESCAPE, SAME, _KDIFF, at, diffs
+    )
+
+
+def add(dst: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> bool:
+    """``dst[offsets] += values`` (uint8, mod 256; ``offsets`` int64, in any order), compiled;
+    False, writing nothing, where an offset is outside ``dst``."""
+    from . import _delta_kernels as kernels
+
+    return kernels.add_at(dst, offsets, values)
+
+
+def load_decoder() -> None:
+    """Loads the compiled decoder now (numba's start-up and the kernels' machine code, from its cache
+    or compiled), so that the first delta pull does not pay it: about 0.3 s of CPU once per
+    process. (Empty inputs of the types a pull passes: each kernel loads for those.)"""
+    from . import _delta_kernels as kernels
+
+    none, pairs, offsets = np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    diffs = np.zeros(0, np.uint32)
+    kernels.decode(none, none, none, none, none, 0, 0, 0, 0, np.zeros(16, np.uint8), ESCAPE, SAME, _KDIFF, pairs, diffs)
+    kernels.changed_bytes(pairs, diffs, offsets, none)
+    kernels.add_at(np.zeros(1, np.uint8), offsets, none)
 
 
 __all__ = [
@@ -530,12 +430,14 @@ __all__ = [
     "PAIR",
     "Parsed",
     "Workspace",
+    "add",
+    "changes",
     "decode",
     "encode",
     "encode_slots",
     "geometry",
+    "load_decoder",
     "load_encoder",
-    "nonzero",
     "parse",
     "parse_buffer",
     "ranges",

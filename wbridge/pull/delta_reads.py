@@ -7,9 +7,10 @@ pull: one batched read of the headers of the deltas ``a + 1 .. v`` and of their 
 those runs (``heads``: a reader of a slice reads its slice of the tables), one of the stream bytes
 of just the runs of chunks the reads cover (``fetch``), then the headers again, with the slot's
 stamp where asked: a buffer rewritten meanwhile is not used (``recheck``). The first and last of
-these are prepared once per shape and replayed (``Scratch.prepared``). Decoding is vectorised per
-delta and run (``protocol.delta.decode``), then cut at the reads and grouped per destination region
-(``writes``); each write adds byte differences at its offsets (``apply``).
+these are prepared once per shape and replayed (``Scratch.prepared``). Each delta and run is
+decoded into its changed bytes (``protocol.delta.changes``, compiled), then cut at the reads and
+grouped per destination region (``writes``); each write adds byte differences at its offsets
+(``apply``: compiled on the host).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transports.base import ReadBatch
 from .._deadline import Deadline
 from .._lifecycle import quietly
 from .._tensors import address, alloc_bytes
+from ..errors import IntegrityError
 from ..protocol import checksum as _checksum
 from ..protocol import delta as _format
 from ..protocol.delta import CHUNK_BYTES, DELTA_MAGIC, DELTA_NONE, DELTA_STABLE, HEADER_BYTES, PAIR, table_rows
@@ -163,6 +165,8 @@ def prepare(ctx: PullContext, session: Session) -> dict[int, SourceGeometry | st
         size = int(sizes[0])
         starts = _checksum.slot_edges(session.layouts[src.rank], size)
         geo[src.rank] = source_geometry(src, size, [unb64(d) for d in descs], starts) or "unsupported-plan"
+    if any(isinstance(g, SourceGeometry) for g in geo.values()):
+        _format.load_decoder()  # (numba's start-up: here, not in the first delta pull's timings)
     endpoints = ctx.endpoints
 
     def release() -> None:
@@ -330,24 +334,17 @@ def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write]
     their order does not matter); None where a delta is malformed."""
     g = session.delta[src.rank]
     out: list[Write] = []
-    for i, p in enumerate(h.parsed):  # one step per delta version (k at most) and run, vectorised inside
-        pos_runs, unit_runs = [], []
+    for i, p in enumerate(h.parsed):  # one step per delta version (k at most) and run, compiled inside
+        pairs = int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum())
+        pos = g.work.get(f"w.pos.{i}", PAIR * pairs, np.int64)  # (a delta's own: they are applied together)
+        units = g.work.get(f"w.units.{i}", PAIR * pairs, np.uint8)
+        m = 0
         for r, (lo, hi) in enumerate(zip(g.run_lo, g.run_hi)):
-            decoded = _format.decode(p, int(lo), int(hi), list(got.pieces[i][r]), g.work)
-            if decoded is None:
+            k = _format.changes(p, int(lo), int(hi), list(got.pieces[i][r]), pos[m:], units[m:], g.work)
+            if k is None:
                 return None
-            at, diffs = decoded  # (views of the workspace: turned into new arrays here)
-            flat = diffs.reshape(-1)
-            changed = np.flatnonzero(np.not_equal(flat, 0, out=g.work.get("w.nz", len(flat), bool)))
-            unit_runs.append(np.take(flat, changed))  # the bytes that changed, ascending
-            pair = np.right_shift(changed, 2, out=g.work.get("w.pair", len(changed), np.int64))
-            np.take(at, pair, out=pair)
-            np.bitwise_and(changed, PAIR - 1, out=changed)
-            pos_runs.append(np.add(changed, np.multiply(pair, PAIR, out=pair), out=changed))
-        if not pos_runs:
-            continue
-        pos = np.concatenate(pos_runs) if len(pos_runs) > 1 else pos_runs[0]
-        units = np.concatenate(unit_runs) if len(unit_runs) > 1 else unit_runs[0]
+            m += k
+        pos, units = pos[:m], units[:m]
         # positions ascend: cut them at every read's start and end
         cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
         lo_, hi_ = cut[0::2][g.perm], cut[1::2][g.perm]
@@ -375,7 +372,8 @@ def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write]
 def apply(dst: Any, w: Write) -> None:
     """Adds ``w``'s byte differences into ``dst`` (a uint8 region, host or device), mod 256."""
     if isinstance(dst, np.ndarray) or dst.device.type == "cpu":
-        np.add.at(_checksum.host_array(dst), w.offsets, w.values)  # (numpy's fast path: twice ``a[i] += v``)
+        if not _format.add(_checksum.host_array(dst), w.offsets, w.values):
+            raise IntegrityError(f"a delta write falls outside destination region {w.region} ({len(dst)} bytes)")
         return
     import torch
 
