@@ -469,6 +469,9 @@ def add_at(dst, offsets, values):
     for i in range(len(offsets)):
         if offsets[i] < 0 or offsets[i] >= len(dst):
             return False
-    for i in range(len(offsets)):
+    n = len(offsets)
+    for i in range(n):
+        if i + 64 < n:  # (the destination is in no cache: its lines asked for 64 changes ahead)
+            _prefetch(dst, offsets[i + 64])
         dst[offsets[i]] += values[i]
     return True
