@@ -197,28 +197,25 @@ def _note(table, ptab, c, i, value):
 
 
 @_inner
-def symbols(ks, both, escape, ptab, sym, esc, etab):
-    """The changed pairs' symbols (``sym``: two a byte, the first in the low half; ``both``: two
-    pairs' ``k`` as ``k0 | k1 << 8`` -> their symbol byte), escapes (symbol ``escape``; ``esc``:
-    their ``k``) and
-    escape table (``etab``: escapes before each chunk's first pair, ``ptab``). Returns the
-    escapes."""
+def symbols(ks, lut, escape, ptab, sym, esc, etab):
+    """The changed pairs' symbols (``sym``: two a byte, the first in the low half; ``lut``: ``k``
+    -> its symbol), escapes (symbol ``escape``; ``esc``: their ``k``) and escape table (``etab``:
+    escapes before each chunk's first pair, ``ptab``). Returns the escapes."""
     n = len(ks)
     ne = 0
     c = 0
     for h in range((n + 1) // 2):
         k0 = ks[2 * h]
         k1 = ks[2 * h + 1] if 2 * h + 1 < n else ks[2 * h]
-        s = both[np.int64(k0) | (np.int64(k1) << 8)]
-        if 2 * h + 1 == n:  # (the last pair's symbol alone in its byte)
-            s &= 15
-        sym[h] = s
-        if (s & 15) == escape or s >= escape << 4:  # (few)
-            if (s & 15) == escape:
+        s0 = lut[k0]
+        s1 = lut[k1] if 2 * h + 1 < n else 0  # (the last pair's symbol alone in its byte)
+        sym[h] = s0 | (s1 << 4)
+        if s0 == escape or s1 == escape:  # (few)
+            if s0 == escape:
                 c = _note(etab, ptab, c, 2 * h, ne)
                 esc[ne] = k0
                 ne += 1
-            if s >= escape << 4:
+            if s1 == escape:
                 c = _note(etab, ptab, c, 2 * h + 1, ne)
                 esc[ne] = k1
                 ne += 1
@@ -313,11 +310,7 @@ def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, ra
         dictionary[s] = best
         lut[best] = s
         counts[best] = -2
-    both = np.empty(1 << 16, np.uint8)  # two pairs' k as k0 | k1 << 8 -> their symbol byte
-    for k1 in range(256):
-        for k0 in range(256):
-            both[k1 << 8 | k0] = lut[k0] | (lut[k1] << 4)
-    ne = symbols(ks, both, escape, tables[0], sym, esc, tables[1])
+    ne = symbols(ks, lut, escape, tables[0], sym, esc, tables[1])
     nraw = raws(ks, diffs, tables[0], raw, tables[2])
     positions(at, lb, high, low, make_bitmap)
     return ne, nraw
