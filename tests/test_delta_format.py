@@ -292,3 +292,17 @@ def test_adding_changes_checks_every_offset_before_writing() -> None:
     for bad in (64, -1):
         assert not F.add(dst, np.array([0, 1, bad], np.int64), np.array([1, 1, 1], np.uint8))
         assert np.array_equal(dst, before)  # nothing written
+    with pytest.raises(ValueError, match="2 values for 3 offsets"):
+        F.add(dst, np.array([0, 1, 2], np.int64), np.array([1, 1], np.uint8))
+    assert np.array_equal(dst, before)
+
+
+def test_changed_bytes_need_room_for_every_pair() -> None:
+    a, b = changed(3 * F.CHUNK_BYTES, 0.05, 8)
+    geo, at, diffs, buf, p = coded(a, b)
+    offsets, lengths = F.ranges(p, np.array([0]), np.array([geo.nchunks - 1]))
+    pieces = [buf[o : o + n] for o, n in zip(offsets[0], lengths[0])]
+    room = 4 * len(at)
+    assert F.changes(p, 0, geo.nchunks - 1, pieces, np.zeros(room, np.int64), np.zeros(room, np.uint8), dirty())
+    with pytest.raises(ValueError, match="room for"):
+        F.changes(p, 0, geo.nchunks - 1, pieces, np.zeros(room - 1, np.int64), np.zeros(room, np.uint8), dirty())

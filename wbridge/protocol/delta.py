@@ -375,9 +375,13 @@ def changes(
 ) -> int | None:
     """The bytes that changed in chunks ``lo..hi`` (``decode``'s pairs, byte by byte): their slot
     offsets (ascending) into ``offsets`` (int64) and differences into ``values`` (uint8, none 0),
-    each with room for ``PAIR`` per changed pair; how many, or None where malformed."""
+    each with room for ``PAIR`` per changed pair (ValueError where not: the compiled loop writes
+    unchecked); how many, or None where malformed."""
     from . import _delta_kernels as kernels
 
+    n = int(p.tables[0, hi + 1] - p.tables[0, lo])
+    if min(len(offsets), len(values)) < PAIR * n:
+        raise ValueError(f"room for {min(len(offsets), len(values))} changed bytes, not the {PAIR * n} of {n} pairs")
     got = decode(p, lo, hi, pieces, ws)
     if got is None:
         return None
@@ -397,9 +401,12 @@ def _decoded(
 
 def add(dst: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> bool:
     """``dst[offsets] += values`` (uint8, mod 256; ``offsets`` int64, in any order), compiled;
-    False, writing nothing, where an offset is outside ``dst``."""
+    False, writing nothing, where an offset is outside ``dst`` (ValueError where ``values`` is not
+    as long as ``offsets``)."""
     from . import _delta_kernels as kernels
 
+    if len(values) != len(offsets):
+        raise ValueError(f"{len(values)} values for {len(offsets)} offsets")
     return kernels.add_at(dst, offsets, values)
 
 
