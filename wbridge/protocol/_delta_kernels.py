@@ -331,17 +331,23 @@ def _pair_code(k, kdiff, raw, r):
     return d, r
 
 
+@njit(inline="always")
+def _word(data, w):
+    """Bytes ``8 w .. 8 w + 7`` of ``data`` as a little-endian uint64 (zeros past its end)."""
+    m = _U0
+    for j in range(min(8, len(data) - 8 * w)):
+        m |= np.uint64(data[8 * w + j]) << np.uint64(8 * j)
+    return m
+
+
 @_inner
 def bitmap_positions(high, first, at):
     """The pairs of a bitmap (``high``, a bit per pair from pair ``first``) into ``at``, 64 bits
     at a time; how many, or -1 where more than ``at`` holds."""
     n = len(at)
     i = 0
-    nb = len(high)
-    for w in range((nb + 7) // 8):
-        m = _U0
-        for j in range(min(8, nb - 8 * w)):
-            m |= np.uint64(high[8 * w + j]) << np.uint64(8 * j)
+    for w in range((len(high) + 7) // 8):
+        m = _word(high, w)
         while m:
             if i == n:
                 return -1
@@ -367,11 +373,8 @@ def elias_fano_positions(high, low, lb, p0, first, at):
     mask = np.int64((1 << lb) - 1)
     prev = np.int64(-1)
     i = 0
-    nb = len(high)
-    for w in range((nb + 7) // 8):
-        m = _U0
-        for j in range(min(8, nb - 8 * w)):
-            m |= np.uint64(high[8 * w + j]) << np.uint64(8 * j)
+    for w in range((len(high) + 7) // 8):
+        m = _word(high, w)
         if w == 0:
             m &= ~_U0 << np.uint64(h % 8)
         while m:
