@@ -14,7 +14,7 @@ import pytest
 from wbridge.store import TcpStore
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_clients_connecting_beside_other_connections_to_the_port_wait_on_their_own() -> None:
     host = TcpStore("127.0.0.1", 0, is_host=True, connect_timeout=30)
     host.set("k", b"v")
@@ -30,9 +30,13 @@ def test_clients_connecting_beside_other_connections_to_the_port_wait_on_their_o
             c = TcpStore("127.0.0.1", host.port, is_host=False, connect_timeout=30)
             try:
                 t0 = time.monotonic()
-                c.wait("k", 20.0)  # the key exists: the wait's own connection answers at once
+                # the key exists: the wait's own connection answers at once, but first it connects,
+                # and while the probes open a socket to the port at the same moment, the connect is
+                # made again (``_Ambiguous``): on a loaded machine (the suite at load 10 and more)
+                # that held three waits 12-20 s. A wait answered on another socket ends at its timeout.
+                c.wait("k", 90.0)
                 got = c.get("k")
-                if got != b"v" or time.monotonic() - t0 > 10.0:
+                if got != b"v" or time.monotonic() - t0 > 60.0:
                     failures.append((got, round(time.monotonic() - t0, 1)))
             except Exception as e:  # noqa: BLE001 - collected and reported
                 failures.append(repr(e)[:200])
@@ -45,7 +49,7 @@ def test_clients_connecting_beside_other_connections_to_the_port_wait_on_their_o
         for t in probes + clients:
             t.start()
         for t in clients:
-            t.join(100)
+            t.join(200)
         assert not any(t.is_alive() for t in clients), "a client hung"
         assert failures == [], failures
     finally:
