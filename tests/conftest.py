@@ -10,8 +10,8 @@ with one thread each (141 s and 81 s of wall time under ``-n 6`` on 2 cores).
 time under ``pytest -n N`` (``scripts/test.sh``); one keeps about one core busy. On these 2 cores,
 two at once once left the other workers' tests too little CPU (timing-bound tests failed at load
 14); since the examples' rollouts rest between batches and SGLang's idle schedulers sleep instead
-of spinning a core each, two lanes fit (a run: the lanes ended 578 and 539 s after the first test
-started, the other workers at 482-530 s). Their modules are split into that many lanes of about
+of spinning a core each, two lanes fit (a run of 2026-12-05: the lanes ended 668 and 672 s after
+the first test started, the other workers at 574-654 s). Their modules are split into that many lanes of about
 equal length (``HEAVY_SECONDS``); each lane
 heads one worker's share of the collection (work-stealing scheduling hands each worker a contiguous
 share and moves tests from the end of a long queue to an idle worker; ours never moves a heavy
