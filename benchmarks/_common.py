@@ -39,7 +39,10 @@ from wbridge.testing.workers import Worker, call_all, gather  # noqa: F401 (used
 BUCKET_BYTES = 512 * 1024**2
 TOKEN = "wbridge-bench-token"
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CTX = mp.get_context("spawn")
+# The actors' processes fork from one server that imported torch and wbridge once (a spawned
+# process imports them itself: about 1.5 CPU-seconds each, most of a tiny run's own work).
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "numpy", "wbridge", "wbridge.testing.synthetic"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,7 +70,7 @@ MODEL_SIZES = ("1g", "512m", "256m", "tiny")
 
 
 # ----------------------------------------------------------------------------------------------
-# Driving objects in spawned processes
+# Driving objects in processes of their own
 # ----------------------------------------------------------------------------------------------
 
 
@@ -75,7 +78,7 @@ Actor = Worker
 
 
 def start_actors(specs: Iterable[tuple[str, Callable[..., Any], tuple, dict]], timeout: float = 180.0) -> list[Actor]:
-    """Spawns every actor, then waits for all constructors (they run in parallel)."""
+    """Starts every actor (``CTX``), then waits for all constructors (they run in parallel)."""
     actors = [Actor(name, factory, *args, timeout=None, context=CTX, **kwargs) for name, factory, args, kwargs in specs]
     try:
         gather(actors, timeout)
