@@ -2,7 +2,7 @@
 processes and their ``result.json``.
 
 ``examples/vllm_async_rl.py`` and ``examples/lora_async_rl.py`` import it: ``python examples/X.py``
-puts ``examples/`` first on ``sys.path``, and the spawned processes inherit that path.
+puts ``examples/`` first on ``sys.path``, and the processes it starts inherit that path.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def free_port() -> int:
 
 
 def run_procs(trainer: Callable, rollout: Callable, args, timeout: float, train_timeout: float) -> tuple[dict, list]:
-    """Run two ``trainer`` and two ``rollout`` processes (spawned) to the end; return their results.
+    """Run two ``trainer`` and two ``rollout`` processes to the end; return their results. Each forks
+    from one server process that imported torch, wbridge and vLLM once (``forkserver``): a process
+    spawned afresh imports them itself, about 8 CPU-seconds for a rollout.
 
     ``trainer(rank, args, ports, token, started, results, done)``: ``ports`` is (the store's, the
     gloo rendezvous'); it puts ``("trainer", rank, {"published": [versions], ...})`` on ``results``,
@@ -56,7 +58,8 @@ def run_procs(trainer: Callable, rollout: Callable, args, timeout: float, train_
     ``started`` is a barrier of all four. ``train_timeout`` bounds the wait for the trainers'
     results, ``timeout`` every other wait. Returns trainer rank 0's result and the rollouts' results.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "wbridge", "vllm.entrypoints.llm", "vllm.v1.engine.async_llm"])
     ports, token = (free_port(), free_port()), secrets.token_hex(16)
     started, stop, done, last, results = ctx.Barrier(4), ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
     procs = [ctx.Process(target=trainer, args=(r, args, ports, token, started, results, done)) for r in range(2)]

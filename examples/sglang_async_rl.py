@@ -151,7 +151,10 @@ def run(args: argparse.Namespace, work: str) -> dict:
 
     ckpt = os.path.join(work, "ckpt")
     make_qwen2(ckpt)
-    ctx = mp.get_context("spawn")
+    # each process forks from one that imported torch, wbridge and SGLang once (a spawned one
+    # imports them itself)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "wbridge", "sglang", "sglang.srt.entrypoints.engine"])
     go, done, stop = ctx.Event(), ctx.Event(), ctx.Event()
     up, results = ctx.Queue(), ctx.Queue()
     final_version = ctx.Value("i", 0)
