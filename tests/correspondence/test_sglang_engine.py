@@ -17,7 +17,7 @@ import time
 import pytest
 
 from .helpers import free_port
-from .venvs import HERE, NO_SGLANG, SGLANG_PY, kill_group, sglang_env, spawn
+from .venvs import HERE, NO_SGLANG, SGLANG_PY, kill_group, sglang_env, spawn_role
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,7 +30,7 @@ def _spawn(*args, log, path=(), script="sglang_roles.py", env=None):
     """A role of ``script`` in the SGLang venv (``path``: more of ``PYTHONPATH``; ``env``: more
     variables), in a session of its own (its engine's scheduler and detokenizer children die with
     the group)."""
-    return spawn([SGLANG_PY, os.path.join(HERE, script), *args], log, {**sglang_env(path), **(env or {})})
+    return spawn_role("sglang", os.path.join(HERE, script), args, log, {**sglang_env(path), **(env or {})})
 
 
 def wait_file(path, timeout, procs, logs):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from .helpers import free_port
-from .venvs import HERE, NO_VLLM, ROOT, VLLM_PY, kill_group, spawn, vllm_env  # noqa: F401 (ROOT: re-exported)
+from .venvs import HERE, NO_VLLM, ROOT, VLLM_PY, kill_group, spawn_role, vllm_env  # noqa: F401 (ROOT: re-exported)
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,7 +33,7 @@ pytestmark = [
 def _spawn(*args, log, path=(), script="vllm_roles.py", env=None):
     """A role of ``script`` in the vLLM venv (``env``: more variables), in a session of its own:
     cleanup kills the whole group (vLLM's engine-core and worker children)."""
-    return spawn([VLLM_PY, os.path.join(HERE, script), *args], log, {**vllm_env(path), **(env or {})})
+    return spawn_role("vllm", os.path.join(HERE, script), args, log, {**vllm_env(path), **(env or {})})
 
 
 def _wait(procs, timeout, logs):

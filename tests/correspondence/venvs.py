@@ -4,15 +4,21 @@ vLLM runs in ``.venv-vllm`` and SGLang in ``.venv-sglang`` (made by the set-up s
 ``WBRIDGE_VLLM_PYTHON`` / ``WBRIDGE_SGLANG_PYTHON``); neither has wbridge installed, so each
 process gets the repository (and, for SGLang, ``tests/sglang_stubs``) on ``PYTHONPATH``. Such a
 process runs in a session of its own (``spawn``), so that a cleanup kills its whole group
-(``kill_group``): the engines' scheduler and worker children, a trainer's ranks, Ray's workers.
+(``kill_group``): the engines' scheduler and worker children, a trainer's ranks, Ray's workers. A
+test's role process forks from a server of its venv that imported torch, wbridge and the engine
+once (``spawn_role``, ``role_host.RoleForks``); the examples start as a user starts them.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+
+from .role_host import Forked, RoleForks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -49,8 +55,32 @@ def spawn(cmd: Sequence[str], log, env: Mapping[str, str]) -> subprocess.Popen:
     )
 
 
-def kill_group(p: subprocess.Popen) -> None:
+#: What each venv's fork server imports once (``spawn_role``).
+PRELOAD = {
+    "vllm": ["torch", "wbridge", "vllm.entrypoints.llm", "vllm.v1.engine.async_llm"],
+    "sglang": ["torch", "wbridge", "sglang", "sglang.srt.entrypoints.engine"],
+}
+_forks: dict[str, RoleForks] = {}
+
+
+def spawn_role(venv: str, script: str, args: Sequence, log, env: Mapping[str, str]) -> Forked:
+    """``script *args`` (a role script of these tests) as a process of ``venv`` (``"vllm"`` or
+    ``"sglang"``) with ``env``, its output in the open file ``log``, in a session of its own: forked
+    from the venv's fork server (started on first use, ended with this process)."""
+    forks = _forks.get(venv)
+    if forks is None:
+        python, base = (VLLM_PY, vllm_env()) if venv == "vllm" else (SGLANG_PY, sglang_env())
+        log_path = os.path.join(tempfile.mkdtemp(prefix=f"wbridge-{venv}-forks-"), "forks.log")
+        forks = _forks[venv] = RoleForks(python, base, PRELOAD[venv], log_path)
+        atexit.register(forks.close)
+    return forks.start(script, *args, log=log, env=env)
+
+
+def kill_group(p: subprocess.Popen | Forked) -> None:
     """Kills the session ``p`` was spawned in (what it left behind too) and reaps ``p``."""
+    if isinstance(p, Forked):
+        p.kill_group()
+        return
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
