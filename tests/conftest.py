@@ -45,23 +45,22 @@ def _has_cuda() -> bool:
 
 HEAVY_AT_ONCE = 2
 # About how long each heavy module takes in a suite run on these 2 cores (s: the sum of its tests'
-# setup, call and teardown, beside the other workers): balances the lanes. A module not listed
-# counts HEAVY_DEFAULT_SECONDS.
+# setup, call and teardown, beside the other workers; clean-clone CI of 2026-12-05): balances the
+# lanes. A module not listed counts HEAVY_DEFAULT_SECONDS.
 HEAVY_SECONDS = {
-    "tests/correspondence/test_sglang_engine.py": 208,
-    "tests/correspondence/test_sglang_example.py": 137,
-    "tests/correspondence/test_vllm_engine.py": 134,
-    "tests/correspondence/test_lora_example.py": 125,
-    "tests/benchmarks/test_delta_smoke.py": 119,
-    "tests/correspondence/test_vllm_async_rl.py": 89,
-    "tests/correspondence/test_ray.py": 87,
-    "tests/correspondence/test_vllm_faults.py": 62,
-    "tests/correspondence/test_vllm_updater.py": 51,
-    "tests/correspondence/test_vllm_lora.py": 37,
-    "tests/correspondence/test_vllm_trainer_driven.py": 32,
-    "tests/correspondence/test_sglang_lora.py": 15,
-    "tests/correspondence/test_dtensor.py": 13,
-    "tests/correspondence/test_lora_channel.py": 10,
+    "tests/correspondence/test_sglang_engine.py": 198,
+    "tests/correspondence/test_vllm_engine.py": 130,
+    "tests/correspondence/test_ray.py": 103,
+    "tests/correspondence/test_sglang_example.py": 101,
+    "tests/correspondence/test_vllm_faults.py": 87,
+    "tests/correspondence/test_lora_example.py": 87,
+    "tests/correspondence/test_vllm_lora.py": 73,
+    "tests/correspondence/test_vllm_async_rl.py": 62,
+    "tests/correspondence/test_sglang_lora.py": 57,
+    "tests/correspondence/test_dtensor.py": 54,
+    "tests/correspondence/test_vllm_updater.py": 50,
+    "tests/correspondence/test_vllm_trainer_driven.py": 41,
+    "tests/correspondence/test_lora_channel.py": 39,
 }
 HEAVY_DEFAULT_SECONDS = 30
 

@@ -54,7 +54,6 @@ def check_bytes(line: str, out_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # trains the small Llama in real processes
 @pytest.mark.timeout(300)
 def test_delta_benchmark_prints_its_line(tmp_path) -> None:
     line = run_delta(tmp_path, "--lr", "1e-6", "--steps", "2")
@@ -65,14 +64,12 @@ def test_delta_benchmark_prints_its_line(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # trains the small Llama in real processes
 @pytest.mark.timeout(300)
 def test_delta_benchmark_publishes_fp8_blocks(tmp_path) -> None:
     run_delta(tmp_path, "--lr", "1e-6", "--steps", "2", "--fp8", tail=" fp8")
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # trains the small Llama in real processes, in two network namespaces
 @pytest.mark.timeout(300)
 def test_delta_benchmark_over_a_shaped_link(tmp_path) -> None:
     from tests.hosts import netns_unavailable
