@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
 import select
 import socket
@@ -40,14 +41,23 @@ _STOP_WAITING, _WAIT_CANCELED = 0, 1
 _CONNECT_LOCK = threading.Lock()
 
 
-def _probe(host: str, port: int, timeout: float) -> None:
+def _probe(host: str, port: int, timeout: float, settle: float = 0.0) -> None:
     """Opens and closes one TCP connection to ``host:port`` (raises ``OSError`` where none can be
-    made), under ``_CONNECT_LOCK``."""
+    made), under ``_CONNECT_LOCK``. With ``settle``, the connection must also stay open that long:
+    the kernel completes a connection to a listening socket whose process is ending (killed, its
+    sockets closing one by one) and resets it once the listener closes (``ConnectionResetError``)."""
     if not _CONNECT_LOCK.acquire(timeout=max(timeout, 0.01)):
         raise TimeoutError(f"another connect to a store held this process for {timeout:.1f}s")
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            if settle > 0:
+                s.settimeout(settle)
+                try:
+                    got = s.recv(1)  # (a store answers nothing before the client speaks)
+                except TimeoutError:
+                    return
+                if not got:
+                    raise ConnectionResetError(errno.ECONNRESET, "accepted, then closed")
     finally:
         _CONNECT_LOCK.release()
 
@@ -185,7 +195,7 @@ def _gone(url: str, host: str, port: int, how: str) -> str:
     """The message for a store whose connection was lost (``how``): a probe tells whether the host
     still accepts connections, and the message says what to check either way."""
     try:
-        _probe(host, port, 1.0)
+        _probe(host, port, 1.0, settle=0.25)  # (a store host being killed still completes connections)
     except OSError as e:
         probe = "refused" if isinstance(e, ConnectionRefusedError) else (e.strerror or type(e).__name__)
         return f"store host {url} is gone (connection {how}; a new connection: {probe}): {_CHECK} {host}:{port}"
