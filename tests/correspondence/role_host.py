@@ -59,7 +59,10 @@ def serve(roles: Mapping[str, Callable[..., Any]], fd: int, after: Callable[[], 
 class _Server:
     """Test side of a process of another venv serving requests: ``python script MODE FD *more``
     with ``env``, requests on its stdin, answers on the pipe ``FD``, its output in ``log`` (a path),
-    in a session of its own (``close`` kills the group: engines' children too)."""
+    in a session of its own (``close`` kills the group: engines' children too). ``what`` names it
+    in messages."""
+
+    what = "server"
 
     def __init__(self, python: str, script: str, mode: str, env: Mapping[str, str], log: str, *more: str) -> None:
         self.log = log
@@ -77,6 +80,22 @@ class _Server:
             )
         os.close(write)
         self._answers = os.fdopen(read, "r")
+
+    def _state(self) -> str:
+        return "closed" if self.proc.poll() is not None else f"pid {self.proc.pid}"
+
+    def _ask(self, request: Any, timeout: float) -> Any:
+        """Sends ``request`` (one JSON line) and returns the answer (one JSON line), None where none
+        came within ``timeout`` seconds."""
+        assert self.proc.poll() is None, f"{self.what} exited with {self.proc.returncode}: {self._tail()}"
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    def _answer(self, timeout: float) -> Any:
+        ready, _, _ = select.select([self._answers], [], [], timeout)
+        line = self._answers.readline() if ready else ""
+        return json.loads(line) if line else None
 
     def _tail(self) -> str:
         return open(self.log, errors="replace").read()[-4000:]
@@ -101,34 +120,25 @@ class RoleHost(_Server):
     """Test side of a role host: ``script`` run by ``python`` with ``env``, its output in ``log``
     (a path), in a session of its own (``close`` kills the group: engines' children too)."""
 
+    what = "role host"
+
     def __init__(self, python: str, script: str, env: Mapping[str, str], log: str) -> None:
         super().__init__(python, script, "host", env, log)
         self.calls = 0
 
     def __repr__(self) -> str:
-        state = "closed" if self.proc.poll() is not None else f"pid {self.proc.pid}"
-        return f"RoleHost({os.path.basename(self.proc.args[1])}, {state}, {self.calls} calls)"
+        return f"RoleHost({os.path.basename(self.proc.args[1])}, {self._state()}, {self.calls} calls)"
 
     def call(self, role: str, *args: Any, timeout: float) -> None:
         """Runs ``role(*args)`` in the host; raises ``AssertionError`` if it failed, the host died
         or ``timeout`` seconds passed (the host is then killed: its state is unknown)."""
         self.calls += 1
-        assert self.proc.poll() is None, f"role host exited with {self.proc.returncode}: {self._tail()}"
-        self.proc.stdin.write(json.dumps([role, [str(a) for a in args]]) + "\n")
-        self.proc.stdin.flush()
-        deadline = time.monotonic() + timeout
-        while True:
-            ready, _, _ = select.select([self._answers], [], [], max(0.0, min(1.0, deadline - time.monotonic())))
-            if ready:
-                line = self._answers.readline()
-                if line:
-                    answer = json.loads(line)
-                    assert answer["ok"], f"{role}{tuple(args)} failed in the role host:\n{answer['error']}"
-                    return
-            if not ready and time.monotonic() < deadline:
-                continue
-            self.close()
-            raise AssertionError(f"{role}{tuple(args)}: no answer within {timeout}s (host closed): {self._tail()}")
+        answer = self._ask([role, [str(a) for a in args]], timeout)
+        if answer is not None:
+            assert answer["ok"], f"{role}{tuple(args)} failed in the role host:\n{answer['error']}"
+            return
+        self.close()
+        raise AssertionError(f"{role}{tuple(args)}: no answer within {timeout}s (host closed): {self._tail()}")
 
 
 def serve_forks(preload: list[str], fd: int) -> None:
@@ -249,43 +259,38 @@ class RoleForks(_Server):
     output in ``log`` (a path), in a session of its own (its children: in sessions of their own,
     which their tests kill)."""
 
+    what = "fork server"
+
     def __init__(self, python: str, env: Mapping[str, str], preload: list[str], log: str) -> None:
         super().__init__(python, os.path.abspath(__file__), "forks", env, log, *preload)
         self._ready = False
         self.started = 0
 
     def __repr__(self) -> str:
-        state = "closed" if self.proc.poll() is not None else f"pid {self.proc.pid}"
-        return f"RoleForks({state}, {self.started} started)"
+        return f"RoleForks({self._state()}, {self.started} started)"
 
-    def _ask(self, request: dict, timeout: float) -> dict:
-        assert self.proc.poll() is None, f"fork server exited with {self.proc.returncode}: {self._tail()}"
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout)
-
-    def _answer(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self._answers], [], [], timeout)
-        line = self._answers.readline() if ready else ""
-        assert line, f"fork server: no answer within {timeout}s: {self._tail()}"
-        return json.loads(line)
+    def _asked(self, request: dict, timeout: float) -> dict:
+        answer = self._ask(request, timeout)
+        assert answer is not None, f"fork server: no answer within {timeout}s: {self._tail()}"
+        return answer
 
     def start(self, script: str, *args: object, log: Any, env: Mapping[str, str]) -> Forked:
         """``script *args`` forked from the server, with ``env`` (the whole environment), its output
         appended to ``log`` (an open file, or a path)."""
         if not self._ready:
-            assert self._answer(300).get("ready"), self._tail()
+            ready = self._answer(300)
+            assert ready is not None and ready.get("ready"), self._tail()
             self._ready = True
         path = log if isinstance(log, str) else log.name
         rc = f"{path}.{self.started}.rc"
         argv = [script, *map(str, args)]
-        pid = self._ask({"start": {"argv": argv, "env": dict(env), "log": path, "rc": rc}}, 60)["pid"]
+        pid = self._asked({"start": {"argv": argv, "env": dict(env), "log": path, "rc": rc}}, 60)["pid"]
         self.started += 1
         return Forked(self, pid, rc, argv)
 
     def reap(self, pid: int) -> None:
         if self.proc.poll() is None:
-            self._ask({"reap": pid}, 60)
+            self._asked({"reap": pid}, 60)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["forks"]:
