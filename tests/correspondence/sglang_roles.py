@@ -145,7 +145,7 @@ def engine(ckpt: str, out: str, port: int, name: str, updates: int) -> None:
     res: dict = {"steps": [], "start_stats": server_stats(eng)}
     held = res["start_stats"][0]["version"] or 0
     if held == 0:  # a fresh channel: nothing pulled at start
-        res["before"] = _greedy(eng)
+        res["before"], res["before_checksums"] = _greedy(eng), checksums(eng)
     for _ in range(updates):
         want = held + 1
         # the offline engine's event loop serves one caller: requests and stats polls share it

@@ -234,7 +234,11 @@ def test_sglang_moe_pulls_stacked_experts_bit_exact(tmp_path, sglang_host):
     print(f"\nMoE tokens before {eng['before']} after {step['tokens']}; spans {step['spans'][0]}")
     assert any("experts.w13_weight" in k for k in step["checksums"]), sorted(step["checksums"])
     assert step["checksums"] == ref[1]["checksums"]
-    assert step["tokens"] == ref[1]["tokens"] and step["tokens"] != eng["before"]
+    assert step["tokens"] == ref[1]["tokens"]
+    # the update moved the stacked experts (the greedy tokens of a tiny random MoE may not move:
+    # one AdamW step's signs differ run to run, and a CI run drew a v1 that decodes as v0 did)
+    moved = {k for k, s in step["checksums"].items() if s != eng["before_checksums"].get(k)}
+    assert any("experts.w13_weight" in k for k in moved) and any("experts.w2_weight" in k for k in moved), moved
     # a request that ran from before the pull until after its commit shows both versions (a loaded
     # machine may have run none across it: test_sglang_pulls_in_background_... insists on one)
     if step["req_t0"] < step["pull"]["pull_start"] and step["pull"]["committed_at"] < step["req_t1"]:
