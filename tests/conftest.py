@@ -10,15 +10,16 @@ with one thread each (141 s and 81 s of wall time under ``-n 6`` on 2 cores).
 time under ``pytest -n N`` (``scripts/test.sh``); one keeps about one core busy. On these 2 cores,
 two at once once left the other workers' tests too little CPU (timing-bound tests failed at load
 14); since the examples' rollouts rest between batches and SGLang's idle schedulers sleep instead
-of spinning a core each, two lanes fit (a run of 2026-12-05: the lanes ended 668 and 672 s after
-the first test started, the other workers at 574-654 s). Their modules are split into that many lanes of about
-equal length (``HEAVY_SECONDS``); each lane
-heads one worker's share of the collection (work-stealing scheduling hands each worker a contiguous
-share and moves tests from the end of a long queue to an idle worker; ours never moves a heavy
-test), so each lane runs on one worker, its module fixtures once (a module engine started once); a
-lock with ``HEAVY_AT_ONCE`` slots shared by the run's workers holds back any heavy test that lands
-elsewhere all the same. (``xdist_group`` would say this directly, but xdist 3.8 cannot rename
-pytest 9's node ids, so ``--dist loadgroup`` ignores the groups.)"""
+of spinning a core each, two lanes fit (a run of 2026-12-05, per-worker CPU accounting: the lanes
+held 340 and 290 CPU-seconds of tests and ended 542 and 555 s after the first test started, the
+other workers 543-568 s). Their modules are split into that many lanes of about equal length
+(``HEAVY_SECONDS``); each lane heads one worker's share of the collection (work-stealing
+scheduling hands each worker a contiguous share and moves tests from the end of a long queue to an
+idle worker; ours never moves a heavy test), so each lane runs on one worker, its module fixtures
+once (a module engine started once); a lock with ``HEAVY_AT_ONCE`` slots shared by the run's
+workers holds back any heavy test that lands elsewhere all the same. (``xdist_group`` would say
+this directly, but xdist 3.8 cannot rename pytest 9's node ids, so ``--dist loadgroup`` ignores
+the groups.)"""
 
 from __future__ import annotations
 

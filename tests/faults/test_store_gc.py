@@ -22,7 +22,7 @@ from .actors import TOKEN, Churn, FaultPub, FaultSub
 pytestmark = pytest.mark.timeout(240)
 
 VERSIONS = 60
-CHURN_SECONDS = 120.0  # the churn's six lifetimes take 2-10 s alone, far longer on a loaded machine
+CHURN_SECONDS = 120.0  # alone the six lifetimes end within a dozen versions (2 s); loaded, far later
 
 
 def tcp_keys(store) -> int:
