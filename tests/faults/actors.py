@@ -91,7 +91,7 @@ class FaultSub(SubActor):
         super().__init__(*args, **({"name": sub_name} if sub_name else {}), **kwargs)
 
     def live_key(self) -> str:
-        return self.sub.keys.sub(self.sub.id, "live")
+        return lease_key(self.sub)
 
     def api(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``self.sub.<method>(...)``: a public call with the test's arguments (bad ones, say)."""
@@ -154,6 +154,7 @@ class Churn:
     ) -> None:
         self.url, self.seed, self.ttl, self.forever = url, seed, ttl, forever
         self.stats = {"joined": 0, "join_retries": 0, "left": 0, "pulls": 0, "torn": 0, "hangs": 0, "errors": {}}
+        self.leases: set[str] = set()  # every lease key its subscribers held (``Keys.lease``)
         self._lock = threading.Lock()
         share = [list(range(t, lifetimes, threads)) for t in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(ids,), daemon=True) for ids in share]
@@ -167,6 +168,10 @@ class Churn:
 
     def left(self) -> int:
         return self.stats["left"]
+
+    def lease_keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self.leases)
 
     def finish(self, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -182,6 +187,7 @@ class Churn:
             try:
                 sub.register(tensors)
                 self._count("joined")
+                self._held(sub)
                 return sub
             except StoreError:
                 sub.close()
@@ -189,6 +195,10 @@ class Churn:
                     raise
                 self._count("join_retries")
         raise AssertionError("unreachable")
+
+    def _held(self, sub: Subscriber) -> None:
+        with self._lock:
+            self.leases.add(lease_key(sub))
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -218,5 +228,11 @@ class Churn:
                     if mismatches(tensors, last):
                         self._count("torn")
             finally:
+                self._held(sub)  # (a join again under a new id holds another lease)
                 sub.close()
                 self._count("left")
+
+
+def lease_key(sub: Subscriber) -> str:
+    """The lease key ``sub``'s current join holds (``Keys.lease``: under its id and its join's tag)."""
+    return sub._ctx.member.lease.key  # noqa: SLF001 - test introspection

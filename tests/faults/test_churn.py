@@ -45,6 +45,7 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
             # half-way, or later where a loaded machine had not joined all five by then (seen:
             # none of them at version 50 in a clean-clone run)
             if not killed and v >= VERSIONS // 2 and victims.call("joined") == 5:
+                leases = victims.call("lease_keys")  # (each join's lease key: its id and tag)
                 victims.kill()
                 killed = True
             for p in pubs:
@@ -75,7 +76,9 @@ def test_200_subscribers_join_and_leave_during_100_versions() -> None:
         keys = base.at(_generation.current(ChannelStore(store, base, TOKEN.encode())))
         n = store.get_int(keys.subs)
         assert n == 200 + sum(s["join_retries"] for s in stats)  # a failed join used up an id too
-        left = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "live"), keys.sub(i, "state"))]
+        leases += [k for w in churn for k in w.call("lease_keys")]
+        assert len(leases) >= 200, len(leases)
+        left = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "state"))] + leases
         found = [k for k, val in zip(left, store.get_many(left)) if val is not None]
         assert found == [], f"{len(found)} keys of departed subscribers are still in the store: {found[:6]}"
     finally:

@@ -79,7 +79,8 @@ def test_key_count_stays_bounded_over_many_versions(kind: str, request) -> None:
         keys = Keys("t").at(_generation.current(ChannelStore(client, Keys("t"), TOKEN.encode())))
         n = client.get_int(keys.subs)
         assert n == 7 + stats["join_retries"], (n, stats)  # the pulling subscriber and the 6 (a failed join: an id)
-        names = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "live"), keys.sub(i, "state"))]
+        leases = [sub.call("live_key"), *churn.call("lease_keys")]  # (each join's: its id and tag)
+        names = [k for i in range(1, n + 1) for k in (keys.sub(i), keys.sub(i, "state"))] + leases
         held = [k for k, val in zip(names, client.get_many(names)) if val is not None]
         owners = {k.split("/sub/")[1].split("/")[0] for k in held}
         assert len(held) == 3 and len(owners) == 1, f"keys of departed subscribers are still in the store: {held}"

@@ -147,3 +147,9 @@ class Keys:
 
     def sub(self, i: int, what: str = "") -> str:
         return f"{self.p}sub/{i}" + (f"/{what}" if what else "")
+
+    def lease(self, i: int, tag: str) -> str:
+        """Subscriber ``i``'s lease key, for the join that drew ``tag`` (in its record): a history
+        put back after a store loss counts ids from 1 again, and a subscriber of the lost history
+        that holds the same id must not keep the new one's lease alive."""
+        return self.sub(i, f"live/{tag}")

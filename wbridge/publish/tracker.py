@@ -62,6 +62,7 @@ class SubscriberView:
     reading: int = 0
     layout: str = ""  # hash of its announced layout (``protocol.packing.announce``)
     relay: str = ""  # the store key of its relay record (``wbridge.pull.relay``), collected with it
+    lease: str = ""  # its lease key (``Keys.lease``: its join's tag, from its record)
 
 
 @dataclass
@@ -140,6 +141,9 @@ class SubscriberTracker:
             del self.pending[i]
             try:
                 d = self.chan.open(self.keys.sub(i), raw)
+                tag = d["tag"]
+                if not isinstance(tag, str) or not tag.isalnum():
+                    continue  # (a record without its join's tag has no lease to judge)
                 fresh.append(
                     SubscriberView(
                         i,
@@ -147,6 +151,7 @@ class SubscriberTracker:
                         str(d.get("name", "")),
                         layout=str(d.get("layout", "")),
                         relay=str(d.get("relay", "")),
+                        lease=self.keys.lease(i, tag),
                     )
                 )
             except Exception:  # noqa: BLE001 - an unsigned or forged subscriber is ignored
@@ -209,12 +214,12 @@ class SubscriberTracker:
         return gone + [v.relay for v in views if v.relay.startswith(self.keys.p + "zone/")]
 
     def _state_keys(self, views: list[SubscriberView]) -> list[str]:
-        return [k for v in views for k in (self.keys.sub(v.id, "live"), self.keys.sub(v.id, "state"))]
+        return [k for v in views for k in (v.lease, self.keys.sub(v.id, "state"))]
 
     def _judge(self, views: list[SubscriberView], values: list[bytes | None]) -> list[SubscriberView]:
         out = []
         for view, live, state in zip(views, values[0::2], values[1::2]):
-            if not self.store.judge_alive(self.keys.sub(view.id, "live"), live, view.ttl):
+            if not self.store.judge_alive(view.lease, live, view.ttl):
                 view.dead = True
                 continue
             view.acked, view.reading = parse_state(state)

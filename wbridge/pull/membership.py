@@ -10,7 +10,10 @@ and stopped waiting for it, so it joins again under a new id and they wait for i
 record is gone: a publisher evicted it (``Publisher.evict``: someone reported it dead, wrongly
 here) or collected it as dead; it joins again under a new id just the same. All three are noticed
 at the subscriber's next pull (``check()``, one batched read of the generation and the record,
-with the version record and fences the pull reads next).
+with the version record and fences the pull reads next). A record there of another join (its
+``tag`` not this join's: a lost history's generation record was put back, and the new history gave
+this id to someone else) counts as gone too. Each join draws a ``tag``: its lease key
+(``Keys.lease``) and record carry it, so two joins under one id never keep each other alive.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Membership:
         self.layout: Any = None  # the RankLayout it reads, announced with its record
         self.relay = ""  # the store key of its relay record (``pull.relay``): collected with it
         self.id: int | None = None
+        self.tag = ""  # this join's (``Keys.lease``)
         self.lease: Lease | None = None
 
     def join(self, gen: str | None = None, acked: int = 0, record: bool = True) -> None:
@@ -55,28 +59,29 @@ class Membership:
         chan = self.base.at(gen)
         keys = chan.keys
         sub_id = self.store.add(keys.subs, 1)
+        tag = os.urandom(8).hex()
         # the lease and state first: publishers only look at subscribers whose record exists, and
         # a record without a live lease would read as a dead subscriber
-        lease = self.store.lease(keys.sub(sub_id, "live"), self.ttl)
+        lease = self.store.lease(keys.lease(sub_id, tag), self.ttl)
         try:
             self.store.set(keys.sub(sub_id, "state"), state_bytes(acked, 0))
             if record:
-                self._write_record(chan, sub_id)
+                self._write_record(chan, sub_id, tag)
         except BaseException:
             quietly(lease.revoke)
             raise
         old, self.lease = self.lease, lease
         if old is not None:
             quietly(old.revoke)
-        self.gen, self.chan, self.id = gen, chan, sub_id
+        self.gen, self.chan, self.id, self.tag = gen, chan, sub_id, tag
 
     @property
     def keys(self) -> Keys:
         """The channel's keys in the generation joined."""
         return self.chan.keys
 
-    def _write_record(self, chan: ChannelStore, sub_id: int) -> None:
-        record = {"name": self.name, "ttl": self.ttl, "host": socket.gethostname(), "pid": os.getpid()}
+    def _write_record(self, chan: ChannelStore, sub_id: int, tag: str) -> None:
+        record = {"name": self.name, "ttl": self.ttl, "tag": tag, "host": socket.gethostname(), "pid": os.getpid()}
         if self.layout is not None:  # publishers pack their staging slots for it (``protocol.packing``)
             record["layout"] = announce(chan, self.layout)
         if self.relay.startswith(chan.keys.p):
@@ -87,7 +92,7 @@ class Membership:
         """Tells publishers which layout this subscriber reads (kept across re-joins) and the key
         of its relay record, if it relays (collected with the subscriber's keys)."""
         self.layout, self.relay = layout, relay
-        self._write_record(self.chan, self.id)
+        self._write_record(self.chan, self.id, self.tag)
 
     def check(self, also: list[str] | None = None) -> tuple[int, list]:
         """``NEW_GENERATION`` (joined the store's new one: what was known of the old is void),
@@ -107,15 +112,31 @@ class Membership:
             return STILL, values
         if record == [None]:  # nobody counts this id any more: a publisher evicted or collected it
             log.warning("subscriber %s: publishers no longer count it (evicted?); joining again", self.name)
-            old = self.keys.sub(self.id, "live"), self.keys.sub(self.id, "state")
+            old = self.keys.lease(self.id, self.tag), self.keys.sub(self.id, "state")
             self.join(self.gen, self.acked)
             quietly(self.store.delete_many, old)  # what it wrote after the eviction: nobody collects it
+            return REJOINED, values
+        if self._tag_of(record[0]) != self.tag:  # the id is another join's now (its state key too)
+            log.warning("subscriber %s: its id holds another subscriber's record (a lost history put back?); "
+                        "joining again", self.name)  # fmt: skip
+            old = self.keys.lease(self.id, self.tag)
+            self.join(self.gen, self.acked)
+            quietly(self.store.delete_many, [old])
             return REJOINED, values
         if self.lease.lapsed:
             log.warning("subscriber %s: its lease lapsed (frozen > %.1fs?); joining again", self.name, self.ttl)
             self.join(self.gen, self.acked)
             return REJOINED, values
         return STILL, values
+
+    def _tag_of(self, raw: bytes | None) -> str | None:
+        """The ``tag`` of the record ``raw`` at this subscriber's id (None: not a record of this
+        channel's, or none)."""
+        try:
+            tag = self.chan.open(self.keys.sub(self.id), raw).get("tag")
+        except Exception:  # noqa: BLE001 - unsigned or malformed: not this join's
+            return None
+        return tag if isinstance(tag, str) else None
 
     def leave(self) -> None:
         lease, self.lease = self.lease, None

@@ -68,6 +68,7 @@ class RelayServer:
         size: int,
         layout: str,
         sub_id: int,
+        lease: str,
         ttl: float,
         name: str,
     ) -> None:
@@ -83,7 +84,7 @@ class RelayServer:
             served[n] = {"endpoint": b64(t.endpoint()), "regions": [[b64(regions[n].descriptor), b64(r.descriptor)]]}
         self.base = {
             "id": sub_id,
-            "lease": keys.sub(sub_id, "live"),
+            "lease": lease,
             "ttl": ttl,
             "name": name,
             "layout": layout,

@@ -322,7 +322,7 @@ def join_zone(ctx: PullContext, zone: str, relay: bool, layout: str) -> ZoneRead
         names = names if ends.preference == "auto" else [ends.preference]
         served = {n: ends.open(n) for n in names}
         regions = {n: ends.regions(n)[0] for n in names}
-        server = RelayServer(m.chan, zone, served, regions, size, layout, m.id, m.ttl, ctx.name)
+        server = RelayServer(m.chan, zone, served, regions, size, layout, m.id, m.lease.key, m.ttl, ctx.name)
         m.announce(m.layout, server.key)
     return ZoneReader(ctx, zone, server, layout, size)
 
