@@ -190,6 +190,7 @@ class Churn:
                 self._held(sub)
                 return sub
             except StoreError:
+                self._held(sub)  # (a join that failed after taking its lease: collected all the same)
                 sub.close()
                 if attempt == 4:
                     raise
@@ -197,8 +198,10 @@ class Churn:
         raise AssertionError("unreachable")
 
     def _held(self, sub: Subscriber) -> None:
-        with self._lock:
-            self.leases.add(lease_key(sub))
+        key = lease_key(sub)
+        if key is not None:
+            with self._lock:
+                self.leases.add(key)
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -233,6 +236,8 @@ class Churn:
                 self._count("left")
 
 
-def lease_key(sub: Subscriber) -> str:
-    """The lease key ``sub``'s current join holds (``Keys.lease``: under its id and its join's tag)."""
-    return sub._ctx.member.lease.key  # noqa: SLF001 - test introspection
+def lease_key(sub: Subscriber) -> str | None:
+    """The lease key ``sub``'s current join holds (``Keys.lease``: under its id and its join's tag),
+    None where it holds none."""
+    lease = sub._ctx.member.lease  # noqa: SLF001 - test introspection
+    return None if lease is None else lease.key
