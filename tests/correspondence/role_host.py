@@ -63,6 +63,8 @@ class _Server:
     in messages."""
 
     what = "server"
+    # ``close`` lets the process end on its own first (its exit handlers run) where this is True
+    graceful = True
 
     def __init__(self, python: str, script: str, mode: str, env: Mapping[str, str], log: str, *more: str) -> None:
         self.log = log
@@ -101,8 +103,9 @@ class _Server:
         return open(self.log, errors="replace").read()[-4000:]
 
     def close(self) -> None:
-        """Ends the process (end of input, then its whole process group); idempotent."""
-        if self.proc.poll() is None:
+        """Ends the process (end of input, then its whole process group; without the first where
+        it is not ``graceful``); idempotent."""
+        if self.graceful and self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=30)
@@ -113,6 +116,10 @@ class _Server:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(timeout=30)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         self._answers.close()
 
 
@@ -260,6 +267,10 @@ class RoleForks(_Server):
     which their tests kill)."""
 
     what = "fork server"
+    # It holds nothing to clean up (what it forked runs in sessions of its own, which their tests
+    # end), and an interpreter with torch and an engine imported took 2 s to exit: at the end of a
+    # suite worker, whose exit the run's summary waits for, it is killed at once.
+    graceful = False
 
     def __init__(self, python: str, env: Mapping[str, str], preload: list[str], log: str) -> None:
         super().__init__(python, os.path.abspath(__file__), "forks", env, log, *preload)
