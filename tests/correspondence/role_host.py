@@ -14,7 +14,8 @@ log=, env=)`` forks a child of it that runs ``script`` as ``python script *args`
 session of its own, and returns a ``Forked`` handle that answers as ``subprocess.Popen`` does
 (``pid``, ``poll``, ``wait``, ``returncode``). A role process so started skips its interpreter
 start and those imports (6-8 CPU-seconds for vLLM's, 4-5 for SGLang's, most of a test's own
-work); the engines still spawn their own processes afresh.
+work). With ``spawns=True`` the server also forks the processes its roles' engines start with
+``multiprocessing``'s ``spawn`` (``spawns.py``); without it the engines start theirs afresh.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import os
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 
@@ -148,32 +150,72 @@ class RoleHost(_Server):
         raise AssertionError(f"{role}{tuple(args)}: no answer within {timeout}s (host closed): {self._tail()}")
 
 
-def serve_forks(preload: list[str], fd: int) -> None:
+def serve_forks(preload: list[str], fd: int, spawns: str | None = None) -> None:
     """Fork-server side: imports ``preload``, then for each request line on stdin answers on ``fd``:
     ``{"start": ...}`` forks a child that runs a script (``_run_forked``) and answers its pid;
     ``{"reap": pid}`` collects that child once the test is done with it (until then it stays a
     zombie, so that its pid, the id of its process group, is not reused for another process).
-    Returns at end of input."""
+    With ``spawns`` (a socket path), it also forks the engines' own processes that its children
+    start (``spawns.serve``), and its children start them so (``spawns.use``). One thread: it forks
+    from a process in which no other thread holds a lock. Returns at end of input."""
+    import spawns as _spawns  # (beside this script, which the server runs)
+
     for name in preload:
         importlib.import_module(name)
+    listener = None
+    if spawns is not None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(spawns)
+        listener.listen(64)
+    spawned: set[int] = set()
     with os.fdopen(fd, "w", buffering=1) as answers:
         answers.write(json.dumps({"ready": True}) + "\n")
-        for line in sys.stdin:
-            req = json.loads(line)
-            if "reap" in req:
+        for req in _requests([] if listener is None else [listener]):
+            if isinstance(req, socket.socket):  # a launcher of an engine's process
+                pid = _spawns.serve(req, close=[fd, listener.fileno()])
+                if pid is not None:
+                    spawned.add(pid)
+            elif "reap" in req:
                 try:
                     os.waitpid(int(req["reap"]), 0)
                 except ChildProcessError:
                     pass
                 answers.write(json.dumps({"reaped": req["reap"]}) + "\n")
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                os.close(fd)
-                _run_forked(req["start"])  # (never returns)
-            answers.write(json.dumps({"pid": pid}) + "\n")
+            else:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(fd)
+                    if listener is not None:
+                        listener.close()
+                    _run_forked(dict(req["start"], spawns=spawns))  # (never returns)
+                answers.write(json.dumps({"pid": pid}) + "\n")
+            for pid in list(spawned):  # (their launchers report their status; they are reaped here)
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        spawned.discard(pid)
+                except ChildProcessError:
+                    spawned.discard(pid)
+
+
+def _requests(listeners: list[socket.socket]) -> Iterator[dict | socket.socket]:
+    """The JSON requests on stdin, one per line, and the connections accepted on ``listeners``, as
+    they come; ends at end of input."""
+    buf = b""
+    while True:
+        ready, _, _ = select.select([0, *listeners], [], [], 1.0)
+        for s in listeners:
+            if s in ready:
+                yield s.accept()[0]
+        if 0 in ready:
+            data = os.read(0, 1 << 16)
+            if not data:
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                yield json.loads(line)
 
 
 def _run_forked(req: dict) -> None:
@@ -198,6 +240,10 @@ def _run_forked(req: dict) -> None:
         importlib.invalidate_caches()
         tempfile.tempdir = None  # (TMPDIR may differ)
         sys.argv = list(req["argv"])
+        if req.get("spawns"):
+            import spawns
+
+            spawns.use(req["spawns"])
         try:
             runpy.run_path(script, run_name="__main__")
             code = 0
@@ -262,9 +308,10 @@ class Forked:
 
 
 class RoleForks(_Server):
-    """Test side of a fork server: ``python role_host.py forks FD *preload`` with ``env``, its own
-    output in ``log`` (a path), in a session of its own (its children: in sessions of their own,
-    which their tests kill)."""
+    """Test side of a fork server: ``python role_host.py forks FD SPAWNS *preload`` with ``env``,
+    its own output in ``log`` (a path), in a session of its own (its children: in sessions of
+    their own, which their tests kill; the engines' processes it forks (``spawns``: a socket path
+    made here, or ``-``): in its session, ended with it or when their launchers die)."""
 
     what = "fork server"
     # It holds nothing to clean up (what it forked runs in sessions of its own, which their tests
@@ -272,8 +319,9 @@ class RoleForks(_Server):
     # suite worker, whose exit the run's summary waits for, it is killed at once.
     graceful = False
 
-    def __init__(self, python: str, env: Mapping[str, str], preload: list[str], log: str) -> None:
-        super().__init__(python, os.path.abspath(__file__), "forks", env, log, *preload)
+    def __init__(self, python: str, env: Mapping[str, str], preload: list[str], log: str, spawns: bool = False) -> None:
+        path = os.path.join(tempfile.mkdtemp(prefix="wbridge-spawns-"), "spawns.sock") if spawns else "-"
+        super().__init__(python, os.path.abspath(__file__), "forks", env, log, path, *preload)
         self._ready = False
         self.started = 0
 
@@ -305,4 +353,4 @@ class RoleForks(_Server):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["forks"]:
-    serve_forks(sys.argv[3:], int(sys.argv[2]))
+    serve_forks(sys.argv[4:], int(sys.argv[2]), None if sys.argv[3] == "-" else sys.argv[3])

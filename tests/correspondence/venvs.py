@@ -58,8 +58,18 @@ def spawn(cmd: Sequence[str], log, env: Mapping[str, str]) -> subprocess.Popen:
 #: What each venv's fork server imports once (``spawn_role``).
 PRELOAD = {
     "vllm": ["torch", "wbridge", "vllm.entrypoints.llm", "vllm.v1.engine.async_llm"],
-    "sglang": ["torch", "wbridge", "sglang", "sglang.srt.entrypoints.engine"],
+    "sglang": [
+        "torch",
+        "wbridge",
+        "sglang",
+        "sglang.srt.entrypoints.engine",
+        "sglang.srt.managers.scheduler",  # (what its scheduler and detokenizer processes run)
+        "sglang.srt.managers.detokenizer_manager",
+    ],
 }
+#: The venvs whose fork server also forks the processes the engines spawn (``role_host.RoleForks``):
+#: SGLang's scheduler and detokenizer imported SGLang afresh, 6-8 CPU-seconds each.
+SPAWNS = {"sglang"}
 _forks: dict[str, RoleForks] = {}
 
 
@@ -71,7 +81,7 @@ def spawn_role(venv: str, script: str, args: Sequence, log, env: Mapping[str, st
     if forks is None:
         python, base = (VLLM_PY, vllm_env()) if venv == "vllm" else (SGLANG_PY, sglang_env())
         log_path = os.path.join(tempfile.mkdtemp(prefix=f"wbridge-{venv}-forks-"), "forks.log")
-        forks = _forks[venv] = RoleForks(python, base, PRELOAD[venv], log_path)
+        forks = _forks[venv] = RoleForks(python, base, PRELOAD[venv], log_path, spawns=venv in SPAWNS)
         atexit.register(forks.close)
     return forks.start(script, *args, log=log, env=env)
 
