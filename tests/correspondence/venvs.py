@@ -57,7 +57,15 @@ def spawn(cmd: Sequence[str], log, env: Mapping[str, str]) -> subprocess.Popen:
 
 #: What each venv's fork server imports once (``spawn_role``).
 PRELOAD = {
-    "vllm": ["torch", "wbridge", "vllm.entrypoints.llm", "vllm.v1.engine.async_llm"],
+    "vllm": [
+        "torch",
+        "wbridge",
+        "vllm.entrypoints.llm",
+        "vllm.v1.engine.async_llm",
+        "vllm.v1.engine.core",  # (what its engine-core and worker processes run)
+        "vllm.v1.executor.multiproc_executor",
+        "vllm.v1.worker.cpu_worker",
+    ],
     "sglang": [
         "torch",
         "wbridge",
@@ -68,8 +76,9 @@ PRELOAD = {
     ],
 }
 #: The venvs whose fork server also forks the processes the engines spawn (``role_host.RoleForks``):
-#: SGLang's scheduler and detokenizer imported SGLang afresh, 6-8 CPU-seconds each.
-SPAWNS = {"sglang"}
+#: SGLang's scheduler and detokenizer, vLLM's engine core and worker imported the engine afresh,
+#: 6-8 CPU-seconds each.
+SPAWNS = {"sglang", "vllm"}
 _forks: dict[str, RoleForks] = {}
 
 
