@@ -31,8 +31,8 @@ MAX_FDS = 64
 
 
 def use(path: str) -> None:
-    """In a role process: every ``multiprocessing`` spawn from now on is forked by the fork server
-    listening at ``path``."""
+    """In a role process, and in each process forked for it: every ``multiprocessing`` spawn from
+    now on is forked by the fork server listening at ``path``."""
     import multiprocessing
 
     os.environ[SOCKET_ENV] = path
@@ -95,6 +95,7 @@ def _run(conn: socket.socket, req: dict, fds: list[int]) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
+        use(os.environ[SOCKET_ENV])  # (what it spawns in turn, vLLM's worker from its engine core, too)
         threading.Thread(target=_watch, args=(conn,), daemon=True, name="launcher-watch").start()
         sys.argv = list(req["argv"])
         try:
