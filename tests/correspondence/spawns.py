@@ -1,6 +1,7 @@
 """The engines' own processes forked from a fork server (``role_host.RoleForks``) instead of started
-afresh: SGLang starts its scheduler and detokenizer with ``multiprocessing``'s ``spawn``, and each
-such process imported torch and the engine again (5-8 CPU-seconds each, most of an engine start).
+afresh: on CPU, SGLang starts its scheduler and detokenizer and vLLM its engine core and worker
+with ``multiprocessing``'s ``spawn``, and each such process imported torch and the engine again
+(5-8 CPU-seconds each, most of an engine start).
 
 A role process forked from a fork server that serves spawns calls ``use(socket_path)``: its
 ``multiprocessing`` then starts each spawned process through ``spawn_launch.sh``, which runs this
