@@ -72,3 +72,26 @@ def test_a_join_under_a_reused_id_is_judged_by_its_own_lease() -> None:
             second.kill()
         first.leave()
         host.close()
+
+
+def test_a_join_whose_id_holds_another_joins_record_joins_again() -> None:
+    """While the other join's record is still there (not collected yet): the first join sees
+    another tag at its id, joins again under a new id, and deletes only its own lease key, not the
+    state key it shares by id with the other join."""
+    host = open_store(f"tcp://127.0.0.1:{free_port()}", host_store=True)
+    chan = ChannelStore(host, Keys("t"), TOKEN.encode())
+    first, second = Membership(chan, "first", TTL), Membership(chan, "second", TTL)
+    try:
+        first.join()
+        old_lease = first.lease.key
+        host.set(first.keys.subs, b"0")  # a new history counts ids from 1 again
+        second.join()
+        assert second.id == first.id == 1 and second.tag != first.tag
+        found, _ = first.check()
+        assert found == REJOINED and first.id == 2
+        assert host.get(old_lease) is None, "its old lease key is deleted"
+        assert host.get(second.lease.key) is not None and host.get(second.keys.sub(1, "state")) is not None
+    finally:
+        first.leave()
+        second.leave()
+        host.close()
