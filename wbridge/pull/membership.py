@@ -110,18 +110,16 @@ class Membership:
             return NEW_GENERATION, values
         if self.lease is None:
             return STILL, values
-        if record == [None]:  # nobody counts this id any more: a publisher evicted or collected it
-            log.warning("subscriber %s: publishers no longer count it (evicted?); joining again", self.name)
-            old = self.keys.lease(self.id, self.tag), self.keys.sub(self.id, "state")
+        if record == [None] or self._tag_of(record[0]) != self.tag:
+            old = [self.keys.lease(self.id, self.tag)]  # what it wrote after that: nobody collects it
+            if record == [None]:  # nobody counts this id any more: a publisher evicted or collected it
+                log.warning("subscriber %s: publishers no longer count it (evicted?); joining again", self.name)
+                old.append(self.keys.sub(self.id, "state"))
+            else:  # the id is another join's now (the state key too)
+                log.warning("subscriber %s: its id holds another subscriber's record (a lost history put back?); "
+                            "joining again", self.name)  # fmt: skip
             self.join(self.gen, self.acked)
-            quietly(self.store.delete_many, old)  # what it wrote after the eviction: nobody collects it
-            return REJOINED, values
-        if self._tag_of(record[0]) != self.tag:  # the id is another join's now (its state key too)
-            log.warning("subscriber %s: its id holds another subscriber's record (a lost history put back?); "
-                        "joining again", self.name)  # fmt: skip
-            old = self.keys.lease(self.id, self.tag)
-            self.join(self.gen, self.acked)
-            quietly(self.store.delete_many, [old])
+            quietly(self.store.delete_many, old)
             return REJOINED, values
         if self.lease.lapsed:
             log.warning("subscriber %s: its lease lapsed (frozen > %.1fs?); joining again", self.name, self.ttl)
