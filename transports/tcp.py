@@ -450,10 +450,10 @@ class TcpTransport(Transport):
         size = np.minimum(batch.nbytes[op] - start, self.split_bytes)
         src_reg, src_off = rid[batch.src_region[op]], batch.src_offset[op] + start
         dst = dst_base[batch.dst_region[op]] + batch.dst_offset[op] + start
-        frames = []
-        for s in range(self.streams):
+        frames: list[tuple[_Frame, ...]] = [() for _ in range(self.streams)]
+        for s in range(streams):
             a, b = np.searchsorted(stream, [s, s + 1])  # each stream takes a consecutive run of pieces
-            frames.append(tuple(self._pack_frames(src_reg[a:b], src_off[a:b], dst[a:b], size[a:b])))
+            frames[s] = tuple(self._pack_frames(src_reg[a:b], src_off[a:b], dst[a:b], size[a:b]))
         return TcpPrepared(peer, tuple(frames), len(batch), batch.total_bytes)
 
     def _pack_frames(self, src_reg: np.ndarray, src_off: np.ndarray, dst: np.ndarray, size: np.ndarray) -> list[_Frame]:
