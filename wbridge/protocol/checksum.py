@@ -295,11 +295,18 @@ def verify_reads(
     written from the chunk read again (whose own hash must match); returns how many chunks were
     repaired. ``name_at(dst_region, dst_offset)`` (``tensor_at``) names the destination tensor in errors.
     ``cache``: a dict kept by the caller for this very batch, where what it covers (``coverage``)
-    is kept from call to call while the sums' chunks stay the same.
+    is kept from call to call while the sums' chunks stay the same, and the host views of ``dest``
+    while it is the same list.
     """
     from ..errors import IntegrityError
 
-    host = [host_array(d) for d in dest]
+    kept = None if cache is None else cache.get("host")  # (host buffers' views: the same while they are)
+    if kept is not None and len(kept[0]) == len(dest) and all(a is b for a, b in zip(kept[0], dest)):
+        host = kept[1]
+    else:
+        host = [host_array(d) for d in dest]
+        if cache is not None and all(isinstance(d, np.ndarray) or d.device.type == "cpu" for d in dest):
+            cache["host"] = (list(dest), host)
     cov = None if cache is None else cache.get("coverage")
     if cov is None or cov.batch is not batch or cov.key != _key(sums):
         cov = coverage(batch, sums, where)
@@ -311,10 +318,7 @@ def verify_reads(
         raise IntegrityError(f"{where}: no checksums for regions {cov.regions}") from None
     c, lo, plen, pdreg, pdoff = cov.c, cov.lo, cov.plen, cov.pdreg, cov.pdoff
     region_of, index_in, all_starts, all_ends = cov.region_of, cov.index_in, cov.all_starts, cov.all_ends
-    bad: list[int] = []
-    for k, r, i, dr, do, m in cov.single:  # (a step per chunk, not per read)
-        if hash_bytes(host[dr][do : do + m]) != expected[r][i]:
-            bad.append(k)
+    bad = [k for k, r, i, dr, do, m in cov.single if hash_bytes(host[dr][do : do + m]) != expected[r][i]]
     gather_n = cov.gather[2]
     if len(gather_n):
         addrs = tuple(h.ctypes.data for h in host)
