@@ -18,11 +18,12 @@ pytestmark = pytest.mark.timeout(180)
 
 FRAC = 0.02
 # Which read of the subscriber to stop (1-based over its whole life): version 1 is one data read
-# and one stamp read; version 2's delta pull reads headers and tables, the entries, then the
-# headers again with the stamp (one read). ``min_bytes=0`` counts the small reads (headers, stamps) too.
+# and one stamp read; version 2's delta pull (of whole slots) reads each delta whole (header,
+# tables and streams: one read), then the headers again with the stamp (one read). ``min_bytes=0``
+# counts the small reads (headers, stamps) too.
 STAGES = {
-    "entries": dict(on_reads=(3,)),
-    "stamp": dict(on_reads=(5,), min_bytes=0),
+    "deltas": dict(on_reads=(2,)),
+    "stamp": dict(on_reads=(4,), min_bytes=0),
 }
 
 

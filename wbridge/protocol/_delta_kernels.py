@@ -39,7 +39,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import __version__, njit, types
+from numba import __version__, carray, njit, types
 from numba.core import cgutils, config
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
@@ -456,6 +456,74 @@ def changed_bytes(at, diffs, pos, values):
             values[m] = v
             m += np.int64(v != _U0)
     return m
+
+
+@intrinsic
+def _bytes_at(typingctx, address):
+    """A ``uint8*`` at ``address`` (an int64): memory the caller checked to be its own."""
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(types.uint8)(address), codegen
+
+
+@intrinsic
+def _prefetch_at(typingctx, address):
+    """``_prefetch`` of the cache line at host ``address`` (an int64): a hint that never faults."""
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        signature = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, signature, "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, i32(1), i32(3), i32(1)])  # (write, highest locality, data)
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
+
+
+FAR = 64  # changed pairs: how far ahead ``add_pairs`` asks for its destination's cache lines
+
+
+@_jit
+def add_pairs(at, diffs, soff, end, addr):
+    """Adds the byte differences ``diffs`` (uint32) of the changed pairs ``at`` (int64, ascending)
+    into the destinations of the reads covering their bytes: read ``r`` covers slot bytes
+    ``soff[r] .. end[r] - 1`` (ascending, disjoint) and lands at host address ``addr[r]`` (int64,
+    memory the caller checked). A pair inside one read is four byte adds; one across a read's
+    edge goes byte by byte (a byte no read covers is not this reader's)."""
+    r = 0
+    nr = len(soff)
+    n = len(at)
+    ahead = 0  # (the read that pair ``i + FAR`` is in, or the first after it)
+    for i in range(n):
+        b = 4 * at[i]
+        d = np.uint64(diffs[i])
+        while r < nr and end[r] <= b:
+            r += 1
+        if r == nr:
+            return
+        if i + FAR < n:  # (the destination is in no cache: its lines asked for FAR pairs ahead)
+            f = 4 * at[i + FAR]
+            while ahead < nr and end[ahead] <= f:
+                ahead += 1
+            if ahead < nr and f >= soff[ahead]:
+                _prefetch_at(addr[ahead] + (f - soff[ahead]))
+        if b >= soff[r] and b + 4 <= end[r]:
+            p = carray(_bytes_at(addr[r] + (b - soff[r])), 4)
+            for j in range(4):  # (no branch: an unchanged byte adds 0)
+                p[j] += np.uint8((d >> np.uint64(8 * j)) & _FF)
+            continue
+        for j in range(4):
+            v = np.uint8((d >> np.uint64(8 * j)) & _FF)
+            q = b + j
+            k = r
+            while k < nr and end[k] <= q:
+                k += 1
+            if v and k < nr and q >= soff[k]:
+                p = carray(_bytes_at(addr[k] + (q - soff[k])), 1)
+                p[0] += v
 
 
 @_jit

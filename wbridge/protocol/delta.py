@@ -263,9 +263,10 @@ def _code(
     return Encoded(lb, dictionary, tables, (high, low, sym, esc[:ne], raw[:nraw]))
 
 
-def write(buf: np.ndarray, e: Encoded) -> None:
+def write(buf: np.ndarray, e: Encoded) -> int:
     """Writes ``e``'s dictionary, tables and streams into ``buf`` (a delta buffer, uint8) and its
-    counts and offsets into the header; the caller writes the header's state last."""
+    counts and offsets into the header; the caller writes the header's state last. Returns the
+    bytes written from the buffer's start (``extent``)."""
     head = buf[:HEADER_BYTES].view(np.uint64)
     nchunks = e.tables.shape[1] - 1
     buf[DICT_AT : DICT_AT + 16] = e.dictionary
@@ -277,6 +278,7 @@ def write(buf: np.ndarray, e: Encoded) -> None:
         at += (len(s) + 7) // 8 * 8
     head[PAIRS], head[LOW_BITS] = e.pairs, e.low_bits
     head[ESCAPES], head[RAWS] = int(e.tables[1, -1]), int(e.tables[2, -1])
+    return at
 
 
 @dataclass(frozen=True)
@@ -370,6 +372,27 @@ def decode(
     return at, diffs.view(np.uint8).reshape(n, PAIR)
 
 
+def decode_into(p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], at: np.ndarray, diffs: np.ndarray) -> bool:
+    """``decode`` into the caller's ``at`` (int64) and ``diffs`` (uint32), exactly as long as the
+    run's changed pairs (ValueError where not); False where malformed."""
+    from . import _delta_kernels as kernels
+
+    n = int(p.tables[0, hi + 1] - p.tables[0, lo])
+    if len(at) != n or len(diffs) != n or at.dtype != np.int64 or diffs.dtype != np.uint32:
+        raise ValueError(f"room for {len(at)} pairs ({at.dtype}) and {len(diffs)} ({diffs.dtype}), not {n}")
+    return not n or _decoded(kernels, p, lo, hi, pieces, at, diffs)
+
+
+def add_pairs(at: np.ndarray, diffs: np.ndarray, soff: np.ndarray, end: np.ndarray, addr: np.ndarray) -> None:
+    """Adds the byte differences ``diffs`` (uint32) of the changed pairs ``at`` (int64, ascending)
+    into host memory, compiled: the reads ``soff[r] .. end[r] - 1`` of the slot (int64, ascending,
+    disjoint) land at addresses ``addr[r]``, which the caller checked to be its own for as many
+    bytes; a byte no read covers is skipped."""
+    from . import _delta_kernels as kernels
+
+    kernels.add_pairs(at, diffs, soff, end, addr)
+
+
 def changes(
     p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], offsets: np.ndarray, values: np.ndarray, ws: Workspace
 ) -> int | None:
@@ -421,6 +444,7 @@ def load_decoder() -> None:
     kernels.decode(none, none, none, none, none, 0, 0, 0, 0, np.zeros(16, np.uint8), ESCAPE, SAME, _KDIFF, pairs, diffs)
     kernels.changed_bytes(pairs, diffs, offsets, none)
     kernels.add_at(np.zeros(1, np.uint8), offsets, none)
+    kernels.add_pairs(pairs, diffs, offsets, offsets, offsets)
 
 
 __all__ = [
@@ -438,8 +462,10 @@ __all__ = [
     "Parsed",
     "Workspace",
     "add",
+    "add_pairs",
     "changes",
     "decode",
+    "decode_into",
     "encode",
     "encode_slots",
     "geometry",

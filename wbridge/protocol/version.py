@@ -41,15 +41,20 @@ class VersionRecord:
     # store that lost its history) has other incarnations: nothing of the old one matches them.
     incs: tuple[str, ...] = ()
     layouts: tuple[str, ...] = ()
+    # per rank: the bytes each of its delta ring's buffers fills as of v, by ring position (empty:
+    # no deltas; 0: none in that buffer). Hints, each checked against the delta's own header: a
+    # reader of whole slots reads a delta in one read of that many bytes (``wbridge.pull.delta_reads``).
+    deltas: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "packing", tuple(int(g) for g in self.packing))
             object.__setattr__(self, "incs", tuple(str(x) for x in self.incs))
             object.__setattr__(self, "layouts", tuple(str(x) for x in self.layouts))
+            object.__setattr__(self, "deltas", tuple(extents(x) for x in self.deltas))
         except (TypeError, ValueError) as e:
             raise StoreError(f"malformed version record of version {self.v}: {e}") from None
-        if any(len(x) != self.world_size for x in (self.incs, self.layouts) if x) or (
+        if any(len(x) != self.world_size for x in (self.incs, self.layouts, self.deltas) if x) or (
             self.packing and len(self.packing) != self.world_size
         ):
             raise StoreError(f"malformed version record of version {self.v}: per-rank fields of another world size")
@@ -125,6 +130,16 @@ class VersionRecord:
         chan.write(chan.keys.ready(self.v), self.__dict__)
 
 
+def extents(x: object) -> tuple[int, ...]:
+    """A rank's delta extents (``VersionRecord.deltas``) as ints >= 0 (ValueError where not)."""
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"delta extents {x!r} are not a list")
+    out = tuple(int(n) for n in x)
+    if any(n < 0 for n in out):
+        raise ValueError(f"negative delta extents {out}")
+    return out
+
+
 @dataclass(frozen=True)
 class RankPart:
     """One publisher rank's part of version ``v`` (``Keys.part``), sealed like every record.
@@ -133,6 +148,7 @@ class RankPart:
     - ``inc``: the rank's incarnation (a nonce drawn at each ``register()``).
     - ``gen``: the packing generation of the slot holding ``v`` (0: the plain slot).
     - ``layout``: the slot layout's hash (``protocol.packing.layout_hash``).
+    - ``deltas``: the bytes each of its delta ring's buffers fills (``VersionRecord.deltas``).
     """
 
     v: int
@@ -140,6 +156,7 @@ class RankPart:
     inc: str
     gen: int
     layout: str
+    deltas: tuple[int, ...] = ()
 
     def write(self, chan: ChannelStore, rank: int) -> None:
         chan.write(chan.keys.part(self.v, rank), asdict(self))
@@ -155,8 +172,11 @@ class RankPart:
                 raise StoreError(f"store key {key!r} is missing: version {v} cannot be committed without it")
             d = chan.open(key, raw)
             try:
-                part = cls(int(d["v"]), int(d["epoch"]), str(d["inc"]), int(d["gen"]), str(d["layout"]))
-            except (KeyError, TypeError, ValueError) as e:
+                part = cls(
+                    int(d["v"]), int(d["epoch"]), str(d["inc"]), int(d["gen"]), str(d["layout"]),
+                    extents(d.get("deltas", ())),
+                )  # fmt: skip
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise StoreError(f"malformed rank record of version {v} at {key!r}: {e}") from None
             if (part.v, part.epoch) != (v, epoch):
                 raise StoreError(

@@ -106,7 +106,8 @@ def snapshot(
         sums = _checksum.slot_sums(buffers, slot_layout) if c.checksums else None
     if gen not in reg.layout_hashes:
         reg.layout_hashes[gen] = layout_hash(slot_layout)
-    part = RankPart(v, reg.epoch, reg.inc, gen, reg.layout_hashes[gen])
+    extents = tuple(reg.delta.extents) if reg.delta is not None else ()
+    part = RankPart(v, reg.epoch, reg.inc, gen, reg.layout_hashes[gen], extents)
     if sums is not None:
         sums = _checksum.bind(sums, v, reg.inc, part.layout)
     return Snapshot(v, slot, part, sums, t1 - t0, time.perf_counter() - t1, encode_s)
@@ -136,6 +137,7 @@ def commit(c: Committer, snap: Snapshot) -> bool:
         nonce=os.urandom(16).hex(),
         incs=tuple(p.inc for p in parts),
         layouts=tuple(p.layout for p in parts),
+        deltas=tuple(p.deltas for p in parts) if any(p.deltas for p in parts) else (),
     ).write(chan)  # and its ready key: subscribers wake
     collect(c, v, epoch)  # (and this version's snapshot counter: every rank added)
     return True

@@ -80,6 +80,9 @@ class DeltaRing:
     - ``work``: the arrays the scan and the coding reuse from version to version.
     - ``held``: staging slot -> what it holds (``Staged``).
     - ``scratch``: the previous slot remapped to a new packing (``remap``), once the packing changed.
+    - ``extents``: per ring position, the bytes its delta fills from the buffer's start (header,
+      tables and streams; 0: none). A version's record carries them (``protocol.version``), so a
+      reader of whole slots reads each delta it needs in one read of exactly those bytes.
     """
 
     buffers: list[Any]
@@ -88,6 +91,10 @@ class DeltaRing:
     work: _format.Workspace = field(default_factory=_format.Workspace, repr=False)
     held: dict[int, Staged] = field(default_factory=dict)
     scratch: Any = None
+    extents: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.extents = [0] * len(self.buffers)
 
     def remap(self, prev: Any, cur: Any, was: RankLayout | None, now: RankLayout | None) -> Any:
         """``prev`` (a slot laid out as ``was``) with its bytes moved to where ``now`` holds them,
@@ -128,6 +135,7 @@ class DeltaRing:
         self.held[slot] = Staged(v, gen, layout)
         i = v % len(self.buffers)
         head = self.header(i)
+        self.extents[i] = 0
         head[:] = 0
         head[:8] = (DELTA_MAGIC, v, v - 1, DELTA_WRITING, epoch, gen, self.geo.nchunks, 0)
         none = Encoding(-1, 0, 0.0)
@@ -152,7 +160,7 @@ class DeltaRing:
         if coded.nbytes > self.geo.capacity:
             head[3] = DELTA_NONE
             return none
-        _format.write(self.buffers[i].numpy(), coded)
+        self.extents[i] = _format.write(self.buffers[i].numpy(), coded)
         head[3] = DELTA_STABLE  # last: the header says "stable" only once every byte is in place
         return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
 

@@ -32,6 +32,7 @@ import numpy as np
 from transports.errors import TransportError
 
 from .._deadline import Deadline
+from .._lifecycle import quietly
 from ..protocol import checksum as _checksum
 from ..protocol.stamps import STAMP_BYTES
 from . import delta_reads as _reads
@@ -123,16 +124,25 @@ def _pull(
     spent = _setup_seconds(session)
     geo = [session.delta[s.rank] for s in session.sources]
     got: dict[int, _reads.Fetched] = {}
+    read: dict[int, _reads.HeadsRead] = {}
     hs: dict[int, _reads.Heads] = {}
+    stable: Callable[[], bool] | None = None
 
     def declined(reason: str) -> Choice:  # (with the bytes and reads spent so far)
-        spent = [got[r].nbytes if r in got else h.nbytes for r, h in hs.items()]
-        return Choice(None, reason, sum(spent), len(hs) + 2 * len(got))
+        if stable is not None:  # (its read lands in a scratch buffer the next pull reuses)
+            quietly(stable)
+        nbytes = sum(got[r].nbytes if r in got else h.nbytes for r, h in read.items())
+        ops = sum(got[r].ops if r in got else len(h.us) * (1 + (stable is not None)) for r, h in read.items())
+        return Choice(None, reason, nbytes, ops)
 
     sums = _sums_ahead(ctx, session.sources, rec, deadline)  # (from the store, while the headers are read)
     try:
         for src in session.sources:
-            h = _reads.heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
+            read[src.rank] = _reads.read_heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
+        if all(r.held is not None for r in read.values()):  # the deltas are in: read the headers again now
+            stable = _recheck_behind(ctx, session, read, rec.stamp if stamp else None, deadline)
+        for src in session.sources:
+            h = _reads.heads(src, session, rec, read[src.rank])
             if isinstance(h, str):
                 return declined(h)
             hs[src.rank] = h
@@ -143,20 +153,23 @@ def _pull(
             return declined(reason)
         for src in session.sources:
             got[src.rank] = _reads.fetch(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
-        stable = _recheck_behind(ctx, session, hs, rec.stamp if stamp else None, deadline)
+        if stable is None or not all(h.whole for h in hs.values()):
+            if stable is not None:
+                stable()  # (read before some streams were: not a check of them)
+            stable = _recheck_behind(ctx, session, read, rec.stamp if stamp else None, deadline)
     except TransportError:
         return declined("source-failed")  # the full pull reads around a dead source (failover) or reports it
     tr = time.perf_counter()
-    writes = [_reads.writes(src, session, hs[src.rank], got[src.rank]) for src in session.sources]
+    decoded = [_reads.decode(src, session, hs[src.rank], got[src.rank]) for src in session.sources]
     try:
         if not stable():
             return declined("header-changed")
     except TransportError:
         return declined("source-failed")
-    if any(w is None for w in writes):
+    if any(d is None for d in decoded):
         return declined("malformed")  # before any write
-    for w in (w for per in writes for w in per):
-        _reads.apply(ctx.dest.buffers[w.region], w)
+    for src, d in zip(session.sources, decoded):
+        _reads.apply(ctx.dest.buffers, src, session, d, ctx.pool)
     t1 = time.perf_counter()
     repair = verify_repair(ctx, session.sources, rec, deadline, sums())
     read_bytes = sum(r.nbytes for r in got.values())
@@ -172,11 +185,11 @@ def _pull(
 
 
 def _recheck_behind(
-    ctx: PullContext, session: Session, hs: dict[int, _reads.Heads], stamp: Any, deadline: Deadline
+    ctx: PullContext, session: Session, hs: dict[int, _reads.HeadsRead], stamp: Any, deadline: Deadline
 ) -> Callable[[], bool]:
     """Starts reading every source's delta headers again (``delta_reads.recheck``: with ``stamp``,
-    and the slot stamps) on the pull's threads, while this one decodes the streams (it writes
-    nothing), and returns what waits for them: whether no delta was rewritten under the reads."""
+    and the slot stamps) on the pull's threads, while this one parses and decodes the streams (it
+    writes nothing), and returns what waits for them: whether no delta was rewritten under the reads."""
 
     def again() -> bool:
         return all(

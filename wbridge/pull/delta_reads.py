@@ -98,10 +98,16 @@ class SourceGeometry:
     check: Scratch
     streams: Scratch
     work: _format.Workspace  # the decoder's arrays, reused from pull to pull
+    targets: dict = field(default_factory=dict)  # where the reads land on the host (``_host_targets``)
 
     @property
     def scratches(self) -> tuple[Scratch, ...]:
         return (self.head, self.check, self.streams)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the reads cover every chunk: every stream byte of a delta is needed."""
+        return len(self.run_lo) == 1 and self.run_lo[0] == 0 and self.run_hi[0] == self.geo.nchunks - 1
 
     @functools.cached_property
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -182,34 +188,79 @@ def prepare(ctx: PullContext, session: Session) -> dict[int, SourceGeometry | st
 
 
 @dataclass(frozen=True)
-class Heads:
-    """What one source's delta headers and tables said: the versions, the headers as read (compared
-    again after the streams), each delta's parsed tables, and per delta, run and stream the byte
-    range to read (``offsets``, ``lengths``: ``[versions, runs, 5]``)."""
+class HeadsRead:
+    """One source's delta headers and tables as read (``read_heads``): the versions, per version
+    its header and table entries (``raw``: ``[versions, bytes]``), the bytes read, and where the
+    deltas were read whole (``whole_deltas``) the deltas themselves, each at ``held_at[i]`` of
+    ``held`` and ``sizes[i]`` bytes long (else None)."""
 
     us: np.ndarray
     raw: np.ndarray
+    nbytes: int
+    held: np.ndarray | None = None
+    held_at: np.ndarray | None = None
+    sizes: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What one source's delta headers and tables said (``heads``): the read, each delta's parsed
+    tables, and per delta, run and stream the byte range to read (``offsets``, ``lengths``:
+    ``[versions, runs, 5]``); ``whole``: the read holds those ranges already."""
+
+    read: HeadsRead
     parsed: tuple[_format.Parsed, ...]
     offsets: np.ndarray
     lengths: np.ndarray
     pairs: int  # changed pairs the reads' runs cover, over every delta
-    nbytes: int  # bytes read for the headers and tables
+    whole: bool
+
+    @property
+    def us(self) -> np.ndarray:
+        return self.read.us
+
+    @property
+    def nbytes(self) -> int:  # bytes read for the headers and tables (and the streams, where ``whole``)
+        return self.read.nbytes
 
     @property
     def stream_bytes(self) -> int:
         return int(self.lengths.sum())
 
 
-def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: Deadline) -> Heads | str:
+def whole_deltas(g: SourceGeometry, rec: Any, rank: int, us: np.ndarray) -> np.ndarray | None:
+    """The bytes of each delta ``us`` (its header, tables and streams), where ``src``'s reads cover
+    every chunk and the version record says them (``VersionRecord.deltas``); else None. Such a
+    reader reads each delta in one read: a buffer is read only once the version it holds (or a
+    newer one) is committed, and a position of the ring holds ever newer versions, so the headers
+    read again after it (``recheck``) show any rewrite that began under it."""
+    extents = rec.deltas[rank] if rank < len(rec.deltas) else ()
+    if not g.whole or len(extents) != len(g.descs):
+        return None
+    n = np.asarray(extents, dtype=np.int64)[us % len(g.descs)]
+    per = int(g.rows[1].sum())
+    return n if np.all(n >= per) and np.all(n <= g.geo.buffer_bytes) else None
+
+
+def read_heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: Deadline) -> HeadsRead:
     """Reads the headers of the deltas ``base + 1 .. rec.v`` of ``src`` and the table entries of
-    the runs of chunks its reads cover (one batched read); a reason (``DELTA_REASONS``) where they
-    cannot be used."""
+    the runs of chunks its reads cover (one batched read; with ``whole_deltas``, the deltas
+    whole: ``recheck`` can follow at once)."""
     g = session.delta[src.rank]
-    k, nchunks = len(g.descs), g.geo.nchunks
+    k = len(g.descs)
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
     m = len(us)
     rows_at, rows_n = g.rows
     per = int(rows_n.sum())  # bytes per version: the header, then its runs' table entries
+    sizes = whole_deltas(g, rec, src.rank, us)
+    if sizes is not None:  # one row per delta: its header, tables (contiguous: every run) and streams
+        held_at = np.cumsum(sizes) - sizes
+        g.head.ensure(t, int(sizes.sum()))
+        b = ReadBatch(np.arange(m), np.zeros(m, np.int64), np.zeros(m, np.int64), held_at, sizes)
+        read(t, src, tuple(g.descs[u] for u in (us % k).tolist()), g.head.region, b, deadline)
+        held = g.head.buf.numpy()[: int(sizes.sum())].copy()
+        raw = np.stack([held[a : a + per] for a in held_at.tolist()])
+        return HeadsRead(us, raw, int(sizes.sum()), held, held_at, sizes)
     g.head.ensure(t, m * per)
     r = len(rows_at)
 
@@ -220,7 +271,15 @@ def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
         return src.peer, list(g.descs), [g.head.region], b
 
     t.read(g.head.prepared(t, ("heads", src.peer, m, int(us[0] % k)), batch), timeout=deadline.left(0.1))
-    raw = g.head.buf.numpy()[: m * per].reshape(m, per).copy()
+    return HeadsRead(us, g.head.buf.numpy()[: m * per].reshape(m, per).copy(), m * per)
+
+
+def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | str:
+    """What ``src``'s delta headers and tables as read say; a reason (``DELTA_REASONS``) where they
+    cannot be used."""
+    g = session.delta[src.rank]
+    nchunks = g.geo.nchunks
+    us, raw, m = got.us, got.raw, len(got.us)
     head = raw[:, :HEADER_BYTES].view(np.uint64)
     gen = session.gens[src.rank] if session.gens else 0
     want = np.stack([np.full(m, DELTA_MAGIC, np.uint64), us.astype(np.uint64), (us - 1).astype(np.uint64)], 1)
@@ -243,7 +302,9 @@ def heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: 
     if np.any(lengths < 0) or np.any(offsets + lengths > g.geo.buffer_bytes):
         return "malformed"
     pairs = sum(int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum()) for p in parsed)
-    return Heads(us, raw, parsed, offsets, lengths, pairs, m * per)
+    # (where the record's sizes fell short of the streams, ``fetch`` reads them)
+    whole = got.sizes is not None and not np.any(offsets + lengths > got.sizes[:, None, None])
+    return Heads(got, parsed, offsets, lengths, pairs, whole)
 
 
 @dataclass(frozen=True)
@@ -262,11 +323,20 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -
     g = session.delta[src.rank]
     k, m = len(g.descs), len(h.us)
     n = h.lengths.reshape(-1)
+    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
+    if h.whole:  # read with the headers
+        held = h.read.held
+        offsets = (h.offsets + h.read.held_at[:, None, None]).reshape(h.offsets.shape[0], -1)
+        pieces = tuple(
+            tuple(tuple(held[a : a + b] for a, b in zip(o[5 * r : 5 * r + 5], n_[5 * r : 5 * r + 5]))
+                  for r in range(h.lengths.shape[1]))
+            for o, n_ in zip(offsets.tolist(), h.lengths.reshape(m, -1).tolist())
+        )  # fmt: skip
+        return Fetched(pieces, nbytes, ops)
     which = np.repeat(np.arange(m), h.lengths.shape[1] * h.lengths.shape[2])
     rows = n > 0
     at = np.concatenate(([0], np.cumsum(n)))
     total = int(at[-1])
-    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
     if total:
         g.streams.ensure(t, total)
         # (the versions' buffers alone: ``us`` are consecutive, so at most one per ring position)
@@ -284,7 +354,9 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -
     return Fetched(pieces, nbytes, ops)
 
 
-def recheck(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline, stamp: Stamp | None = None) -> bool:
+def recheck(
+    t: Any, src: Source, session: Session, h: HeadsRead, deadline: Deadline, stamp: Stamp | None = None
+) -> bool:
     """Reads the headers of ``src``'s deltas again after their streams (the seqlock check): False
     where one was rewritten under the reads. With ``stamp``, the slot's stamp comes in that read
     too (the seqlock check of a pull that reads nothing of the slot: ``reads.check_stamps`` needs
@@ -317,6 +389,79 @@ def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadB
         t.release(prep)
 
 
+@dataclass(frozen=True)
+class Decoded:
+    """One source's deltas, decoded: per delta its changed pairs over the runs its reads cover
+    (indices ascending, int64; views of the source's workspace) and their byte differences (uint32)."""
+
+    pairs: tuple[tuple[np.ndarray, np.ndarray], ...]
+
+
+def decode(src: Source, session: Session, h: Heads, got: Fetched) -> Decoded | None:
+    """``src``'s fetched deltas decoded (a compiled call per delta and run); None where one is
+    malformed. Writes nothing to the destination."""
+    g = session.delta[src.rank]
+    out = []
+    for i, p in enumerate(h.parsed):  # (a delta's arrays are its own: the deltas are applied together)
+        counts = (p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).tolist()
+        at = g.work.get(f"d.at.{i}", sum(counts), np.int64)
+        diffs = g.work.get(f"d.diffs.{i}", sum(counts), np.uint32)
+        m = 0
+        for r, (lo, hi, n) in enumerate(zip(g.run_lo.tolist(), g.run_hi.tolist(), counts)):
+            if not _format.decode_into(p, lo, hi, list(got.pieces[i][r]), at[m : m + n], diffs[m : m + n]):
+                return None
+            m += n
+        out.append((at, diffs))
+    return Decoded(tuple(out))
+
+
+def apply(dest: list[Any], src: Source, session: Session, d: Decoded, pool: Any = None) -> None:
+    """Adds ``src``'s decoded deltas into the destination buffers ``dest`` (uint8 regions, host or
+    device), mod 256: on the host one compiled call per delta over every read (``add_pairs``: each
+    read's destination checked once to lie in its region; with ``pool``, an executor with a thread
+    free, that thread adds half the pairs: their bytes are distinct, and the destination's cache
+    lines come from memory twice as fast on two cores), on a device a scatter per region."""
+    g = session.delta[src.rank]
+    addr = _host_targets(g, dest)
+    if addr is None:
+        for w in writes(g, d):
+            apply_write(dest[w.region], w)
+        return
+    for at, diffs in d.pairs:  # (one delta after the other: two may change one pair)
+        half = len(at) // 2 if pool is not None and len(at) >= PARALLEL_PAIRS else 0
+        other = pool.submit(_format.add_pairs, at[:half], diffs[:half], g.soff, g.end, addr) if half else None
+        _format.add_pairs(at[half:], diffs[half:], g.soff, g.end, addr)
+        if other is not None:
+            other.result()
+
+
+PARALLEL_PAIRS = 16384  # changed pairs from which a delta is added on two threads
+
+
+def _host_targets(g: SourceGeometry, dest: list[Any]) -> np.ndarray | None:
+    """Where each of ``g``'s reads lands in host memory (int64 addresses, in ``g``'s read order),
+    each checked to lie within its destination region (``IntegrityError`` where one does not);
+    None where a destination is on a device. Kept in ``g`` for this ``dest`` (the subscriber's
+    registered buffers: their memory stays while they are registered)."""
+    kept = g.targets.get("dest")
+    if kept is not None and kept[0] is dest:
+        return kept[1]
+    regions = np.unique(g.dreg).tolist()
+    if not all(isinstance(dest[r], np.ndarray) or dest[r].device.type == "cpu" for r in regions):
+        return None
+    base, size = np.zeros(len(dest), np.int64), np.zeros(len(dest), np.int64)
+    for r in regions:
+        host = _checksum.host_array(dest[r])
+        base[r], size[r] = host.ctypes.data, len(host)
+    outside = (g.doff < 0) | (g.doff + (g.end - g.soff) > size[g.dreg])
+    if np.any(outside):
+        bad = int(g.dreg[np.flatnonzero(outside)[0]])
+        raise IntegrityError(f"a delta write falls outside destination region {bad} ({int(size[bad])} bytes)")
+    addr = base[g.dreg] + g.doff
+    g.targets["dest"] = (dest, addr)
+    return addr
+
+
 FEW_READS = 64  # a source with at most this many reads gets a write per read (else one per region)
 
 
@@ -329,22 +474,16 @@ class Write:
     values: np.ndarray  # uint8
 
 
-def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write] | None:
-    """The writes of ``src``'s fetched deltas (each delta's, in order; byte differences add, so
-    their order does not matter); None where a delta is malformed."""
-    g = session.delta[src.rank]
+def writes(g: SourceGeometry, d: Decoded) -> list[Write]:
+    """The writes of decoded deltas on a device destination (each delta's, in order; byte
+    differences add, so their order does not matter): their changed bytes cut at the reads and
+    grouped per destination region."""
     out: list[Write] = []
-    for i, p in enumerate(h.parsed):  # one step per delta version (k at most) and run, compiled inside
-        pairs = int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum())
-        pos = g.work.get(f"w.pos.{i}", PAIR * pairs, np.int64)  # (a delta's own: they are applied together)
-        units = g.work.get(f"w.units.{i}", PAIR * pairs, np.uint8)
-        m = 0
-        for r, (lo, hi) in enumerate(zip(g.run_lo, g.run_hi)):
-            k = _format.changes(p, int(lo), int(hi), list(got.pieces[i][r]), pos[m:], units[m:], g.work)
-            if k is None:
-                return None
-            m += k
-        pos, units = pos[:m], units[:m]
+    for at, diffs in d.pairs:
+        pos = (PAIR * at[:, None] + np.arange(PAIR)).reshape(-1)
+        units = diffs.view(np.uint8)  # (little-endian: a pair's bytes in order)
+        keep = units != 0
+        pos, units = pos[keep], units[keep]
         # positions ascend: cut them at every read's start and end
         cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
         lo_, hi_ = cut[0::2][g.perm], cut[1::2][g.perm]
@@ -369,7 +508,7 @@ def writes(src: Source, session: Session, h: Heads, got: Fetched) -> list[Write]
     return out
 
 
-def apply(dst: Any, w: Write) -> None:
+def apply_write(dst: Any, w: Write) -> None:
     """Adds ``w``'s byte differences into ``dst`` (a uint8 region, host or device), mod 256."""
     if isinstance(dst, np.ndarray) or dst.device.type == "cpu":
         if not _format.add(_checksum.host_array(dst), w.offsets, w.values):
@@ -382,16 +521,21 @@ def apply(dst: Any, w: Write) -> None:
 
 
 __all__ = [
+    "Decoded",
     "Fetched",
     "Heads",
+    "HeadsRead",
     "Scratch",
     "SourceGeometry",
     "Write",
     "apply",
+    "apply_write",
+    "decode",
     "fetch",
     "heads",
     "prepare",
     "read",
+    "read_heads",
     "recheck",
     "source_geometry",
     "writes",
