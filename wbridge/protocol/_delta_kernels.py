@@ -458,6 +458,56 @@ def changed_bytes(at, diffs, pos, values):
     return m
 
 
+@_jit
+def tables(values, lo, hi, nchunks, totals, out):
+    """A delta's tables from the entries ``values`` (uint32) of the runs of chunks ``lo[i]..hi[i]``
+    as ``table_rows`` placed them (table by table, run by run) into ``out`` (int64 ``[3, nchunks +
+    1]``, -1 where not read): False where they do not make sense (an entry below the one before
+    it, or past its table's total in ``totals``; a table not starting at 0, or not ending at its
+    total where the run ends the slot) or do not fill ``values`` exactly."""
+    at = 0
+    for t in range(3):
+        for r in range(len(lo)):
+            a, b = lo[r], hi[r]
+            n = b - a + 2
+            if a < 0 or b >= nchunks or b < a - 1 or at + n > len(values):
+                return False
+            prev = np.int64(values[at])
+            if (a == 0 and prev != 0) or prev > totals[t]:
+                return False
+            for j in range(n):
+                v = np.int64(values[at + j])
+                if v < prev:
+                    return False
+                out[t, a + j] = prev = v
+            if prev > totals[t] or (b + 1 == nchunks and prev != totals[t]):
+                return False
+            at += n
+    return at == len(values)
+
+
+@_jit
+def stream_ranges(t, lo, hi, lb, pairs, offsets, chunk_pairs, group, first, length):
+    """Per run of chunks ``lo[i]..hi[i]`` the byte range of each of the five streams it uses (from
+    the tables ``t``, low width ``lb``, the slot's ``pairs``, the streams' ``offsets``): starts
+    into ``first`` and lengths into ``length`` (int64 ``[runs, 5]``); low fields are read in whole
+    ``group``s, a bitmap (``lb`` 0) in the chunks' own bytes."""
+    for r in range(len(lo)):
+        a, b = lo[r], hi[r]
+        p0, p1 = t[0, a], t[0, b + 1]
+        if lb == 0:
+            h0 = a * (chunk_pairs // 8)
+            h1 = min((b + 1) * (chunk_pairs // 8), (pairs + 7) // 8)
+        else:
+            h0 = (((a * chunk_pairs) >> lb) + p0) // 8
+            h1 = (min(((b + 1) * chunk_pairs) >> lb, (pairs + (1 << lb) - 1) >> lb) + p1 + 7) // 8
+        s0 = (h0, (p0 // group) * lb, p0 // 2, t[1, a], t[2, a])
+        s1 = (h1, (p1 + group - 1) // group * lb, (p1 + 1) // 2, t[1, b + 1], t[2, b + 1])
+        for k in range(5):
+            first[r, k] = s0[k] + offsets[k]
+            length[r, k] = s1[k] - s0[k]
+
+
 @intrinsic
 def _bytes_at(typingctx, address):
     """A ``uint8*`` at ``address`` (an int64): memory the caller checked to be its own."""

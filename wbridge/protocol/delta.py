@@ -307,26 +307,18 @@ def parse(
     """A delta's ``header`` (``HEADER_BYTES`` bytes) and the table ``entries`` of runs ``lo..hi``
     as ``table_rows`` placed them (uint8, concatenated), of a slot of ``pairs`` pairs in
     ``nchunks`` chunks; None where they do not make sense."""
+    from . import _delta_kernels as kernels
+
     head = header[:HEADER_BYTES].view(np.uint64)
     lb = int(head[LOW_BITS])
-    totals = np.array([int(head[PAIRS]), int(head[ESCAPES]), int(head[RAWS])], dtype=np.int64)
+    totals = head[[PAIRS, ESCAPES, RAWS]].astype(np.int64)
     dictionary = header[DICT_AT : DICT_AT + 16].copy()
-    if lb > MAX_LOW_BITS or len(entries) != int(np.sum(table_rows(nchunks, lo, hi)[1])):
-        return None
-    if np.any(dictionary[:DICT_SIZE] == SAME):  # (no changed pair has it)
+    if lb > MAX_LOW_BITS or len(entries) % 4 or SAME in dictionary[:DICT_SIZE]:  # (no changed pair has SAME)
         return None
     tables = np.full((3, nchunks + 1), -1, dtype=np.int64)
-    values = entries.view(np.uint32).astype(np.int64)
-    at = 0
-    for t in range(3):  # (a step per table and run: runs are few, their entries vectorised)
-        for a, b in zip(lo, hi):
-            got = values[at : at + b - a + 2]
-            at += b - a + 2
-            if np.any(np.diff(got) < 0) or got[-1] > totals[t] or (a == 0 and got[0] != 0):
-                return None
-            if b + 1 == nchunks and got[-1] != totals[t]:
-                return None
-            tables[t, a : b + 2] = got
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    if not kernels.tables(entries.view(np.uint32), lo, hi, nchunks, totals, tables):
+        return None
     return Parsed(lb, pairs, dictionary, tables, head[OFFSETS : OFFSETS + 5].astype(np.int64))
 
 
@@ -342,17 +334,12 @@ def ranges(p: Parsed, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.nd
     """Per run of chunks ``lo[i]..hi[i]`` the byte range of each stream it uses: ``(offsets,
     lengths)``, int64 ``[runs, 5]`` (offsets from the buffer's start). Low fields are read in
     whole groups."""
-    t = p.tables
-    p0, p1 = t[0, lo], t[0, hi + 1]
-    lb = p.low_bits
-    if lb == 0:  # a bitmap: the chunks' own bytes of it
-        h0, h1 = lo * (CHUNK_PAIRS // 8), np.minimum((hi + 1) * (CHUNK_PAIRS // 8), -(-p.pairs // 8))
-    else:
-        h0 = (((lo * CHUNK_PAIRS) >> lb) + p0) // 8
-        h1 = -(-(np.minimum(((hi + 1) * CHUNK_PAIRS) >> lb, -(-p.pairs // (1 << lb))) + p1) // 8)
-    first = np.stack([h0, (p0 // GROUP) * lb, p0 // 2, t[1, lo], t[2, lo]], 1)
-    end = np.stack([h1, -(-p1 // GROUP) * lb, -(-p1 // 2), t[1, hi + 1], t[2, hi + 1]], 1)
-    return first + p.offsets[None, :], end - first
+    from . import _delta_kernels as kernels
+
+    first, length = np.empty((len(lo), 5), np.int64), np.empty((len(lo), 5), np.int64)
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    kernels.stream_ranges(p.tables, lo, hi, p.low_bits, p.pairs, p.offsets, CHUNK_PAIRS, GROUP, first, length)
+    return first, length
 
 
 def decode(
@@ -445,6 +432,10 @@ def load_decoder() -> None:
     kernels.changed_bytes(pairs, diffs, offsets, none)
     kernels.add_at(np.zeros(1, np.uint8), offsets, none)
     kernels.add_pairs(pairs, diffs, offsets, offsets, offsets)
+    two = np.zeros((3, 2), np.int64)
+    kernels.tables(np.zeros(6, np.uint32), np.zeros(1, np.int64), np.zeros(1, np.int64), 1, np.zeros(3, np.int64), two)
+    p = Parsed(1, 1, np.zeros(16, np.uint8), two, np.zeros(5, np.int64))
+    ranges(p, np.zeros(1, np.int64), np.zeros(1, np.int64))
 
 
 __all__ = [
