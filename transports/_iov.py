@@ -77,4 +77,5 @@ def _move(
         if got == 0:
             raise ConnectionError(f"connection closed after {done} of {total} bytes")
         done += got
-        i = int(np.searchsorted(ends, done, side="right"))
+        if done < total:  # (most moves are done in one call)
+            i = int(np.searchsorted(ends, done, side="right"))
