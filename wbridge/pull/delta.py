@@ -214,14 +214,8 @@ def _sums_ahead(ctx: PullContext, sources: Sequence[Source], rec: Any, deadline:
 
 def _started(ctx: PullContext, work: Callable[[], Any]) -> Callable[[], Any]:
     """``work`` started on the pull's threads, and what waits for its result (without a pool, the
-    waiting call runs it). This thread yields the GIL once, so that the work posts its read now:
-    else it waits for the GIL until this thread blocks (up to the interpreter's switch interval,
-    5 ms, while this one parses: measured, a recheck posted 1 ms late and waited for)."""
-    if ctx.pool is None:
-        return work
-    done = ctx.pool.submit(work).result
-    time.sleep(0)
-    return done
+    waiting call runs it)."""
+    return work if ctx.pool is None else ctx.pool.submit(work).result
 
 
 @dataclass(frozen=True)

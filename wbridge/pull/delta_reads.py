@@ -258,7 +258,7 @@ def read_heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadl
         g.head.ensure(t, int(sizes.sum()))
         b = ReadBatch(np.arange(m), np.zeros(m, np.int64), np.zeros(m, np.int64), held_at, sizes)
         read(t, src, tuple(g.descs[u] for u in (us % k).tolist()), g.head.region, b, deadline)
-        held = g.head.buf.numpy()[: int(sizes.sum())].copy()
+        held = g.head.buf.numpy()[: int(sizes.sum())]  # (the scratch is read into again by the next pull only)
         raw = np.stack([held[a : a + per] for a in held_at.tolist()])
         return HeadsRead(us, raw, int(sizes.sum()), held, held_at, sizes)
     g.head.ensure(t, m * per)
