@@ -306,3 +306,45 @@ def test_changed_bytes_need_room_for_every_pair() -> None:
     assert F.changes(p, 0, geo.nchunks - 1, pieces, np.zeros(room, np.int64), np.zeros(room, np.uint8), dirty())
     with pytest.raises(ValueError, match="room for"):
         F.changes(p, 0, geo.nchunks - 1, pieces, np.zeros(room - 1, np.int64), np.zeros(room, np.uint8), dirty())
+
+
+def test_a_delta_read_whole_is_the_bytes_write_returns() -> None:
+    # what a version record carries per ring buffer: a reader of whole slots reads that many bytes
+    a, b = changed(5 * F.CHUNK_BYTES + 3, 0.02, 11)
+    geo = F.geometry(len(a))
+    e = F.encode_slots(a, b, geo, 1 << 40, dirty())
+    assert e is not None
+    buf = np.full(geo.buffer_bytes, 0xEE, np.uint8)  # (bytes past the extent are not the delta's)
+    extent = F.write(buf, e)
+    assert extent == F.table_bytes(geo.nchunks) + e.nbytes
+    held = buf[:extent].copy()
+    lo, hi = np.array([0]), np.array([geo.nchunks - 1])
+    per = F.HEADER_BYTES + 12 * (geo.nchunks + 1)
+    p = F.parse(held[: F.HEADER_BYTES], held[F.HEADER_BYTES : per], lo, hi, geo.nchunks, geo.pairs)
+    assert p is not None
+    offsets, lengths = F.ranges(p, lo, hi)
+    assert (offsets + lengths).max() <= extent
+    at, diffs = F.decode(p, 0, geo.nchunks - 1, [held[o : o + n] for o, n in zip(offsets[0], lengths[0])])
+    want_at, want_diffs = truth(a, b)
+    assert np.array_equal(at, want_at) and np.array_equal(diffs, want_diffs)
+
+
+def test_pairs_are_added_where_each_read_lands() -> None:
+    # reads that start and end on odd bytes, a gap no read covers, destinations anywhere in memory
+    a, b = changed(3 * F.CHUNK_BYTES + 1, 0.1, 12, ulp=False)
+    cuts = np.array([0, 7, 40_001, 40_002, 70_001, 90_000, len(a)], np.int64)
+    for c in cuts[1:-1]:
+        b[c - 2 : c + 2] += np.uint8(1)  # every byte of the pairs across the reads' edges changes
+    at, diffs = truth(a, b)
+    soff, end = cuts[:-1].copy(), cuts[1:].copy()
+    end[2] -= 1  # slot byte 40_001 is no read's: it stays as it was
+    rng = np.random.default_rng(5)
+    dests = [rng.integers(0, 256, e - s, dtype=np.uint8) for s, e in zip(soff, end)]
+    want = [d.copy() for d in dests]
+    for d, s, e in zip(want, soff, end):
+        d += b[s:e] - a[s:e]  # (mod 256)
+    addr = np.array([d.ctypes.data for d in dests], np.int64)
+    F.add_pairs(at, diffs.reshape(-1).view(np.uint32), soff, end, addr)
+    assert all(np.array_equal(d, w) for d, w in zip(dests, want))
+    F.add_pairs(at[:0], diffs.reshape(-1).view(np.uint32)[:0], soff, end, addr)  # nothing to add
+    assert all(np.array_equal(d, w) for d, w in zip(dests, want))
