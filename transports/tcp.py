@@ -5,13 +5,14 @@ interfaces by default) with one thread per authenticated connection. Each connec
 protocol of ``transports._wire``: a mutual HMAC challenge-response with the shared token (the token
 never crosses the wire), then READ requests answered with DATA frames sent straight from the
 registered memory (``writev`` over iovec columns built with numpy: no copy and no Python object
-per read; reads whose sources continue one another go as one piece). A read that falls outside a
+per read; reads whose sources continue one another go as one piece; a READ of at most
+``FEW_ENTRIES`` reads is checked entry by entry instead). A read that falls outside a
 registered region is refused with an ERROR frame; malformed frames close the connection.
 
 Reading side: ``connect`` opens ``streams`` authenticated connections to a peer; ``prepare`` checks
 bounds, splits long reads, balances the pieces over the streams by bytes (a small batch over fewer of them:
 ``STREAM_MIN_BYTES``) and packs the READ frames
-once; ``read`` posts them (two frames in flight per stream) and receives each DATA frame straight
+once (a batch of at most ``FEW_ENTRIES`` reads, needing no split, as one frame directly); ``read`` posts them (two frames in flight per stream) and receives each DATA frame straight
 into the destination memory (``readv`` over iovec columns of the destination, built once at ``prepare``).
 """
 
