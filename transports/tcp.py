@@ -10,10 +10,11 @@ per read; reads whose sources continue one another go as one piece; a READ of at
 registered region is refused with an ERROR frame; malformed frames close the connection.
 
 Reading side: ``connect`` opens ``streams`` authenticated connections to a peer; ``prepare`` checks
-bounds, splits long reads, balances the pieces over the streams by bytes (a small batch over fewer of them:
-``STREAM_MIN_BYTES``) and packs the READ frames
-once (a batch of at most ``FEW_ENTRIES`` reads, needing no split, as one frame directly); ``read`` posts them (two frames in flight per stream) and receives each DATA frame straight
-into the destination memory (``readv`` over iovec columns of the destination, built once at ``prepare``).
+bounds, splits long reads, balances the pieces over the streams by bytes (a small batch over fewer of
+them: ``STREAM_MIN_BYTES``) and packs the READ frames once (a batch of at most ``FEW_ENTRIES`` reads
+that needs no split: one frame, directly); ``read`` posts them (two frames in flight per stream) and
+receives each DATA frame straight into the destination memory (``readv`` over iovec columns of the
+destination, built once at ``prepare``).
 """
 
 from __future__ import annotations
