@@ -126,8 +126,9 @@ class VersionRecord:
     def write(self, chan: ChannelStore) -> None:
         """Commits the version: the record, then the ``ready`` key of its version, which carries
         the record too and wakes the subscribers blocked on it."""
-        chan.write(chan.keys.version, self.__dict__)
-        chan.write(chan.keys.ready(self.v), self.__dict__)
+        fields = {k: x for k, x in self.__dict__.items() if k != "deltas" or x}  # (none: as before deltas)
+        chan.write(chan.keys.version, fields)
+        chan.write(chan.keys.ready(self.v), fields)
 
 
 def extents(x: object) -> tuple[int, ...]:

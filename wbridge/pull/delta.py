@@ -155,14 +155,16 @@ def _pull(
             got[src.rank] = _reads.fetch(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
         if stable is None or not all(h.whole for h in hs.values()):
             if stable is not None:
-                stable()  # (read before some streams were: not a check of them)
+                early, stable = stable, None
+                early()  # (read before some streams were: not a check of them)
             stable = _recheck_behind(ctx, session, read, rec.stamp if stamp else None, deadline)
     except TransportError:
         return declined("source-failed")  # the full pull reads around a dead source (failover) or reports it
     tr = time.perf_counter()
     decoded = [_reads.decode(src, session, hs[src.rank], got[src.rank]) for src in session.sources]
+    check, stable = stable, None  # (waited for here, whatever it says)
     try:
-        if not stable():
+        if not check():
             return declined("header-changed")
     except TransportError:
         return declined("source-failed")
