@@ -3,13 +3,15 @@ where that is cheaper than a full read on the link.
 
 A subscriber whose destination holds version ``a`` of the same publisher epoch, pulling ``v`` with
 ``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``), first asks the cost
-choice (``wbridge.pull.delta_cost``) whether a delta pull is worth trying on its link. Where it is,
-it reads per source rank the headers and tables of the deltas ``a + 1 .. v`` (one batched read),
-asks again on their exact sizes, then reads the stream bytes of just the chunks its own reads cover
-and the headers again, with the slot stamps in that same read (``wbridge.pull.delta_reads``: a delta
-buffer rewritten meanwhile makes the pull go full; a slot reused, ``StaleVersionError``). Three
-reads in sequence: the checksum records come from the store while the headers are on the wire, and
-the headers' second read runs while the streams are decoded. Deltas are in ``v``'s slot byte order,
+choice (``wbridge.pull.delta_cost``) whether a delta pull is worth trying on its link. Where its
+reads cover every chunk of each source's slot and the version record says each delta's bytes, it
+asks again on those exact sizes, reads each source's deltas ``a + 1 .. v`` whole (one batched read)
+and then their headers again, with the slot stamps in that same read, while it parses and decodes
+(two reads in sequence). Otherwise it reads per source rank the headers and tables of the deltas
+(one batched read), asks again on their exact sizes, then reads the stream bytes of just the chunks
+its own reads cover and the headers again (three). A delta buffer rewritten meanwhile makes the
+pull go full; a slot reused, ``StaleVersionError`` (``wbridge.pull.delta_reads``). The checksum
+records come from the store while the deltas are on the wire. Deltas are in ``v``'s slot byte order,
 which the session plans against, whatever packing ``a`` was read in; every delta since ``a`` must be
 in that order. It adds the byte differences with one vectorised scatter per destination region and
 delta, and then always verifies every byte it covers against the publisher's chunk checksums (cut at
@@ -135,11 +137,21 @@ def _pull(
         ops = sum(got[r].ops if r in got else len(h.us) * (1 + (stable is not None)) for r, h in read.items())
         return Choice(None, reason, nbytes, ops)
 
+    m, full_bytes, partial = rec.v - base, sum(g.full for g in geo), sum(g.partial for g in geo)
+    us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
+    sizes = {s.rank: _reads.whole_deltas(session.delta[s.rank], rec, s.rank, us) for s in session.sources}
+    whole = all(x is not None for x in sizes.values())
+    if whole:  # the version record says each delta's bytes: the choice on them, before any read
+        guessed = round(cost.pairs * m) if cost is not None and cost.pairs is not None else 0
+        reason = after_tables(cost, guess, guessed, sum(int(x.sum()) for x in sizes.values()), partial, m, full_bytes)
+        if reason is not None:
+            return Choice(None, reason)
     sums = _sums_ahead(ctx, session.sources, rec, deadline)  # (from the store, while the headers are read)
     try:
         for src in session.sources:
-            read[src.rank] = _reads.read_heads(ctx.endpoints[src.transport], src, session, rec, base, deadline)
-        if all(r.held is not None for r in read.values()):  # the deltas are in: read the headers again now
+            t = ctx.endpoints[src.transport]
+            read[src.rank] = _reads.read_heads(t, src, session, rec, base, deadline, sizes[src.rank])
+        if whole:  # the deltas are in: read the headers again now
             stable = _recheck_behind(ctx, session, read, rec.stamp if stamp else None, deadline)
         for src in session.sources:
             h = _reads.heads(src, session, rec, read[src.rank])
@@ -147,8 +159,7 @@ def _pull(
                 return declined(h)
             hs[src.rank] = h
         pairs, nbytes = sum(h.pairs for h in hs.values()), sum(h.stream_bytes for h in hs.values())
-        full_bytes = sum(g.full for g in geo)
-        reason = after_tables(cost, guess, pairs, nbytes, sum(g.partial for g in geo), rec.v - base, full_bytes)
+        reason = None if whole else after_tables(cost, guess, pairs, nbytes, partial, m, full_bytes)
         if reason is not None:
             return declined(reason)
         for src in session.sources:

@@ -5,8 +5,9 @@ measured as it pulls: seconds per byte of a full read, the round trips of a delt
 beyond their bytes, seconds per changed pair to decode and apply, and per verified byte. Before a
 delta pull it guesses both ways from what deltas per version have held so far (``before_tables``:
 where the deltas look more than ``SKIP_MARGIN`` times slower it does not even read their tables),
-then decides again on the exact sizes in the tables (``after_tables``), and pulls in full where the
-deltas would be slower or read more bytes. Its first ``PROBES`` delta pulls are probes (the first
+then decides again on the exact sizes in the tables (``after_tables``; a reader of whole slots on
+the sizes the version record says, before any read), and pulls in full where the deltas would be
+slower or read more bytes. Its first ``PROBES`` delta pulls are probes (the first
 also pays one-time costs), and one pull in ``PROBE_EVERY`` that cost chose full probes again.
 Nothing here reads or writes: ``wbridge.pull.delta`` asks, and says why (``DELTA_REASONS``).
 """

@@ -242,17 +242,18 @@ def whole_deltas(g: SourceGeometry, rec: Any, rank: int, us: np.ndarray) -> np.n
     return n if np.all(n >= per) and np.all(n <= g.geo.buffer_bytes) else None
 
 
-def read_heads(t: Any, src: Source, session: Session, rec: Any, base: int, deadline: Deadline) -> HeadsRead:
+def read_heads(
+    t: Any, src: Source, session: Session, rec: Any, base: int, deadline: Deadline, sizes: np.ndarray | None
+) -> HeadsRead:
     """Reads the headers of the deltas ``base + 1 .. rec.v`` of ``src`` and the table entries of
-    the runs of chunks its reads cover (one batched read; with ``whole_deltas``, the deltas
-    whole: ``recheck`` can follow at once)."""
+    the runs of chunks its reads cover (one batched read); with ``sizes`` (``whole_deltas``) the
+    deltas whole instead, so ``recheck`` can follow at once."""
     g = session.delta[src.rank]
     k = len(g.descs)
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
     m = len(us)
     rows_at, rows_n = g.rows
     per = int(rows_n.sum())  # bytes per version: the header, then its runs' table entries
-    sizes = whole_deltas(g, rec, src.rank, us)
     if sizes is not None:  # one row per delta: its header, tables (contiguous: every run) and streams
         held_at = np.cumsum(sizes) - sizes
         g.head.ensure(t, int(sizes.sum()))
