@@ -481,7 +481,7 @@ class TcpTransport(Transport):
             if r.device != "cpu":
                 raise TransportError(f"tcp: destination region {r.id} is on {r.device}; tcp reads into host memory")
         self._check_bounds(batch, remote_sizes, [r.nbytes for r in local_regions], peer.label)
-        if len(batch) <= FEW_ENTRIES and batch.total_bytes <= min(self.split_bytes, self.frame_bytes):
+        if 0 < len(batch) <= FEW_ENTRIES and batch.total_bytes <= min(self.split_bytes, self.frame_bytes):
             return self._prepare_few(peer, remote_ids, local_regions, batch)
         dst_base = np.array([r.addr for r in local_regions], dtype=np.int64)
         rid = np.asarray(remote_ids, dtype=np.int64)

@@ -217,3 +217,22 @@ def test_a_small_batch_takes_one_stream(served):
         assert all(np.array_equal(dst[a : a + 1000], src[a : a + 1000]) for a in range(0, 8000, 2000))
         big = client.prepare(peer, [region.descriptor], local, ReadBatch.of([(0, 0, 0, 0, src.nbytes)]))
         assert all(len(frames) > 0 for frames in big.frames)
+
+
+def test_a_batch_of_a_few_reads_is_one_frame_and_an_empty_one_none(served):
+    # a few reads that need no split go as one READ frame packed directly (``FEW_ENTRIES``), served
+    # entry by entry; an empty batch reads nothing (a READ of no entry is a protocol error)
+    server, region, src = served
+    with TcpTransport(token=TOKEN, streams=2) as client:
+        dst = np.zeros_like(src)
+        peer = client.connect(server.endpoint(), timeout=5)
+        local = [client.register(dst.ctypes.data, dst.nbytes)]
+        rows = [(0, 7, 0, 2001, 3), (0, 5000, 0, 20, 999), (0, 9, 0, 0, 20)]  # odd offsets, any order
+        prep = client.prepare(peer, [region.descriptor], local, ReadBatch.of(rows))
+        assert [len(frames) for frames in prep.frames] == [1, 0]
+        client.read(prep, timeout=5)
+        assert all(np.array_equal(dst[d : d + n], src[s : s + n]) for _, s, _, d, n in rows)
+        empty = client.prepare(peer, [region.descriptor], local, ReadBatch.of([]))
+        assert all(len(frames) == 0 for frames in empty.frames)
+        client.read(empty, timeout=5)
+        client.read(prep, timeout=5)  # (the connection still serves)
