@@ -118,10 +118,12 @@ def _pull(
     guess: Guess | None,
     stamp: bool = False,
 ) -> Choice:
-    """The delta pull proper: headers and tables, the choice on their exact sizes (``cost`` and
-    ``guess``; None: whatever it costs), streams (the checksums read from the store meanwhile),
-    apply, verify-and-repair. ``stamp``: the slot stamps come with the last delta reads, and the
-    result says so where nothing was read from the slots after them (``PullResult.stamped``)."""
+    """The delta pull proper: the choice on the deltas' exact sizes (``cost`` and ``guess``; None:
+    whatever it costs; a reader of whole slots on the version record's, before it reads the deltas
+    whole, any other on their tables', before it reads their streams), the headers read again (the
+    checksums read from the store meanwhile), decode, apply, verify-and-repair. ``stamp``: the slot
+    stamps come with the last delta reads, and the result says so where nothing was read from the
+    slots after them (``PullResult.stamped``)."""
     t0 = time.perf_counter()
     spent = _setup_seconds(session)
     geo = [session.delta[s.rank] for s in session.sources]
@@ -189,8 +191,8 @@ def _pull(
     if cost is not None:  # (the time spent setting up scratch buffers is not a delta's cost)
         setup = _setup_seconds(session) - spent
         reads = Timed(read_bytes, tr - t0 - setup)
-        check = Timed(full_bytes, time.perf_counter() - t1)
-        cost.delta_pull(DeltaPull(pairs, nbytes, rec.v - base, reads, Timed(pairs, t1 - tr), check))
+        verified = Timed(full_bytes, time.perf_counter() - t1)
+        cost.delta_pull(DeltaPull(pairs, nbytes, rec.v - base, reads, Timed(pairs, t1 - tr), verified))
     read_bytes += repair.nbytes + STAMP_BYTES * len(session.sources)  # the stamps (read with the headers, or after)
     ops = sum(r.ops for r in got.values()) + repair.ops + len(session.sources)
     done = PullResult(read_bytes, 0, ops, repair.chunks, delta=True, reason="delta", stamped=stamp and not repair.ops)
