@@ -387,15 +387,30 @@ def changes(
     offsets (ascending) into ``offsets`` (int64) and differences into ``values`` (uint8, none 0),
     each with room for ``PAIR`` per changed pair (ValueError where not: the compiled loop writes
     unchecked); how many, or None where malformed."""
-    from . import _delta_kernels as kernels
-
     n = int(p.tables[0, hi + 1] - p.tables[0, lo])
-    if min(len(offsets), len(values)) < PAIR * n:
-        raise ValueError(f"room for {min(len(offsets), len(values))} changed bytes, not the {PAIR * n} of {n} pairs")
+    _room(n, offsets, values)
     got = decode(p, lo, hi, pieces, ws)
     if got is None:
         return None
-    return kernels.changed_bytes(got[0], got[1].reshape(-1).view(np.uint32), offsets, values)
+    return changed_bytes(got[0], got[1].reshape(-1).view(np.uint32), offsets, values)
+
+
+def changed_bytes(at: np.ndarray, diffs: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> int:
+    """The bytes that changed of the pairs ``at`` (int64, ascending) with byte differences
+    ``diffs`` (uint32), compiled: their slot offsets (ascending) into ``offsets`` (int64) and
+    differences into ``values`` (uint8, none 0), each with room for ``PAIR`` per pair (ValueError
+    where not); how many."""
+    from . import _delta_kernels as kernels
+
+    _room(len(at), offsets, values)
+    return kernels.changed_bytes(at, diffs, offsets, values)
+
+
+def _room(n: int, offsets: np.ndarray, values: np.ndarray) -> None:
+    """ValueError where ``offsets`` or ``values`` hold fewer than the changed bytes of ``n`` pairs
+    (the compiled loop writes unchecked)."""
+    if min(len(offsets), len(values)) < PAIR * n:
+        raise ValueError(f"room for {min(len(offsets), len(values))} changed bytes, not the {PAIR * n} of {n} pairs")
 
 
 def _decoded(
@@ -454,6 +469,7 @@ __all__ = [
     "Workspace",
     "add",
     "add_pairs",
+    "changed_bytes",
     "changes",
     "decode",
     "decode_into",

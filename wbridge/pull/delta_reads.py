@@ -1,16 +1,18 @@
-"""Delta pulls on the wire: what a source's reads cover, reading its deltas' tables and streams,
-decoding them into writes, and applying the writes (the format: ``wbridge.protocol.delta``).
+"""Delta pulls on the wire: what a source's reads cover, reading its deltas (whole, or their
+tables then streams), decoding them and adding them into the destination (the format:
+``wbridge.protocol.delta``).
 
 Per session and source, once (``prepare``): the source's reads sorted by slot offset, the runs of
 adjacent delta chunks they touch, and how they map onto the destination (``SourceGeometry``). Per
-pull: one batched read of the headers of the deltas ``a + 1 .. v`` and of their table entries for
-those runs (``heads``: a reader of a slice reads its slice of the tables), one of the stream bytes
-of just the runs of chunks the reads cover (``fetch``), then the headers again, with the slot's
-stamp where asked: a buffer rewritten meanwhile is not used (``recheck``). The first and last of
-these are prepared once per shape and replayed (``Scratch.prepared``). Each delta and run is
-decoded into its changed bytes (``protocol.delta.changes``, compiled), then cut at the reads and
-grouped per destination region (``writes``); each write adds byte differences at its offsets
-(``apply``: compiled on the host).
+pull, where the reads cover every chunk and the version record says each delta's bytes
+(``whole_deltas``): one batched read of the deltas ``a + 1 .. v`` whole (``read_heads``); else one
+of their headers and table entries for those runs (a reader of a slice reads its slice of the
+tables) and one of the stream bytes of just the runs of chunks the reads cover (``fetch``). Then
+the headers again, with the slot's stamp where asked: a buffer rewritten meanwhile is not used
+(``recheck``); the table and header reads of a shape are prepared once and replayed
+(``Scratch.prepared``). Each delta and run is decoded into its changed pairs (``decode``,
+compiled) and added: on the host one compiled call per delta over every read (``apply``), on a
+device its changed bytes cut at the reads and scattered per destination region (``writes``).
 """
 
 from __future__ import annotations
@@ -481,11 +483,11 @@ def writes(g: SourceGeometry, d: Decoded) -> list[Write]:
     differences add, so their order does not matter): their changed bytes cut at the reads and
     grouped per destination region."""
     out: list[Write] = []
-    for at, diffs in d.pairs:
-        pos = (PAIR * at[:, None] + np.arange(PAIR)).reshape(-1)
-        units = diffs.view(np.uint8)  # (little-endian: a pair's bytes in order)
-        keep = units != 0
-        pos, units = pos[keep], units[keep]
+    for i, (at, diffs) in enumerate(d.pairs):
+        pos = g.work.get(f"w.pos.{i}", PAIR * len(at), np.int64)  # (a delta's own: they are applied together)
+        units = g.work.get(f"w.units.{i}", PAIR * len(at), np.uint8)
+        m = _format.changed_bytes(at, diffs, pos, units)
+        pos, units = pos[:m], units[:m]
         # positions ascend: cut them at every read's start and end
         cut = np.searchsorted(pos, np.stack((g.soff, g.end), 1).reshape(-1))
         lo_, hi_ = cut[0::2][g.perm], cut[1::2][g.perm]
