@@ -110,35 +110,20 @@ def _server_handshake(sock: socket.socket, cfg: ServerConfig) -> bool:
 def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
     """Validates every entry of a READ, then answers with one DATA frame, or with one ERROR frame."""
     entries = w.unpack_entries(payload)
-    if len(entries) <= FEW_ENTRIES:
-        _serve_few(sock, cfg, entries.tolist())
-        return
-    ids, index = np.unique(entries["region"], return_inverse=True)
-    served, why = cfg.regions.acquire(ids)
+    few = len(entries) <= FEW_ENTRIES
+    ids = sorted(set(entries["region"].tolist())) if few else np.unique(entries["region"])
+    served, why = cfg.regions.acquire(np.asarray(ids, dtype=np.uint64))
     if served is None:
         _send_error(sock, f"read refused: {why}")
         return
     try:
-        sizes = np.array([e.nbytes for e in served], dtype=np.uint64)[index]
-        off, n = entries["offset"], entries["nbytes"]
-        bad = (n == 0) | (off > sizes) | (n > sizes - np.minimum(off, sizes))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            _send_error(
-                sock,
-                f"read refused: entry {i} (region {int(entries['region'][i])}, offset "
-                f"{int(off[i])}, nbytes {int(n[i])}) is outside the region of {int(sizes[i])} bytes",
-            )
+        pieces = _few_pieces(entries.tolist(), ids, served) if few else _pieces(entries, ids, served)
+        if isinstance(pieces, str):
+            _send_error(sock, f"read refused: {pieces}")
             return
-        total = int(n.sum(dtype=np.uint64))
-        header = np.frombuffer(w.pack_header(w.FrameType.DATA, total), dtype=np.uint8)
-        # One gather write per IOV_MAX pieces, straight from the registered memory; reads whose
-        # sources continue one another go as one piece.
-        src = np.array([e.addr for e in served], dtype=np.uint64)[index] + off
-        _, src, n = coalesce(np.cumsum(n) - n, src, n)
-        iov = np.concatenate(
-            [_iov.iovecs(np.array([header.ctypes.data]), np.array([header.nbytes])), _iov.iovecs(src, n)]
-        )
+        header = np.frombuffer(w.pack_header(w.FrameType.DATA, int(pieces[:, 1].sum())), dtype=np.uint8)
+        # One gather write per IOV_MAX pieces, straight from the registered memory.
+        iov = np.concatenate((np.array([[header.ctypes.data, header.nbytes]], dtype=np.uint64), pieces))
         sock.settimeout(cfg.frame_timeout)
         _iov.send_iov(sock, iov, lambda: cfg.frame_timeout)
     finally:
@@ -150,32 +135,35 @@ def _serve_read(sock: socket.socket, cfg: ServerConfig, payload: bytes) -> None:
 FEW_ENTRIES = 8
 
 
-def _serve_few(sock: socket.socket, cfg: ServerConfig, entries: list[tuple[int, int, int]]) -> None:
-    """``_serve_read`` of a READ of a few ``(region, offset, nbytes)`` entries."""
-    ids = sorted({e[0] for e in entries})
-    served, why = cfg.regions.acquire(np.array(ids, dtype=np.uint64))
-    if served is None:
-        _send_error(sock, f"read refused: {why}")
-        return
-    try:
-        region = dict(zip(ids, served))
-        pieces = []
-        for i, (rid, off, n) in enumerate(entries):
-            size = region[rid].nbytes
-            if n == 0 or off > size or n > size - off:
-                _send_error(
-                    sock,
-                    f"read refused: entry {i} (region {rid}, offset {off}, nbytes {n}) is outside the region of "
-                    f"{size} bytes",
-                )
-                return
-            pieces.append((region[rid].addr + off, n))
-        header = np.frombuffer(w.pack_header(w.FrameType.DATA, sum(n for _, n in pieces)), dtype=np.uint8)
-        iov = np.array([(header.ctypes.data, header.nbytes), *pieces], dtype=np.uint64)
-        sock.settimeout(cfg.frame_timeout)
-        _iov.send_iov(sock, iov, lambda: cfg.frame_timeout)
-    finally:
-        cfg.regions.release(served)
+def _pieces(entries: np.ndarray, ids: np.ndarray, served: list) -> np.ndarray | str:
+    """The iovecs of a READ's ``entries`` in the regions ``served`` (those of ``ids``), reads whose
+    sources continue one another as one piece; or why one is refused."""
+    index = np.searchsorted(ids, entries["region"])
+    sizes = np.array([e.nbytes for e in served], dtype=np.uint64)[index]
+    off, n = entries["offset"], entries["nbytes"]
+    bad = (n == 0) | (off > sizes) | (n > sizes - np.minimum(off, sizes))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        return _outside(i, int(entries["region"][i]), int(off[i]), int(n[i]), int(sizes[i]))
+    src = np.array([e.addr for e in served], dtype=np.uint64)[index] + off
+    _, src, n = coalesce(np.cumsum(n) - n, src, n)
+    return _iov.iovecs(src, n)
+
+
+def _few_pieces(entries: list[tuple[int, int, int]], ids: list[int], served: list) -> np.ndarray | str:
+    """``_pieces`` of a few ``(region, offset, nbytes)`` entries, with Python ints."""
+    region = dict(zip(ids, served))
+    pieces = []
+    for i, (rid, off, n) in enumerate(entries):
+        size = region[rid].nbytes
+        if n == 0 or off > size or n > size - off:
+            return _outside(i, rid, off, n, size)
+        pieces.append((region[rid].addr + off, n))
+    return np.array(pieces, dtype=np.uint64)
+
+
+def _outside(i: int, rid: int, off: int, n: int, size: int) -> str:
+    return f"entry {i} (region {rid}, offset {off}, nbytes {n}) is outside the region of {size} bytes"
 
 
 def serve_connection(
