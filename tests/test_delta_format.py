@@ -143,6 +143,60 @@ def test_every_elias_fano_width_and_the_bitmap_decode_back_exactly() -> None:
     assert 0 in widths and len(widths) >= 8, widths
 
 
+_OTHER_SCAN = """
+import sys
+import numpy as np
+from wbridge.protocol import _delta_kernels as kernels
+from wbridge.protocol import delta as F
+assert not kernels.COMPRESS
+cases = np.load(sys.argv[1])
+out = {}
+for name in cases.files:
+    if name.startswith("a"):
+        a, b = cases[name], cases["b" + name[1:]]
+        geo = F.geometry(len(a))
+        e = F.encode_slots(a, b, geo, 1 << 40)
+        buf = np.zeros(F.table_bytes(geo.nchunks) + e.nbytes, np.uint8)
+        F.write(buf, e)
+        out["buf" + name[1:]] = buf
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_the_walking_scan_codes_what_the_compacting_scan_codes(tmp_path) -> None:
+    """``scan`` compacts vectors of changed pairs where the CPU has AVX-512 (``kernels.COMPRESS``)
+    and walks each mask word's set bits elsewhere: a process compiled for a CPU without it (numba's
+    ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``) writes the same buffers as this one."""
+    import os
+    import subprocess
+    import sys
+
+    cases = {}
+    for i, (size, frac, ulp) in enumerate(
+        [
+            (1, 1.0, True),
+            (4093, 0.3, False),
+            (300_003, 0.015, True),
+            (300_001, 0.1, False),
+            (1 << 18, 0.9, True),
+            (70_001, 0.0, True),
+        ]
+    ):
+        cases[f"a{i}"], cases[f"b{i}"] = changed(size, frac, 40 + i, ulp)
+    np.savez(tmp_path / "cases.npz", **cases)
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="")
+    subprocess.run(
+        [sys.executable, "-c", _OTHER_SCAN, str(tmp_path / "cases.npz"), str(tmp_path / "out.npz")],
+        env=env,
+        check=True,
+        timeout=120,
+    )
+    walked = np.load(tmp_path / "out.npz")
+    for i in range(len(cases) // 2):
+        _, _, _, buf, p = coded(cases[f"a{i}"], cases[f"b{i}"], ws=F.Workspace())
+        assert np.array_equal(buf[: len(walked[f"buf{i}"])], walked[f"buf{i}"]), i
+
+
 def test_more_changed_pairs_than_allowed_make_no_delta() -> None:
     a, b = changed(300_001, 0.1, 6)
     geo = F.geometry(len(a))

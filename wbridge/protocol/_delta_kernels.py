@@ -112,16 +112,90 @@ def _code(d):
     return ((c * _SPREAD) >> np.uint64(18)) & _FF, r
 
 
+LANES = 16  # pairs ``_compact`` compares and compacts at once (a 512-bit vector of each slot)
+
+
+def _compresses() -> bool:
+    """Whether the CPU numba compiles for compacts vector lanes in one instruction (AVX-512's
+    ``vpcompressd``). Elsewhere LLVM lowers ``llvm.masked.compressstore`` to a branch per lane,
+    slower than walking a mask's set bits, so ``scan`` walks them there."""
+    from numba.core.codegen import get_host_cpu_features
+
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return "+avx512f" in features.split(",")
+
+
+COMPRESS = _compresses()
+
+
+@intrinsic
+def _compact(typingctx, a, b, base, at, diffs, n):
+    """Compares pairs ``base .. base + LANES - 1`` of ``a`` and ``b`` (uint32 arrays) as one vector
+    each and stores the changed ones' indices at ``at[n]`` on and their byte differences (``_diff``)
+    at ``diffs[n]`` on, in order (``llvm.masked.compressstore``: nothing stored for unchanged
+    pairs). Returns the mask of changed pairs (bit ``j``: pair ``base + j``)."""
+    width = at.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):
+        def data(i):
+            return context.make_array(signature.args[i])(context, builder, args[i]).data
+
+        i32, iat = ir.IntType(32), ir.IntType(width)
+        v32, vat, vbit = ir.VectorType(i32, LANES), ir.VectorType(iat, LANES), ir.VectorType(ir.IntType(1), LANES)
+
+        def load(ptr):
+            return builder.load(builder.bitcast(builder.gep(ptr, [args[2]]), v32.as_pointer()), align=4)
+
+        def splat(vt, value):
+            return ir.Constant(vt, [value] * LANES)
+
+        x, y = load(data(0)), load(data(1))
+        changed = builder.icmp_unsigned("!=", x, y)
+        high = splat(v32, 0x80808080)
+        diff = builder.xor(  # _diff, lane by lane
+            builder.sub(builder.or_(y, high), builder.and_(x, splat(v32, 0x7F7F7F7F))),
+            builder.and_(builder.xor(y, builder.not_(x)), high),
+        )
+        start = builder.trunc(args[2], iat) if width < 64 else args[2]
+        first = builder.insert_element(ir.Constant(vat, ir.Undefined), start, ir.Constant(i32, 0))
+        index = builder.add(
+            builder.shuffle_vector(first, ir.Constant(vat, ir.Undefined), ir.Constant(v32, [0] * LANES)),
+            ir.Constant(vat, list(range(LANES))),
+        )
+        for value, out in ((index, data(3)), (diff, data(4))):
+            fnty = ir.FunctionType(ir.VoidType(), [value.type, value.type.element.as_pointer(), vbit])
+            name = f"llvm.masked.compressstore.v{LANES}i{value.type.element.width}"
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            builder.call(fn, [value, builder.gep(out, [args[5]]), changed])
+        return builder.zext(builder.bitcast(changed, ir.IntType(LANES)), ir.IntType(64))
+
+    return types.uint64(a, b, base, at, diffs, n), codegen
+
+
+@intrinsic
+def _popcount(typingctx, x):
+    """The set bits of ``x`` (a uint64), as an int64 (``llvm.ctpop``)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
+        return builder.call(fn, [args[0]])
+
+    return types.int64(x), codegen
+
+
 @_jit
 def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, ptab):
     """Compares the slots ``a`` and ``b`` (uint32 pairs), and a short last pair (``tail_a``,
     ``tail_b``: uint64, padded; ``has_tail``) after them: writes the bitmap of changed pairs
     (``bitmap``, uint64 words, zero past the last pair), each changed pair's index (``at``) and
     byte differences (``diffs``, uint32), and at each chunk start (every ``chunk_words`` words)
-    the changed pairs before it (``ptab``: one entry per chunk, then the total). 64 pairs are
-    compared into a mask word (their differences computed alongside, without a branch), then only
-    its set bits are walked. Returns the changed pairs, or -1 as soon as a chunk start finds more
-    than ``most``. ``at`` and ``diffs`` hold room for every pair."""
+    the changed pairs before it (``ptab``: one entry per chunk, then the total). 64 pairs make a
+    mask word: where the CPU compacts vectors (``COMPRESS``), ``LANES`` pairs at a time are compared
+    and the changed ones stored (``_compact``, no branch); elsewhere the 64 are compared into the
+    word, their differences computed alongside (vectorised), then only its set bits are walked.
+    Returns the changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and
+    ``diffs`` hold room for every pair."""
     full = a.shape[0]
     pairs = full + has_tail
     n = 0
@@ -138,6 +212,13 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
                 _prefetch(a, base + AHEAD + q)
                 _prefetch(b, base + AHEAD + q)
         m = _U0
+        if COMPRESS:
+            for q in range(0, 64, LANES):
+                changed = _compact(a, b, base + q, at, diffs, n)
+                n += _popcount(changed)
+                m |= changed << np.uint64(q)
+            bitmap[w] = m
+            continue
         for j in range(64):  # (no branch: vectorised)
             x, y = np.uint64(a[base + j]), np.uint64(b[base + j])
             word[j] = _diff(x, y)
