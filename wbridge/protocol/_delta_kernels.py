@@ -4,15 +4,18 @@ imports numba).
 
 Encoding:
 
-- ``scan``: one streaming pass over two slots (as 32-bit pairs): 64 pairs compared into a mask
-  word (the positions bitmap's word) and their differences computed, then only its set bits
-  walked, each changed pair's index and byte differences appended; the pair table noted at each
-  chunk start.
-- ``code``: passes over the changed pairs alone (the scan's, or what a GPU scan found): ``codes``
-  (each pair's ``k``), ``count`` (a sample's ``k``, for the dictionary), ``symbols`` (4-bit
-  symbols, escapes, the escape table), ``raws`` (the raw stream and table: only the pairs with a
-  raw byte visited) and ``positions`` (Elias-Fano ``high`` and ``low``, or a bitmap where the
-  scan made none).
+- ``scan``: one streaming pass over two slots (as 32-bit pairs) that codes as it compares: per 64
+  pairs a mask word (the positions bitmap's word), and each changed pair's index, ``k`` and raw
+  bytes appended; the pair and raw tables noted at each chunk start. With AVX-512 (``COMPRESS``)
+  16 pairs at a time are compared and coded as vectors and the changed ones compacted into place
+  (``_compact``); elsewhere the word's differences are computed alongside its compares and only
+  its set bits walked.
+- ``finish``: passes over the changed pairs' ``k`` alone: ``count`` (a sample's ``k``, for the
+  dictionary), ``symbols`` (4-bit symbols, escapes, the escape table) and ``positions``
+  (Elias-Fano ``high`` and ``low``, or a bitmap where the scan made none).
+- ``code``: the changed pairs a GPU's scan found (indices and byte differences): ``codes`` (each
+  pair's ``k``) and ``raws`` (the raw stream and table: only the pairs with a raw byte visited),
+  then ``finish``.
 
 Decoding (a run of chunks, from its stream pieces):
 
@@ -26,7 +29,7 @@ Decoding (a run of chunks, from its stream pieces):
 Each loop is branch-light: masks of 64 pairs computed without branches (vectorised by the
 compiler), then a walk of their set bits; the rare cases (escapes) behind a branch.
 
-``scan``, ``code`` and the decoder are compiled on first use (the steps compiled into them) and cached
+``scan``, ``finish``, ``code`` and the decoder are compiled on first use (the steps compiled into them) and cached
 next to this file (``__pycache__/numba-<version>``), so a later process loads the machine code
 instead of compiling. Where that directory cannot be written numba's own fallbacks apply
 (``__pycache__``, then a per-user cache directory); where no cache directory can be written at
@@ -116,60 +119,77 @@ LANES = 16  # pairs ``_compact`` compares and compacts at once (a 512-bit vector
 
 
 def _compresses() -> bool:
-    """Whether the CPU numba compiles for compacts vector lanes in one instruction (AVX-512's
-    ``vpcompressd``). Elsewhere LLVM lowers ``llvm.masked.compressstore`` to a branch per lane,
-    slower than walking a mask's set bits, so ``scan`` walks them there."""
+    """Whether the CPU numba compiles for compacts vector lanes in one instruction, 32-bit lanes and
+    bytes alike (AVX-512 with VBMI2: ``vpcompressd``, ``vpcompressb``). Elsewhere LLVM lowers
+    ``llvm.masked.compressstore`` to a branch per lane, slower than walking a mask's set bits, so
+    ``scan`` walks them there."""
     from numba.core.codegen import get_host_cpu_features
 
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return "+avx512f" in features.split(",")
+    return {"+avx512f", "+avx512bw", "+avx512vbmi2"} <= set(features.split(","))
 
 
 COMPRESS = _compresses()
 
 
 @intrinsic
-def _compact(typingctx, a, b, base, at, diffs, n):
+def _compact(typingctx, a, b, base, at, ks, raw, n, o):
     """Compares pairs ``base .. base + LANES - 1`` of ``a`` and ``b`` (uint32 arrays) as one vector
-    each and stores the changed ones' indices at ``at[n]`` on and their byte differences (``_diff``)
-    at ``diffs[n]`` on, in order (``llvm.masked.compressstore``: nothing stored for unchanged
-    pairs). Returns the mask of changed pairs (bit ``j``: pair ``base + j``)."""
+    each and stores, for the changed ones in order, their indices at ``at[n]`` on and their ``k``
+    at ``ks[n]`` on, and their raw bytes (the byte differences coded 3) at ``raw[o]`` on
+    (``llvm.masked.compressstore``: nothing stored for the rest; ``_diff`` and ``_code`` lane by
+    lane). Returns the mask of changed pairs (bit ``j``: pair ``base + j``) plus the raw bytes
+    stored times ``2**32``."""
     width = at.dtype.bitwidth
 
     def codegen(context, builder, signature, args):
         def data(i):
             return context.make_array(signature.args[i])(context, builder, args[i]).data
 
-        i32, iat = ir.IntType(32), ir.IntType(width)
-        v32, vat, vbit = ir.VectorType(i32, LANES), ir.VectorType(iat, LANES), ir.VectorType(ir.IntType(1), LANES)
+        i8, i32, iat = ir.IntType(8), ir.IntType(32), ir.IntType(width)
+        v32, vat = ir.VectorType(i32, LANES), ir.VectorType(iat, LANES)
+        bytes_ = ir.VectorType(i8, 4 * LANES)
 
         def load(ptr):
             return builder.load(builder.bitcast(builder.gep(ptr, [args[2]]), v32.as_pointer()), align=4)
 
-        def splat(vt, value):
-            return ir.Constant(vt, [value] * LANES)
+        def splat(value):
+            return ir.Constant(v32, [int(value)] * LANES)
+
+        def compress(value, out, at, mask):
+            kind = f"v{value.type.count}i{value.type.element.width}"
+            fnty = ir.FunctionType(ir.VoidType(), [value.type, value.type.element.as_pointer(), mask.type])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.compressstore.{kind}")
+            builder.call(fn, [value, builder.gep(out, [at]), mask])
 
         x, y = load(data(0)), load(data(1))
         changed = builder.icmp_unsigned("!=", x, y)
-        high = splat(v32, 0x80808080)
-        diff = builder.xor(  # _diff, lane by lane
-            builder.sub(builder.or_(y, high), builder.and_(x, splat(v32, 0x7F7F7F7F))),
-            builder.and_(builder.xor(y, builder.not_(x)), high),
+        d = builder.xor(  # _diff
+            builder.sub(builder.or_(y, splat(_H)), builder.and_(x, splat(_L7))),
+            builder.and_(builder.xor(y, builder.not_(x)), splat(_H)),
         )
+        e = builder.xor(builder.add(builder.and_(d, splat(_L7)), splat(_ONES)), builder.and_(d, splat(_H)))  # _code
+        r = builder.and_(builder.or_(builder.add(builder.and_(e, splat(_L7)), splat(_SEVEN_D)), e), splat(_H))
+        r = builder.lshr(r, splat(7))
+        c = builder.or_(builder.and_(e, splat(_LOW2)), builder.mul(r, splat(3)))
+        k = builder.trunc(builder.lshr(builder.mul(c, splat(_SPREAD)), splat(18)), ir.VectorType(i8, LANES))
         start = builder.trunc(args[2], iat) if width < 64 else args[2]
         first = builder.insert_element(ir.Constant(vat, ir.Undefined), start, ir.Constant(i32, 0))
         index = builder.add(
             builder.shuffle_vector(first, ir.Constant(vat, ir.Undefined), ir.Constant(v32, [0] * LANES)),
             ir.Constant(vat, list(range(LANES))),
         )
-        for value, out in ((index, data(3)), (diff, data(4))):
-            fnty = ir.FunctionType(ir.VoidType(), [value.type, value.type.element.as_pointer(), vbit])
-            name = f"llvm.masked.compressstore.v{LANES}i{value.type.element.width}"
-            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
-            builder.call(fn, [value, builder.gep(out, [args[5]]), changed])
-        return builder.zext(builder.bitcast(changed, ir.IntType(LANES)), ir.IntType(64))
+        coded3 = builder.icmp_unsigned("!=", builder.bitcast(r, bytes_), ir.Constant(bytes_, [0] * 4 * LANES))
+        compress(index, data(3), args[6], changed)
+        compress(k, data(4), args[6], changed)
+        compress(builder.bitcast(d, bytes_), data(5), args[7], coded3)
+        i64 = ir.IntType(64)
+        ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
+        raws = builder.call(ctpop, [builder.bitcast(coded3, i64)])
+        mask = builder.zext(builder.bitcast(changed, ir.IntType(LANES)), i64)
+        return builder.or_(mask, builder.shl(raws, ir.Constant(i64, 32)))
 
-    return types.uint64(a, b, base, at, diffs, n), codegen
+    return types.uint64(a, b, base, at, ks, raw, n, o), codegen
 
 
 @intrinsic
@@ -184,21 +204,37 @@ def _popcount(typingctx, x):
     return types.int64(x), codegen
 
 
+@njit(inline="always")
+def _append(at, ks, raw, n, o, p, d):
+    """Appends pair ``p`` with byte differences ``d`` (uint64): its index at ``at[n]``, its ``k``
+    at ``ks[n]``, its raw bytes at ``raw[o]`` on (four bytes written, whatever it has). Returns
+    the raw bytes after it."""
+    k, r = _code(d)
+    at[n] = p
+    ks[n] = k
+    for j in range(4):  # (no branch)
+        raw[o] = (d >> np.uint64(8 * j)) & _FF
+        o += np.int64((r >> np.uint64(8 * j)) & _U1)
+    return o
+
+
 @_jit
-def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, ptab):
+def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, raw, ptab, rtab):
     """Compares the slots ``a`` and ``b`` (uint32 pairs), and a short last pair (``tail_a``,
-    ``tail_b``: uint64, padded; ``has_tail``) after them: writes the bitmap of changed pairs
-    (``bitmap``, uint64 words, zero past the last pair), each changed pair's index (``at``) and
-    byte differences (``diffs``, uint32), and at each chunk start (every ``chunk_words`` words)
-    the changed pairs before it (``ptab``: one entry per chunk, then the total). 64 pairs make a
-    mask word: where the CPU compacts vectors (``COMPRESS``), ``LANES`` pairs at a time are compared
-    and the changed ones stored (``_compact``, no branch); elsewhere the 64 are compared into the
-    word, their differences computed alongside (vectorised), then only its set bits are walked.
-    Returns the changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and
-    ``diffs`` hold room for every pair."""
+    ``tail_b``: uint64, padded; ``has_tail``) after them, and codes what changed as it goes:
+    writes the bitmap of changed pairs (``bitmap``, uint64 words, zero past the last pair), each
+    changed pair's index (``at``) and ``k`` (``ks``, uint8), the raw stream (``raw``), and at
+    each chunk start (every ``chunk_words`` words) the changed pairs and raw bytes before it
+    (``ptab``, ``rtab``: one entry per chunk, then the totals). 64 pairs make a mask word: where
+    the CPU compacts vectors (``COMPRESS``), ``LANES`` pairs at a time are compared, coded and the
+    changed ones stored (``_compact``, no branch); elsewhere the 64 are compared into the word,
+    their differences computed alongside (vectorised), then only its set bits are walked. Returns
+    the changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and ``ks``
+    hold room for every pair, ``raw`` for 4 bytes a pair and 64 more."""
     full = a.shape[0]
     pairs = full + has_tail
     n = 0
+    o = 0
     whole = full // 64
     word = np.empty(64, np.uint32)  # a word's pairs' byte differences
     for w in range(whole):
@@ -207,6 +243,7 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
             if n > most:
                 return -1
             ptab[w // chunk_words] = n
+            rtab[w // chunk_words] = o
         if base + AHEAD + 64 <= full:  # (the four cache lines of each slot, 64 pairs ahead)
             for q in range(0, 64, 16):
                 _prefetch(a, base + AHEAD + q)
@@ -214,8 +251,10 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
         m = _U0
         if COMPRESS:
             for q in range(0, 64, LANES):
-                changed = _compact(a, b, base + q, at, diffs, n)
+                found = _compact(a, b, base + q, at, ks, raw, n, o)
+                changed = found & np.uint64(0xFFFFFFFF)
                 n += _popcount(changed)
+                o += np.int64(found >> np.uint64(32))
                 m |= changed << np.uint64(q)
             bitmap[w] = m
             continue
@@ -227,13 +266,13 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
         while m:
             j = np.int64(trailing_zeros(m))
             m &= m - _U1
-            at[n] = base + j
-            diffs[n] = word[j]
+            o = _append(at, ks, raw, n, o, base + j, np.uint64(word[j]))
             n += 1
     if pairs > whole * 64:  # the last, partial word (and the short last pair)
         base = whole * 64
         if whole % chunk_words == 0:
             ptab[whole // chunk_words] = n
+            rtab[whole // chunk_words] = o
         m = _U0
         for p in range(base, pairs):
             if p < full:
@@ -242,13 +281,13 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, diffs, p
                 x, y = tail_a, tail_b
             if x != y:
                 m |= _U1 << np.uint64(p - base)
-                at[n] = p
-                diffs[n] = _diff(x, y)
+                o = _append(at, ks, raw, n, o, p, _diff(x, y))
                 n += 1
         bitmap[whole] = m
     if n > most:
         return -1
     ptab[len(ptab) - 1] = n
+    rtab[len(rtab) - 1] = o
     return n
 
 
@@ -371,14 +410,23 @@ def positions(at, lb, high, low, make_bitmap):
 
 
 @_jit
-def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, raw, high, low, make_bitmap):
+def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, raw, high, low):
     """Codes the changed pairs ``at`` with their byte differences ``diffs`` (uint32) and pair
-    table (``tables[0]``): their ``k`` (``ks``), the dictionary (``dictionary``: the 15 most
-    frequent ``k`` of every ``step``-th pair, ``same`` never), symbols (``sym``; ``escape`` where
-    not in the dictionary), escapes (``esc``), raw bytes (``raw``), the escape and raw tables
-    (``tables[1]``, ``tables[2]``) and positions at low width ``lb`` (``high``, ``low``; a bitmap
-    made only ``make_bitmap``). Returns ``(escapes, raw bytes)``."""
+    table (``tables[0]``), found elsewhere (a GPU's scan): their ``k`` (``ks``), raw bytes
+    (``raw``) and raw table (``tables[2]``), then the rest as ``finish`` (``high`` made, a bitmap
+    too). Returns ``(escapes, raw bytes)``."""
     codes(diffs, ks)
+    nraw = raws(ks, diffs, tables[0], raw, tables[2])
+    return finish(at, ks, lb, step, same, escape, dictionary, tables, sym, esc, high, low, True), nraw
+
+
+@_jit
+def finish(at, ks, lb, step, same, escape, dictionary, tables, sym, esc, high, low, make_bitmap):
+    """Codes the changed pairs ``at`` with their ``k`` (``ks``) and pair table (``tables[0]``):
+    the dictionary (``dictionary``: the 15 most frequent ``k`` of every ``step``-th pair,
+    ``same`` never), symbols (``sym``; ``escape`` where not in the dictionary), escapes (``esc``)
+    and escape table (``tables[1]``), and positions at low width ``lb`` (``high``, ``low``; a
+    bitmap made only ``make_bitmap``). Returns the escapes."""
     counts = np.zeros(256, np.int64)
     count(ks, step, counts)
     counts[same] = -1  # (no changed pair has it)
@@ -392,9 +440,8 @@ def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, ra
         lut[best] = s
         counts[best] = -2
     ne = symbols(ks, lut, escape, tables[0], sym, esc, tables[1])
-    nraw = raws(ks, diffs, tables[0], raw, tables[2])
     positions(at, lb, high, low, make_bitmap)
-    return ne, nraw
+    return ne
 
 
 @njit(inline="always")

@@ -40,8 +40,9 @@ never change).
 
 The codec runs as compiled loops (``_delta_kernels``, numba, imported on the first encode or
 decode only). The encoder (``encode_slots`` from two slots on the host, ``encode`` from changed
-pairs found elsewhere): one streaming pass over the slots, then passes over the changed pairs
-alone; the dictionary counts the ``k`` of up to 65536 of the changed pairs. The reader: ``parse``
+pairs found elsewhere): one streaming pass over the slots that finds and codes the changed pairs
+(their indices, ``k`` and raw bytes), then passes over their ``k`` alone; the dictionary counts
+the ``k`` of up to 65536 of the changed pairs. The reader: ``parse``
 and ``ranges`` (compiled, a call per delta), then ``decode`` (a run's pairs) or
 ``changes`` (its changed bytes), one pass over the run's streams each. The tests hold an
 independent numpy codec to compare with (``tests/delta_reference.py``).
@@ -167,9 +168,10 @@ def encode_slots(
 ) -> Encoded | None:
     """Codes what changed from slot ``prev`` to slot ``cur`` (uint8, ``geo.slot_bytes`` each; a
     short last pair compared padded with zeros): one compiled pass over the two slots finds the
-    changed pairs (their indices, byte differences and bitmap), then the coding works on those
-    pairs alone (``_delta_kernels``). None where more than ``most`` pairs changed. Its streams may
-    be views of ``ws``: write them (``write``) before ``ws`` is used again."""
+    changed pairs and codes them as it goes (their bitmap, indices, ``k`` and raw bytes), then the
+    symbols and positions are coded from those pairs alone (``_delta_kernels``). None where more
+    than ``most`` pairs changed. Its streams may be views of ``ws``: write them (``write``) before
+    ``ws`` is used again."""
     from . import _delta_kernels as kernels
 
     ws = ws or Workspace()
@@ -179,14 +181,21 @@ def encode_slots(
     tails[0, : size - whole], tails[1, : size - whole] = prev[whole:size], cur[whole:size]
     tail = tails.view(np.uint32)[:, 0].astype(np.uint64)
     at = ws.get("enc.at", pairs, _index_dtype(pairs))
-    diffs = ws.get("enc.diffs", pairs, np.uint32)
+    ks = ws.get("enc.k", pairs, np.uint8)
+    raw = ws.get("enc.raw", PAIR * pairs + 64, np.uint8)
     bitmap = ws.get("enc.bitmap", -(-pairs // 64), np.uint64)
     tables = np.zeros((3, geo.nchunks + 1), np.uint32)
     a, b = prev[:whole].view(np.uint32), cur[:whole].view(np.uint32)
-    n = kernels.scan(a, b, tail[0], tail[1], int(whole < size), most, CHUNK_PAIRS // 64, bitmap, at, diffs, tables[0])
+    n = kernels.scan(
+        a, b, tail[0], tail[1], int(whole < size), most, CHUNK_PAIRS // 64, bitmap, at, ks, raw, tables[0], tables[2]
+    )
     if n < 0:
         return None
-    return _code(kernels, at[:n], diffs[:n], tables, geo, ws, bitmap.view(np.uint8)[: -(-pairs // 8)])
+    lb, dictionary, high, low, sym, esc = _streams(n, geo, ws, bitmap.view(np.uint8)[: -(-pairs // 8)])
+    ne = kernels.finish(
+        at[:n], ks[:n], lb, max(1, n // 65536), SAME, ESCAPE, dictionary, tables, sym, esc, high, low, False
+    )
+    return Encoded(lb, dictionary, tables, (high, low, sym, esc[:ne], raw[: tables[2, -1]]))
 
 
 def load_encoder() -> None:
@@ -212,23 +221,21 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace
     tables[0] = np.searchsorted(pairs_at, np.arange(geo.nchunks + 1, dtype=np.int64) * CHUNK_PAIRS)
     at = np.ascontiguousarray(pairs_at, dtype=_index_dtype(geo.pairs))  # (as encode_slots': one compiled code)
     values = np.ascontiguousarray(diffs, dtype=np.uint8).reshape(-1).view(np.uint32)
-    return _code(kernels, at, values, tables, geo, ws, None)
+    n = len(at)
+    lb, dictionary, high, low, sym, esc = _streams(n, geo, ws, None)
+    ks, raw = ws.get("enc.k", n, np.uint8), ws.get("enc.raw", PAIR * n + PAIR, np.uint8)
+    step = max(1, n // 65536)
+    ne, nraw = kernels.code(at, values, lb, step, SAME, ESCAPE, ks, dictionary, tables, sym, esc, raw, high, low)
+    return Encoded(lb, dictionary, tables, (high, low, sym, esc[:ne], raw[:nraw]))
 
 
-def _code(
-    kernels: ModuleType,
-    at: np.ndarray,
-    diffs: np.ndarray,
-    tables: np.ndarray,
-    geo: Geometry,
-    ws: Workspace,
-    bitmap: np.ndarray | None,
-) -> Encoded:
-    """The changed pairs ``at`` with their byte differences ``diffs`` (uint32) and pair table
-    (``tables[0]``) as one delta: the dictionary (the 15 most frequent ``k`` of up to 65536 of the
-    pairs), the low width, then symbols, escapes, raw bytes, their tables and the positions
-    (``bitmap``: the scan's, where it made one)."""
-    n, pairs = len(at), geo.pairs
+def _streams(
+    n: int, geo: Geometry, ws: Workspace, bitmap: np.ndarray | None
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The low width of a delta of ``n`` changed pairs of ``geo``'s slot, and room for its
+    dictionary and streams: ``(low_bits, dictionary, high, low, sym, esc)``; ``high`` is
+    ``bitmap`` (the scan's) where positions are a bitmap and the scan made one."""
+    pairs = geo.pairs
     lb = low_bits_for(n, pairs, BITMAP_SLACK)
     if lb == 0:
         high = bitmap if bitmap is not None else ws.get("enc.high", -(-pairs // 8), np.uint8)
@@ -236,31 +243,8 @@ def _code(
     else:
         high = ws.get("enc.high", -(-(-(-pairs // (1 << lb)) + n) // 8), np.uint8)
         low = ws.get("enc.low", -(-n // GROUP) * lb, np.uint8)
-    dictionary = np.zeros(16, np.uint8)
-    ks, sym, esc = (
-        ws.get("enc.k", n, np.uint8),
-        ws.get("enc.sym", (n + 1) // 2, np.uint8),
-        ws.get("enc.esc", n, np.uint8),
-    )
-    raw = ws.get("enc.raw", PAIR * n + PAIR, np.uint8)
-    ne, nraw = kernels.code(
-        at,
-        diffs,
-        lb,
-        max(1, n // 65536),
-        SAME,
-        ESCAPE,
-        ks,
-        dictionary,
-        tables,
-        sym,
-        esc,
-        raw,
-        high,
-        low,
-        bitmap is None,
-    )
-    return Encoded(lb, dictionary, tables, (high, low, sym, esc[:ne], raw[:nraw]))
+    sym, esc = ws.get("enc.sym", (n + 1) // 2, np.uint8), ws.get("enc.esc", n, np.uint8)
+    return lb, np.zeros(16, np.uint8), high, low, sym, esc
 
 
 def write(buf: np.ndarray, e: Encoded) -> int:
