@@ -324,13 +324,12 @@ def symbols(ks, lut, escape, ptab, sym, esc, etab):
     n = len(ks)
     ne = 0
     c = 0
-    for h in range((n + 1) // 2):
-        k0 = ks[2 * h]
-        k1 = ks[2 * h + 1] if 2 * h + 1 < n else ks[2 * h]
-        s0 = lut[k0]
-        s1 = lut[k1] if 2 * h + 1 < n else 0  # (the last pair's symbol alone in its byte)
+    half = n // 2
+    for h in range(half):  # (whole bytes: no test of the end inside)
+        k0, k1 = ks[2 * h], ks[2 * h + 1]
+        s0, s1 = lut[k0], lut[k1]
         sym[h] = s0 | (s1 << 4)
-        if s0 == escape or s1 == escape:  # (few)
+        if (s0 == escape) | (s1 == escape):  # (few)
             if s0 == escape:
                 c = _note(etab, ptab, c, 2 * h, ne)
                 esc[ne] = k0
@@ -339,6 +338,13 @@ def symbols(ks, lut, escape, ptab, sym, esc, etab):
                 c = _note(etab, ptab, c, 2 * h + 1, ne)
                 esc[ne] = k1
                 ne += 1
+    if n % 2:  # the last pair's symbol alone in its byte
+        k0 = ks[n - 1]
+        sym[half] = lut[k0]
+        if lut[k0] == escape:
+            c = _note(etab, ptab, c, n - 1, ne)
+            esc[ne] = k0
+            ne += 1
     _note(etab, ptab, c, n, ne)
     return ne
 

@@ -92,14 +92,20 @@ class Workspace:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
+        self._last: dict[str, tuple[int, object, np.ndarray]] = {}  # name -> the last call's n, dtype, view
 
     def get(self, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
         """``n`` elements of ``dtype`` under ``name``, undefined."""
+        last = self._last.get(name)
+        if last is not None and last[0] == n and last[1] is dtype:  # (as last time: the view made then)
+            return last[2]
         size = n * np.dtype(dtype).itemsize
         a = self._arrays.get(name)
         if a is None or len(a) < size:
             a = self._arrays[name] = np.empty(max(4096, size + size // 4), np.uint8)
-        return a[:size].view(dtype)
+        view = a[:size].view(dtype)
+        self._last[name] = (n, dtype, view)
+        return view
 
 
 def table_bytes(nchunks: int) -> int:
@@ -134,9 +140,8 @@ def low_bits_for(changed: int, pairs: int, slack: float = 1.0) -> int:
     whole groups of low fields), or 0 where a bitmap of the slot's pairs is at most ``slack``
     times that."""
     groups = -(-changed // GROUP)
-    sizes = [-(-pairs // (1 << lb)) + changed + 8 * groups * lb for lb in range(1, MAX_LOW_BITS + 1)]
-    best = int(np.argmin(sizes))
-    return 0 if pairs <= slack * sizes[best] else best + 1
+    size, best = min((-(-pairs // (1 << lb)) + changed + 8 * groups * lb, lb) for lb in range(1, MAX_LOW_BITS + 1))
+    return 0 if pairs <= slack * size else best
 
 
 @dataclass(frozen=True)
@@ -177,9 +182,8 @@ def encode_slots(
     ws = ws or Workspace()
     size, pairs = geo.slot_bytes, geo.pairs
     whole = size // PAIR * PAIR
-    tails = np.zeros((2, PAIR), np.uint8)
-    tails[0, : size - whole], tails[1, : size - whole] = prev[whole:size], cur[whole:size]
-    tail = tails.view(np.uint32)[:, 0].astype(np.uint64)
+    tail_a = np.uint64(int.from_bytes(prev[whole:size].tobytes(), "little"))  # (the short last pair, padded)
+    tail_b = np.uint64(int.from_bytes(cur[whole:size].tobytes(), "little"))
     at = ws.get("enc.at", pairs, _index_dtype(pairs))
     ks = ws.get("enc.k", pairs, np.uint8)
     raw = ws.get("enc.raw", PAIR * pairs + 64, np.uint8)
@@ -187,7 +191,7 @@ def encode_slots(
     tables = np.zeros((3, geo.nchunks + 1), np.uint32)
     a, b = prev[:whole].view(np.uint32), cur[:whole].view(np.uint32)
     n = kernels.scan(
-        a, b, tail[0], tail[1], int(whole < size), most, CHUNK_PAIRS // 64, bitmap, at, ks, raw, tables[0], tables[2]
+        a, b, tail_a, tail_b, int(whole < size), most, CHUNK_PAIRS // 64, bitmap, at, ks, raw, tables[0], tables[2]
     )
     if n < 0:
         return None

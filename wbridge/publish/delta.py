@@ -83,6 +83,10 @@ class DeltaRing:
     - ``extents``: per ring position, the bytes its delta fills from the buffer's start (header,
       tables and streams; 0: none). A version's record carries them (``protocol.version``), so a
       reader of whole slots reads each delta it needs in one read of exactly those bytes.
+
+    Numpy views of the buffers and of the host slots it encodes from are made once and kept: the
+    encode runs right after the snapshot's copy has evicted every cache, where each torch call to
+    make a view cost tens of microseconds.
     """
 
     buffers: list[Any]
@@ -95,6 +99,19 @@ class DeltaRing:
 
     def __post_init__(self) -> None:
         self.extents = [0] * len(self.buffers)
+        self._arrays = [b.numpy() for b in self.buffers]
+        self._heads = [a[:HEADER_BYTES].view(np.uint64) for a in self._arrays]
+        self._views: dict[int, tuple[Any, np.ndarray | None]] = {}  # id of a slot -> (slot, ``_host(slot)``)
+
+    def _host(self, t: Any) -> np.ndarray | None:
+        """The numpy view of slot ``t`` where it is host memory, else None (a GPU's); made once (kept
+        with ``t``, so its id stays its own)."""
+        kept = self._views.get(id(t))
+        if kept is None or kept[0] is not t:
+            if len(self._views) >= 8:  # (a new registration's slots, or remap scratch: drop the old)
+                self._views.clear()
+            kept = self._views[id(t)] = (t, t.numpy() if t.device.type == "cpu" else None)
+        return kept[1]
 
     def remap(self, prev: Any, cur: Any, was: RankLayout | None, now: RankLayout | None) -> Any:
         """``prev`` (a slot laid out as ``was``) with its bytes moved to where ``now`` holds them,
@@ -120,7 +137,7 @@ class DeltaRing:
         return scratch
 
     def header(self, i: int) -> np.ndarray:
-        return self.buffers[i][:HEADER_BYTES].numpy().view(np.uint64)
+        return self._heads[i]
 
     def encode(
         self, slots: list[Any], v: int, nslots: int, epoch: int, gen: int, layout: RankLayout | None = None
@@ -149,8 +166,9 @@ class DeltaRing:
                 head[3] = DELTA_NONE
                 return none
         most = self.geo.capacity * 2  # (more changed pairs than 4 bits each fit: no delta)
-        if cur.device.type == "cpu":
-            coded = _format.encode_slots(prev.numpy(), cur.numpy(), self.geo, most, self.work)
+        host = self._host(cur)
+        if host is not None:
+            coded = _format.encode_slots(self._host(prev), host, self.geo, most, self.work)
         else:
             found = scan(prev, cur, most)
             coded = None if found is None else _format.encode(found.at, found.diffs, self.geo, self.work)
@@ -160,7 +178,7 @@ class DeltaRing:
         if coded.nbytes > self.geo.capacity:
             head[3] = DELTA_NONE
             return none
-        self.extents[i] = _format.write(self.buffers[i].numpy(), coded)
+        self.extents[i] = _format.write(self._arrays[i], coded)
         head[3] = DELTA_STABLE  # last: the header says "stable" only once every byte is in place
         return Encoding(coded.pairs, coded.nbytes, time.thread_time() - t0)
 
