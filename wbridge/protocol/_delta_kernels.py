@@ -120,13 +120,14 @@ LANES = 16  # pairs ``_compact`` compares and compacts at once (a 512-bit vector
 
 def _compresses() -> bool:
     """Whether the CPU numba compiles for compacts vector lanes in one instruction, 32-bit lanes and
-    bytes alike (AVX-512 with VBMI2: ``vpcompressd``, ``vpcompressb``). Elsewhere LLVM lowers
+    bytes alike, and looks bytes up in a 128-byte table (AVX-512 with VBMI and VBMI2:
+    ``vpcompressd``, ``vpcompressb``, ``vpermi2b``). Elsewhere LLVM lowers
     ``llvm.masked.compressstore`` to a branch per lane, slower than walking a mask's set bits, so
-    ``scan`` walks them there."""
+    ``scan`` walks them there, and ``symbols`` looks each ``k`` up alone."""
     from numba.core.codegen import get_host_cpu_features
 
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return {"+avx512f", "+avx512bw", "+avx512vbmi2"} <= set(features.split(","))
+    return {"+avx512f", "+avx512bw", "+avx512vbmi", "+avx512vbmi2"} <= set(features.split(","))
 
 
 COMPRESS = _compresses()
@@ -316,16 +317,73 @@ def _note(table, ptab, c, i, value):
     return c
 
 
+@intrinsic
+def _symbols64(typingctx, ks, i, lut, sym, escape):
+    """The symbols of ``ks[i .. i + 63]`` (``lut``: 256 bytes, ``k`` -> its symbol) looked up as one
+    vector (``vpermi2b`` twice: a 128-byte table each, the top bit of ``k`` choosing), stored two a
+    byte at ``sym[i // 2]`` on (``i`` even). Returns the mask of the pairs whose symbol is
+    ``escape`` (bit ``j``: pair ``i + j``)."""
+
+    def codegen(context, builder, signature, args):
+        def data(j):
+            return context.make_array(signature.args[j])(context, builder, args[j]).data
+
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        v64, v32 = ir.VectorType(i8, 64), ir.VectorType(i8, 32)
+
+        def load(ptr, at):
+            return builder.load(builder.bitcast(builder.gep(ptr, [at]), v64.as_pointer()), align=1)
+
+        k = load(data(0), args[1])
+        table = [load(data(2), i64(64 * q)) for q in range(4)]
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v64, [v64, v64, v64]), "llvm.x86.avx512.vpermi2var.qi.512"
+        )
+        low, high = builder.call(fn, [table[0], k, table[1]]), builder.call(fn, [table[2], k, table[3]])
+        s = builder.select(builder.icmp_signed("<", k, ir.Constant(v64, [0] * 64)), high, low)
+        first = builder.shuffle_vector(
+            s, ir.Constant(v64, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), list(range(0, 64, 2)))
+        )
+        second = builder.shuffle_vector(
+            s, ir.Constant(v64, ir.Undefined), ir.Constant(ir.VectorType(i32, 32), list(range(1, 64, 2)))
+        )
+        packed = builder.or_(first, builder.shl(second, ir.Constant(v32, [4] * 32)))
+        at = builder.gep(data(3), [builder.lshr(args[1], i64(1))])
+        builder.store(packed, builder.bitcast(at, v32.as_pointer()), align=1)
+        e = builder.trunc(args[4], i8)
+        splat = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(v64, ir.Undefined), e, i32(0)),
+            ir.Constant(v64, ir.Undefined),
+            ir.Constant(ir.VectorType(i32, 64), [0] * 64),
+        )
+        return builder.bitcast(builder.icmp_unsigned("==", s, splat), i64)
+
+    return types.uint64(ks, i, lut, sym, escape), codegen
+
+
 @_inner
 def symbols(ks, lut, escape, ptab, sym, esc, etab):
     """The changed pairs' symbols (``sym``: two a byte, the first in the low half; ``lut``: ``k``
     -> its symbol), escapes (symbol ``escape``; ``esc``: their ``k``) and escape table (``etab``:
-    escapes before each chunk's first pair, ``ptab``). Returns the escapes."""
+    escapes before each chunk's first pair, ``ptab``). Returns the escapes. Where the CPU allows
+    (``COMPRESS``), 64 pairs at a time are looked up as one vector (``_symbols64``), and only the
+    escapes' bits walked."""
     n = len(ks)
     ne = 0
     c = 0
+    start = 0
+    if COMPRESS:
+        start = n // 64 * 64
+        for i in range(0, start, 64):
+            m = _symbols64(ks, i, lut, sym, escape)
+            while m:  # (few)
+                j = i + np.int64(trailing_zeros(m))
+                m &= m - _U1
+                c = _note(etab, ptab, c, j, ne)
+                esc[ne] = ks[j]
+                ne += 1
     half = n // 2
-    for h in range(half):  # (whole bytes: no test of the end inside)
+    for h in range(start // 2, half):  # (whole bytes: no test of the end inside)
         k0, k1 = ks[2 * h], ks[2 * h + 1]
         s0, s1 = lut[k0], lut[k1]
         sym[h] = s0 | (s1 << 4)
