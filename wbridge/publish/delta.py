@@ -12,12 +12,13 @@ subscriber its base. The chunk checksums of every staged slot are cut at its cel
 (``wbridge.protocol.checksum.slot_sums``), so a reader packed for verifies whole chunks only.
 
 On the host the scan and the coding are one compiled pass over the two slots as 4-byte pairs
-(64 pairs compared into a word of the positions bitmap, then only its changed pairs visited),
-then passes over the changed pairs alone (``protocol.delta.encode_slots``); on a GPU the scan is
-torch (``scan``: only the changed pairs come to the host) and the coding the same passes
-(``protocol.delta.encode``). The header says ``WRITING`` while the buffer is rewritten and
-``NONE`` where the version has no delta (no base, or more changes than the buffer holds: readers
-then pull in full).
+(each changed pair's index, code byte ``k`` and raw bytes stored as it compares), then passes
+over the changed pairs alone (``protocol.delta.encode_slots``); on a GPU the scan is torch
+(``scan``: only the changed pairs come to the host) and the coding the same passes after the
+codes of their byte differences (``protocol.delta.encode``). The slots are staged in huge pages
+where the kernel allows them (``_tensors.alloc_bytes``): the scan walks 20 MB per 10 MB slot.
+The header says ``WRITING`` while the buffer is rewritten and ``NONE`` where the version has no
+delta (no base, or more changes than the buffer holds: readers then pull in full).
 """
 
 from __future__ import annotations
