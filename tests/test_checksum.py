@@ -91,3 +91,32 @@ def test_what_a_batch_covers_is_kept_for_that_batch_alone() -> None:
     other[5] ^= 1
     assert verify_reads(batch2, fixed, [other], fetch, where="t", cache=cache) == 0 and fetched == [2 << 20]
     assert verify_reads(batch, fixed, [dest], fetch, where="t", cache=cache) == 0 and len(fetched) == 4
+
+
+def test_chunks_hashed_on_two_threads_find_every_bad_byte() -> None:
+    """With a ``pool`` and ``PARALLEL_HASH_BYTES`` or more of chunks read whole, the pool's thread
+    hashes the first half of them: a bad byte in either half is found, and repaired, alike."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from wbridge.protocol import checksum
+
+    rng = np.random.default_rng(1)
+    size = checksum.PARALLEL_HASH_BYTES + (3 << 20) + 12_345
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    sums = chunk_sums([src], chunk=1 << 20)
+    batch = ReadBatch.of([(0, 0, 0, 0, size)])
+    with ThreadPoolExecutor(1) as pool:
+        for bad in (5, size // 2 - 1, size - 3):  # (the first half, the middle, the last chunk)
+            dest, cache = src.copy(), {}
+            assert verify_reads(batch, sums, [dest], None, where="t", cache=cache, pool=pool) == 0
+            assert 0 < cache["coverage"].halves < len(cache["coverage"].single)
+            dest[bad] ^= 0x10
+            with pytest.raises(IntegrityError, match=f"chunk {bad >> 20} "):
+                verify_reads(batch, sums, [dest], None, where="t", cache=cache, pool=pool)
+
+            def repair(region: int, offset: int, data: np.ndarray, dest: np.ndarray = dest) -> None:
+                dest[offset : offset + len(data)] = data
+
+            fetch = lambda region, offset, n: src[offset : offset + n].copy()  # noqa: E731
+            assert verify_reads(batch, sums, [dest], fetch, where="t", repair=repair, cache=cache, pool=pool) == 1
+            assert np.array_equal(dest, src)

@@ -199,6 +199,7 @@ class Coverage:
     gather: tuple  # (destination regions, offsets, lengths) of the pieces of ``several``, in order
     partial: list
     plans: dict = field(default_factory=dict)  # the gather's copy plan and scratch, by destination addresses
+    halves: int = 0  # ``single``'s first entries holding about half its bytes (0: too few bytes to split)
 
 
 def _key(sums: dict) -> tuple:
@@ -267,10 +268,18 @@ def coverage(batch: Any, sums: dict, where: str) -> Coverage:
     in_several = np.isin(c, several)
     gather = (pdreg[in_several], pdoff[in_several], plen[in_several])
     partial = np.setdiff1d(touched, whole).tolist()
+    cum = np.cumsum(plen[p])
+    halves = int(np.searchsorted(cum, cum[-1] / 2)) + 1 if len(cum) > 1 and cum[-1] >= PARALLEL_HASH_BYTES else 0
     return Coverage(
         batch, _key(sums), regions, c, lo, plen, pdreg, pdoff, region_of, index_in, all_starts, all_ends, singles,
-        severals, gather, partial,
+        severals, gather, partial, halves=min(halves, len(singles) - 1),
     )  # fmt: skip
+
+
+#: Bytes of chunks read whole from which ``verify_reads`` with a ``pool`` hashes them on two threads
+#: (xxh3 lets go of the GIL): a 10 MB destination in 47 chunks, its caches cold, hashed in 0.92 ms
+#: on two threads where one took 1.06 (medians of 40).
+PARALLEL_HASH_BYTES = 4 << 20
 
 
 def verify_reads(
@@ -283,6 +292,7 @@ def verify_reads(
     repair: Any = None,
     name_at: Any = None,
     cache: dict | None = None,
+    pool: Any = None,
 ) -> int:
     """Verifies every byte ``batch`` read into ``dest`` against the source's chunk sums.
 
@@ -296,7 +306,8 @@ def verify_reads(
     repaired. ``name_at(dst_region, dst_offset)`` (``tensor_at``) names the destination tensor in errors.
     ``cache``: a dict kept by the caller for this very batch, where what it covers (``coverage``)
     is kept from call to call while the sums' chunks stay the same, and the host views of ``dest``
-    while it is the same list.
+    while it is the same list. ``pool``: an executor with a thread free, which hashes half the
+    chunks read whole in one piece where they hold ``PARALLEL_HASH_BYTES`` or more.
     """
     from ..errors import IntegrityError
 
@@ -318,7 +329,15 @@ def verify_reads(
         raise IntegrityError(f"{where}: no checksums for regions {cov.regions}") from None
     c, lo, plen, pdreg, pdoff = cov.c, cov.lo, cov.plen, cov.pdreg, cov.pdoff
     region_of, index_in, all_starts, all_ends = cov.region_of, cov.index_in, cov.all_starts, cov.all_ends
-    bad = [k for k, r, i, dr, do, m in cov.single if hash_bytes(host[dr][do : do + m]) != expected[r][i]]
+
+    def mismatched(single: list) -> list:
+        return [k for k, r, i, dr, do, m in single if hash_bytes(host[dr][do : do + m]) != expected[r][i]]
+
+    half = cov.halves if pool is not None else 0
+    other = pool.submit(mismatched, cov.single[:half]) if half else None
+    bad = mismatched(cov.single[half:])
+    if other is not None:
+        bad = other.result() + bad
     gather_n = cov.gather[2]
     if len(gather_n):
         addrs = tuple(h.ctypes.data for h in host)

@@ -269,7 +269,9 @@ def verify_repair(
             dest[dreg][doff : doff + len(data)].copy_(torch.from_numpy(np.ascontiguousarray(data)))
 
         where = f"publisher rank {src.rank}, version {rec.v}"
-        repaired += _checksum.verify_reads(src.batch, sums, dest, counted, where=where, repair=write, cache=src.checks)
+        repaired += _checksum.verify_reads(
+            src.batch, sums, dest, counted, where=where, repair=write, cache=src.checks, pool=ctx.pool
+        )
         nbytes, ops = nbytes + count[0], ops + count[1]
     return Repair(repaired, nbytes, ops)
 
