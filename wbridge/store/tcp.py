@@ -335,7 +335,8 @@ class TcpStore(Store):
                 raise StoreError(f"store {self.url} is closed")
             if self._store is None:
                 self._store, self._socks = self._connect(self.host, self.port, limit)
-            if deadline is not None:
+            tight = limit < self._connect_timeout  # (else the sockets' timeouts are already that)
+            if tight:
                 for s in self._socks:
                     _set_timeouts(s, limit)
             try:
@@ -349,7 +350,7 @@ class TcpStore(Store):
                 unknown = " (the call may or may not have been applied)" if "Timeout" in str(e) else ""
                 raise StoreError(f"store {self.url}: {said}{unknown}") from e
             finally:
-                if deadline is not None and self._store is not None:
+                if tight and self._store is not None:
                     for s in self._socks:
                         _set_timeouts(s, self._connect_timeout)
         finally:
