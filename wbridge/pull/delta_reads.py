@@ -106,7 +106,7 @@ class SourceGeometry:
     def scratches(self) -> tuple[Scratch, ...]:
         return (self.head, self.check, self.streams)
 
-    @property
+    @functools.cached_property
     def whole(self) -> bool:
         """Whether the reads cover every chunk: every stream byte of a delta is needed."""
         return len(self.run_lo) == 1 and self.run_lo[0] == 0 and self.run_hi[0] == self.geo.nchunks - 1
@@ -236,12 +236,12 @@ def whole_deltas(g: SourceGeometry, rec: Any, rank: int, us: np.ndarray) -> np.n
     reader reads each delta in one read: a buffer is read only once the version it holds (or a
     newer one) is committed, and a position of the ring holds ever newer versions, so the headers
     read again after it (``recheck``) show any rewrite that began under it."""
-    extents = rec.deltas[rank] if rank < len(rec.deltas) else ()
-    if not g.whole or len(extents) != len(g.descs):
+    extents, k = rec.deltas[rank] if rank < len(rec.deltas) else (), len(g.descs)
+    if not g.whole or len(extents) != k:
         return None
-    n = np.asarray(extents, dtype=np.int64)[us % len(g.descs)]
-    per = int(g.rows[1].sum())
-    return n if np.all(n >= per) and np.all(n <= g.geo.buffer_bytes) else None
+    n = [extents[u % k] for u in us.tolist()]  # (Python ints: a version or a few, in a cold process)
+    least, most = int(g.rows[1].sum()), g.geo.buffer_bytes
+    return np.array(n, dtype=np.int64) if all(least <= x <= most for x in n) else None
 
 
 def read_heads(
