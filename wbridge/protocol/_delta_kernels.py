@@ -481,7 +481,8 @@ def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, ra
     too). Returns ``(escapes, raw bytes)``."""
     codes(diffs, ks)
     nraw = raws(ks, diffs, tables[0], raw, tables[2])
-    return finish(at, ks, lb, step, same, escape, dictionary, tables, sym, esc, high, low, True), nraw
+    bitmap = lb == 0  # (a bool, not the constant True: the signature ``encode_slots`` compiled ``finish`` for)
+    return finish(at, ks, lb, step, same, escape, dictionary, tables, sym, esc, high, low, bitmap), nraw
 
 
 @_jit

@@ -42,10 +42,10 @@ The codec runs as compiled loops (``_delta_kernels``, numba, imported on the fir
 decode only). The encoder (``encode_slots`` from two slots on the host, ``encode`` from changed
 pairs found elsewhere): one streaming pass over the slots that finds and codes the changed pairs
 (their indices, ``k`` and raw bytes), then passes over their ``k`` alone; the dictionary counts
-the ``k`` of up to 65536 of the changed pairs. The reader: ``parse``
-and ``ranges`` (compiled, a call per delta), then ``decode`` (a run's pairs) or
-``changes`` (its changed bytes), one pass over the run's streams each. The tests hold an
-independent numpy codec to compare with (``tests/delta_reference.py``).
+the ``k`` of up to 65536 of the changed pairs. The reader: ``parse`` and ``ranges`` (compiled, a
+call per delta), then ``decode`` (a run's pairs) or ``changes`` (its changed bytes), one pass over
+the run's streams each. The tests hold an independent numpy codec to compare with
+(``tests/delta_reference.py``).
 """
 
 from __future__ import annotations
