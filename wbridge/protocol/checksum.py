@@ -272,7 +272,7 @@ def coverage(batch: Any, sums: dict, where: str) -> Coverage:
     halves = int(np.searchsorted(cum, cum[-1] / 2)) + 1 if len(cum) > 1 and cum[-1] >= PARALLEL_HASH_BYTES else 0
     return Coverage(
         batch, _key(sums), regions, c, lo, plen, pdreg, pdoff, region_of, index_in, all_starts, all_ends, singles,
-        severals, gather, partial, halves=min(halves, len(singles) - 1),
+        severals, gather, partial, halves=min(halves, max(len(singles) - 1, 0)),
     )  # fmt: skip
 
 
