@@ -185,22 +185,26 @@ def _compact(typingctx, a, b, base, at, ks, raw, n, o):
         compress(k, data(4), args[6], changed)
         compress(builder.bitcast(d, bytes_), data(5), args[7], coded3)
         i64 = ir.IntType(64)
-        ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
-        raws = builder.call(ctpop, [builder.bitcast(coded3, i64)])
+        raws = _ctpop(builder, builder.bitcast(coded3, i64))
         mask = builder.zext(builder.bitcast(changed, ir.IntType(LANES)), i64)
         return builder.or_(mask, builder.shl(raws, ir.Constant(i64, 32)))
 
     return types.uint64(a, b, base, at, ks, raw, n, o), codegen
 
 
+def _ctpop(builder, value):
+    """The IR of the set bits of the 64-bit ``value`` (``llvm.ctpop``)."""
+    i64 = ir.IntType(64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
+    return builder.call(fn, [value])
+
+
 @intrinsic
 def _popcount(typingctx, x):
-    """The set bits of ``x`` (a uint64), as an int64 (``llvm.ctpop``)."""
+    """The set bits of ``x`` (a uint64), as an int64."""
 
     def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64]), "llvm.ctpop.i64")
-        return builder.call(fn, [args[0]])
+        return _ctpop(builder, args[0])
 
     return types.int64(x), codegen
 

@@ -13,9 +13,10 @@ its own reads cover and the headers again (three). A delta buffer rewritten mean
 pull go full; a slot reused, ``StaleVersionError`` (``wbridge.pull.delta_reads``). The checksum
 records come from the store while the deltas are on the wire. Deltas are in ``v``'s slot byte order,
 which the session plans against, whatever packing ``a`` was read in; every delta since ``a`` must be
-in that order. It adds the byte differences with one vectorised scatter per destination region and
-delta, and then always verifies every byte it covers against the publisher's chunk checksums (cut at
-the slot's cells: a reader packed for re-reads nothing to check): a chunk that does not match (its
+in that order. It adds the byte differences (on the host one compiled call per delta over every
+read, on a device a scatter per destination region and delta), and then always verifies every byte
+it covers against the publisher's chunk checksums (cut at the slot's cells: a reader packed for
+re-reads nothing to check): a chunk that does not match (its
 memory was changed by someone else, bad bytes, a bit flip) is read in full from the slot and written
 back (``repaired`` in the stats). Anything that makes the deltas unusable or dearer before the first
 byte is written makes the caller pull in full; ``PullStats.delta_reason`` says why
