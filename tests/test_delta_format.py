@@ -205,7 +205,8 @@ def test_the_walking_scan_codes_what_the_compacting_scan_codes(tmp_path) -> None
     ):
         cases[f"a{i}"], cases[f"b{i}"] = changed(size, frac, 40 + i, ulp)
     np.savez(tmp_path / "cases.npz", **cases)
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="")
+    # (a cache of its own: one the child wrote in an earlier run names a module numba cannot import)
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     argv = [kernels.__file__, str(tmp_path / "cases.npz"), str(tmp_path / "out.npz"), str(F.CHUNK_PAIRS)]
     subprocess.run([sys.executable, "-c", _KERNEL_RUN + _WALKING, *argv], env=env, check=True, timeout=120)
     walked = np.load(tmp_path / "out.npz")
