@@ -403,6 +403,42 @@ def test_a_delta_read_whole_is_the_bytes_write_returns() -> None:
     assert np.array_equal(at, want_at) and np.array_equal(diffs, want_diffs)
 
 
+def test_a_delta_read_whole_is_checked_by_its_digest() -> None:
+    """What a reader of whole slots reads in one read stands for the delta its publisher wrote only
+    where the digest matches: any byte of it that differs (a rewrite for a newer version under the
+    read, torn anywhere, or a bit flipped) fails it, the header's ``v`` included; the state word is
+    not in it (it changes after the digest is written)."""
+    from wbridge.protocol import checksum
+
+    a, b = changed(5 * F.CHUNK_BYTES + 3, 0.02, 13)
+    geo = F.geometry(len(a))
+    buf = np.zeros(geo.buffer_bytes, np.uint8)
+    head = buf[: F.HEADER_BYTES].view(np.uint64)
+    head[:8] = (F.DELTA_MAGIC, 7, 6, F.DELTA_WRITING, 3, 0, geo.nchunks, 0)
+    extent = F.write(buf, F.encode_slots(a, b, geo, 1 << 40, dirty()))
+    head[F.STATE] = F.DELTA_STABLE
+    assert F.intact(buf[:extent]) is True
+    rng = np.random.default_rng(5)
+    for at in [8, 32, F.DICT_AT, 8 * F.DIGEST_ALGO, 8 * F.DIGEST, F.HEADER_BYTES + 1, extent - 1]:
+        at = int(at) + int(rng.integers(0, 8)) * (at < F.HEADER_BYTES)
+        torn = buf[:extent].copy()
+        torn[at] ^= 0x10
+        assert not F.intact(torn), at
+    newer = np.zeros_like(buf)  # the buffer rewritten for v + 2 (other changes): torn between the two
+    newer[: F.HEADER_BYTES].view(np.uint64)[:8] = (F.DELTA_MAGIC, 9, 8, F.DELTA_WRITING, 3, 0, geo.nchunks, 0)
+    F.write(newer, F.encode_slots(*changed(len(a), 0.02, 14), geo, 1 << 40, dirty()))
+    for cut in (32, F.HEADER_BYTES, extent // 2):
+        assert not F.intact(np.concatenate((buf[:cut], newer[cut:extent])))
+        assert not F.intact(np.concatenate((newer[:cut], buf[cut:extent])))
+    settled = buf[:extent].copy()
+    settled[: F.HEADER_BYTES].view(np.uint64)[F.STATE] = F.DELTA_NONE
+    assert F.intact(settled) is True
+    other = buf[:extent].copy()  # a publisher hashing with the other algorithm: not this reader's call
+    mine = checksum.ALGOS.index(checksum.ALGO) + 1
+    other[: F.HEADER_BYTES].view(np.uint64)[F.DIGEST_ALGO] = 3 - mine
+    assert F.intact(other) is None
+
+
 def test_pairs_are_added_where_each_read_lands() -> None:
     # reads that start and end on odd bytes, a gap no read covers, destinations anywhere in memory
     a, b = changed(3 * F.CHUNK_BYTES + 1, 0.1, 12, ulp=False)

@@ -215,10 +215,10 @@ def test_delta_rewritten_under_the_reader_is_not_used(tmp_path) -> None:
 
 @pytest.mark.timeout(150)
 def test_slot_reused_under_a_delta_pull_retries(tmp_path) -> None:
-    """A delta pull reads the slot stamps along with its second read of the delta headers (two
-    reads in all for a reader of whole slots: the delta whole, then the headers again; no stamp
-    read of its own after them): a slot reused under the pull still makes it retry with a newer
-    version (``StaleVersionError`` inside ``pull``), though its deltas were intact."""
+    """A reader of whole slots reads the slot stamps in its one read of the deltas whole (their
+    digests stand for the headers read again; no stamp read of its own after it): a slot reused
+    under the pull still makes it retry with a newer version (``StaleVersionError`` inside
+    ``pull``), though its deltas were intact."""
     pub, sub, release = paused_in_delta_pull(tmp_path, Staging(slots=2, delta=Delta(history=4)))
     try:
         for v in (3, 4):  # v4 reuses v2's slot (one of 2); v2's delta stays (a ring of 4)
@@ -229,8 +229,8 @@ def test_slot_reused_under_a_delta_pull_retries(tmp_path) -> None:
         steps = [(v, FRAC) for v in (2, 3, 4, 5)]
         pub.call("step", 5, FRAC)
         got = sub.call("pull", min_version=5)
-        # the delta whole (header, tables, streams), headers again with the stamp: no third read
-        assert got["v"] == 5 and got["delta"] and got["retries"] == 0 and got["link_reads"] == 2, got
+        # the delta whole (header, tables, streams) and the stamp: one read, no second
+        assert got["v"] == 5 and got["delta"] and got["retries"] == 0 and got["link_reads"] == 1, got
         assert sub.call("bad", steps) == []
     finally:
         sub.stop()
@@ -271,17 +271,18 @@ def test_lease_lapsed_while_stalled_rejoins_and_reads_deltas() -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("link_gbps", "latency"), [(0.1, 0.0), (0.5, 0.3)])
-def test_the_subscriber_chooses_delta_or_full_by_what_each_costs(link_gbps: float, latency: float) -> None:
+@pytest.mark.parametrize(("link_gbps", "latency", "tp"), [(0.1, 0.0, 1), (0.5, 0.3, 2)])
+def test_the_subscriber_chooses_delta_or_full_by_what_each_costs(link_gbps: float, latency: float, tp: int) -> None:
     """Each pull says why it was a delta or full, and every pull is bit-exact. Over a 0.1 Gbit/s
-    link the deltas of 2 % win by far and every pull takes them. Over a link where every read
-    waits 0.3 s (a round trip) and a full read's bytes take 0.1 s more, a delta pull's two reads
-    (the deltas whole, then their headers again) make it about 1.5x slower than a full read's one:
-    after ``PROBES`` probes each pull is full by ``cost``, the first declined on the deltas' exact
-    sizes (which the version record says: nothing read), the next on the guess alone."""
+    link the deltas of 2 % win by far and every pull takes them (a reader of whole slots: one read
+    each). Over a link where every read waits 0.3 s (a round trip), a reader of TP rank 0 of 2 (a
+    slice of each tensor: it reads its chunks' deltas in three reads, the headers and tables, their
+    streams, the headers again) finds a delta pull about 2.5x slower than a full read's one (and
+    the stamps): after ``PROBES`` probes each pull is full by ``cost``, declined on the guess alone
+    (no delta read)."""
     url = f"tcp://127.0.0.1:{free_port()}"
     pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="local")
-    sub = Worker("sub", DeltaSub, url, transport="local", link_gbps=link_gbps, latency=latency)
+    sub = Worker("sub", DeltaSub, url, transport="local", link_gbps=link_gbps, latency=latency, tp=tp)
     try:
         steps: list = []
         pub.call("publish")
@@ -298,6 +299,7 @@ def test_the_subscriber_chooses_delta_or_full_by_what_each_costs(link_gbps: floa
         print(f"link {link_gbps} Gbit/s, {latency} s per read: {[(g['why'], g['link_reads']) for g in got]}")
         if not latency:
             assert whys == ["delta"] * len(got), whys
+            assert [g["link_reads"] for g in got] == [1] * len(got), got  # the deltas and stamps: one read
             return
         assert whys == ["delta"] * PROBES + ["cost"] * (len(got) - PROBES), whys
         assert all(g["link_reads"] == first["link_reads"] for g in got[PROBES:]), got  # no delta read

@@ -28,11 +28,22 @@ try:  # xxh3 runs at memory speed; crc32 is the fallback that always exists
 
     def _hash(mv: memoryview) -> int:
         return _xxhash.xxh3_64_intdigest(mv)
+
+    def hash_seeded(data: np.ndarray, seed: int) -> int:
+        """``data``'s hash (contiguous bytes) started from ``seed`` (64 bits; crc32: its low 32)."""
+        return _xxhash.xxh3_64_intdigest(data, seed)
 except ImportError:  # pragma: no cover - depends on the environment
     ALGO = "crc32"
 
     def _hash(mv: memoryview) -> int:
         return zlib.crc32(mv)
+
+    def hash_seeded(data: np.ndarray, seed: int) -> int:
+        """``data``'s hash (contiguous bytes) started from ``seed`` (64 bits; crc32: its low 32)."""
+        return zlib.crc32(data, seed & 0xFFFFFFFF)
+
+
+ALGOS = ("xxh3_64", "crc32")  # an algorithm's number where a binary header names it: its index + 1
 
 
 def hash_bytes(data: memoryview | bytes | np.ndarray) -> int:

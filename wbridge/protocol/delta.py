@@ -26,6 +26,7 @@ Layout of one delta buffer (native byte order, little-endian hosts)::
                                low_bits, escapes, raw bytes, then the byte offsets of the streams
                                high, low, sym, esc, raw (from the buffer's start)
     dict     uint8[16] at 128  symbol -> k (15 used)
+    digest   2 x uint64 at 144 its algorithm (``checksum.ALGOS``: 1 + the index) and value
     tables   uint32[3][nchunks + 1] at ``HEADER_BYTES``: per chunk the first pair, escape and raw
              byte of that chunk (cumulative counts; the last entry is the total)
     streams  high bits, low fields, 4-bit symbols, escapes, raw bytes (bits little-endian in bytes)
@@ -34,7 +35,11 @@ A chunk is ``CHUNK_PAIRS`` pairs of the slot. The tables give every stream's byt
 chunks, so a reader reads the streams of just the chunks its own reads cover (``ranges``) and
 decodes them alone (``decode``): nothing of other readers' changes. The header says
 ``DELTA_WRITING`` while the buffer is rewritten and ``DELTA_NONE`` where the version has no delta;
-readers read it before and after the streams (a seqlock). Pairs are in the byte order of ``v``'s
+a reader of some chunks reads it before and after the streams (a seqlock). The **digest** hashes
+the whole delta (header words 4 on, dictionary, digest algorithm, tables, streams) seeded with
+``v``, and is written last before the state: a reader of the whole delta in one read checks it
+instead (``intact``). A read that a rewrite tore (a new version's bytes in part, whatever the order
+the transport moved them in) fails it, so one read suffices. Pairs are in the byte order of ``v``'s
 slot (its packing generation's layout); a slot's last pair may be short (padded with bytes that
 never change).
 
@@ -55,15 +60,18 @@ from types import ModuleType
 
 import numpy as np
 
+from . import checksum as _checksum
+
 PAIR = 4  # bytes per pair
 CHUNK_PAIRS = 8192  # pairs per chunk (32 KiB of slot): >= 2 ** MAX_LOW_BITS, a multiple of 64
 CHUNK_BYTES = PAIR * CHUNK_PAIRS
 MAX_LOW_BITS = 13
 GROUP = 8  # low fields are packed this many at a time (``low_bits`` bytes a group)
-HEADER_BYTES = 144  # 16 x uint64, then the dictionary
+HEADER_BYTES = 160  # 16 x uint64, the dictionary, the digest
 DICT_AT, DICT_SIZE = 128, 15
+DIGEST_ALGO, DIGEST = 18, 19  # header uint64 fields: the digest's algorithm (1 + ``checksum.ALGOS`` index), value
 ESCAPE = DICT_SIZE  # the symbol whose ``k`` is in the escape stream
-DELTA_MAGIC = 0x574244454C544133  # "WBDELTA3"
+DELTA_MAGIC = 0x574244454C544134  # "WBDELTA4"
 DELTA_STABLE, DELTA_WRITING, DELTA_NONE = 0, 1, 2
 # header fields (uint64 indices)
 MAGIC, VERSION, BASE, STATE, EPOCH, GEN, NCHUNKS, PAIRS, LOW_BITS, ESCAPES, RAWS = range(11)
@@ -252,8 +260,9 @@ def _streams(
 
 
 def write(buf: np.ndarray, e: Encoded) -> int:
-    """Writes ``e``'s dictionary, tables and streams into ``buf`` (a delta buffer, uint8) and its
-    counts and offsets into the header; the caller writes the header's state last. Returns the
+    """Writes ``e``'s dictionary, tables and streams into ``buf`` (a delta buffer, uint8), its
+    counts and offsets into the header, and then the digest (``digest``: the caller wrote the
+    header's first eight words before); the caller writes the header's state last. Returns the
     bytes written from the buffer's start (``extent``)."""
     head = buf[:HEADER_BYTES].view(np.uint64)
     nchunks = e.tables.shape[1] - 1
@@ -266,7 +275,29 @@ def write(buf: np.ndarray, e: Encoded) -> int:
         at += (len(s) + 7) // 8 * 8
     head[PAIRS], head[LOW_BITS] = e.pairs, e.low_bits
     head[ESCAPES], head[RAWS] = int(e.tables[1, -1]), int(e.tables[2, -1])
+    head[DIGEST_ALGO] = _checksum.ALGOS.index(_checksum.ALGO) + 1
+    head[DIGEST] = digest(buf[:at])  # (last: over every byte above)
     return at
+
+
+def digest(delta: np.ndarray) -> int:
+    """The digest of ``delta`` (a delta buffer's bytes up to its extent, uint8) by this process's
+    algorithm: header words 4 on, the dictionary, the digest's algorithm field, the tables and
+    streams, seeded with the header's ``v`` (words 0-3 are the magic, ``v``, ``v - 1`` and the
+    state, which a reader checks as they are)."""
+    v = int(delta[8 * VERSION : 8 * VERSION + 8].view(np.uint64)[0])
+    head = _checksum.hash_seeded(delta[32 : 8 * DIGEST], v)
+    return _checksum.hash_seeded(delta[HEADER_BYTES:], head)
+
+
+def intact(delta: np.ndarray) -> bool | None:
+    """Whether ``delta`` (as read whole, up to the extent its version record gave) is the delta its
+    publisher wrote: its digest matches; None where the publisher's algorithm is not this process's
+    (the reader checks the headers again instead)."""
+    head = delta[:HEADER_BYTES].view(np.uint64)
+    if int(head[DIGEST_ALGO]) != _checksum.ALGOS.index(_checksum.ALGO) + 1:
+        return None
+    return int(head[DIGEST]) == digest(delta)
 
 
 @dataclass(frozen=True)
@@ -461,9 +492,11 @@ __all__ = [
     "changes",
     "decode",
     "decode_into",
+    "digest",
     "encode",
     "encode_slots",
     "geometry",
+    "intact",
     "load_decoder",
     "load_encoder",
     "parse",

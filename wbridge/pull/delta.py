@@ -5,12 +5,14 @@ A subscriber whose destination holds version ``a`` of the same publisher epoch, 
 ``v - a <= k`` (the publisher's ring of deltas, ``wbridge.publish.delta``), first asks the cost
 choice (``wbridge.pull.delta_cost``) whether a delta pull is worth trying on its link. Where its
 reads cover every chunk of each source's slot and the version record says each delta's bytes, it
-asks again on those exact sizes, reads each source's deltas ``a + 1 .. v`` whole (one batched read)
-and then their headers again, with the slot stamps in that same read, while it parses and decodes
-(two reads in sequence). Otherwise it reads per source rank the headers and tables of the deltas
+asks again on those exact sizes and reads each source's deltas ``a + 1 .. v`` whole, with the slot
+stamps, in one batched read: each delta's digest says whether the read saw it as its publisher
+wrote it (one read). Otherwise it reads per source rank the headers and tables of the deltas
 (one batched read), asks again on their exact sizes, then reads the stream bytes of just the chunks
-its own reads cover and the headers again (three). A delta buffer rewritten meanwhile makes the
-pull go full; a slot reused, ``StaleVersionError`` (``wbridge.pull.delta_reads``). The checksum
+its own reads cover, and the headers again with the stamps while it decodes (three). A delta
+buffer rewritten meanwhile makes the pull go full (a digest that does not match while the headers
+read again are the same: ``malformed``, bad bytes); a slot reused, ``StaleVersionError``
+(``wbridge.pull.delta_reads``). The checksum
 records come from the store while the deltas are on the wire. Deltas are in ``v``'s slot byte order,
 which the session plans against, whatever packing ``a`` was read in; every delta since ``a`` must be
 in that order. It adds the byte differences (on the host one compiled call per delta over every
@@ -121,10 +123,11 @@ def _pull(
 ) -> Choice:
     """The delta pull proper: the choice on the deltas' exact sizes (``cost`` and ``guess``; None:
     whatever it costs; a reader of whole slots on the version record's, before it reads the deltas
-    whole, any other on their tables', before it reads their streams), the headers read again (the
-    checksums read from the store meanwhile), decode, apply, verify-and-repair. ``stamp``: the slot
-    stamps come with the last delta reads, and the result says so where nothing was read from the
-    slots after them (``PullResult.stamped``)."""
+    whole, any other on their tables', before it reads their streams), the digests checked or the
+    headers read again (the checksums read from the store meanwhile), decode, apply,
+    verify-and-repair. ``stamp``: the slot stamps come with the last delta reads (a reader of whole
+    deltas: with its one read), and the result says so where nothing was read from the slots after
+    them (``PullResult.stamped``)."""
     t0 = time.perf_counter()
     spent = _setup_seconds(session)
     geo = [session.delta[s.rank] for s in session.sources]
@@ -153,11 +156,13 @@ def _pull(
     try:
         for src in session.sources:
             t = ctx.endpoints[src.transport]
-            read[src.rank] = _reads.read_heads(t, src, session, rec, base, deadline, sizes[src.rank])
-        if whole:  # the deltas are in: read the headers again now
-            stable = _recheck_behind(ctx, session, read, rec.stamp if stamp else None, deadline)
+            at_once = rec.stamp if stamp and whole else None  # (the stamps in the one read of whole deltas)
+            read[src.rank] = _reads.read_heads(t, src, session, rec, base, deadline, sizes[src.rank], at_once)
         for src in session.sources:
             h = _reads.heads(src, session, rec, read[src.rank])
+            if h == "torn":  # the headers read again tell a rewrite under the read from bad bytes
+                t = ctx.endpoints[src.transport]
+                h = "malformed" if _reads.recheck(t, src, session, read[src.rank], deadline) else "header-changed"
             if isinstance(h, str):
                 return declined(h)
             hs[src.rank] = h
@@ -167,10 +172,7 @@ def _pull(
             return declined(reason)
         for src in session.sources:
             got[src.rank] = _reads.fetch(ctx.endpoints[src.transport], src, session, hs[src.rank], deadline)
-        if stable is None or not all(h.whole for h in hs.values()):
-            if stable is not None:
-                early, stable = stable, None
-                early()  # (read before some streams were: not a check of them)
+        if not all(h.intact for h in hs.values()):  # (read in parts, or no digest to check)
             stable = _recheck_behind(ctx, session, read, rec.stamp if stamp else None, deadline)
     except TransportError:
         return declined("source-failed")  # the full pull reads around a dead source (failover) or reports it
@@ -178,7 +180,7 @@ def _pull(
     decoded = [_reads.decode(src, session, hs[src.rank], got[src.rank]) for src in session.sources]
     check, stable = stable, None  # (waited for here, whatever it says)
     try:
-        if not check():
+        if check is not None and not check():
             return declined("header-changed")
     except TransportError:
         return declined("source-failed")

@@ -29,7 +29,7 @@ DELTA_REASONS = {
     "new-layout": "a delta since the one held is in another packing generation's byte order",
     "header-changed": "the ring was rewritten (for newer versions) before or while the deltas were read",
     "source-failed": "a source failed while its deltas were read (the full read fails over)",
-    "malformed": "a delta's tables or streams did not make sense",
+    "malformed": "a delta's tables or streams did not make sense (or failed its digest, its header unchanged)",
     "unsupported-plan": "the plan reads one slot byte twice or from a region a delta does not cover",
     "zone": "read through the zone's relays",
 }  # the values of ``PullStats.delta_reason``

@@ -5,14 +5,16 @@ tables then streams), decoding them and adding them into the destination (the fo
 Per session and source, once (``prepare``): the source's reads sorted by slot offset, the runs of
 adjacent delta chunks they touch, and how they map onto the destination (``SourceGeometry``). Per
 pull, where the reads cover every chunk and the version record says each delta's bytes
-(``whole_deltas``): one batched read of the deltas ``a + 1 .. v`` whole (``read_heads``); else one
-of their headers and table entries for those runs (a reader of a slice reads its slice of the
-tables) and one of the stream bytes of just the runs of chunks the reads cover (``fetch``). Then
-the headers again, with the slot's stamp where asked: a buffer rewritten meanwhile is not used
-(``recheck``); the table and header reads of a shape are prepared once and replayed
-(``Scratch.prepared``). Each delta and run is decoded into its changed pairs (``decode``,
-compiled) and added: on the host one compiled call per delta over every read (``apply``), on a
-device its changed bytes cut at the reads and scattered per destination region (``writes``).
+(``whole_deltas``): one batched read of the deltas ``a + 1 .. v`` whole, with the slot's stamp
+where asked (``read_heads``), each delta then checked against its digest (``heads``: a buffer
+rewritten under the read fails it); else one read of their headers and table entries for those
+runs (a reader of a slice reads its slice of the tables), one of the stream bytes of just the runs
+of chunks the reads cover (``fetch``), and then the headers again, with the slot's stamp where
+asked: a buffer rewritten meanwhile is not used (``recheck``); the table and header reads of a
+shape are prepared once and replayed (``Scratch.prepared``). Each delta and run is decoded into its
+changed pairs (``decode``, compiled) and added: on the host one compiled call per delta over every
+read (``apply``), on a device its changed bytes cut at the reads and scattered per destination
+region (``writes``).
 """
 
 from __future__ import annotations
@@ -208,7 +210,9 @@ class HeadsRead:
 class Heads:
     """What one source's delta headers and tables said (``heads``): the read, each delta's parsed
     tables, and per delta, run and stream the byte range to read (``offsets``, ``lengths``:
-    ``[versions, runs, 5]``); ``whole``: the read holds those ranges already."""
+    ``[versions, runs, 5]``); ``whole``: the read holds those ranges already; ``intact``: read
+    whole, whether every delta's digest matched (None: not read whole, or a digest this process
+    cannot compute; the headers are read again instead)."""
 
     read: HeadsRead
     parsed: tuple[_format.Parsed, ...]
@@ -216,6 +220,7 @@ class Heads:
     lengths: np.ndarray
     pairs: int  # changed pairs the reads' runs cover, over every delta
     whole: bool
+    intact: bool | None = None
 
     @property
     def us(self) -> np.ndarray:
@@ -234,8 +239,9 @@ def whole_deltas(g: SourceGeometry, rec: Any, rank: int, us: np.ndarray) -> np.n
     """The bytes of each delta ``us`` (its header, tables and streams), where ``src``'s reads cover
     every chunk and the version record says them (``VersionRecord.deltas``); else None. Such a
     reader reads each delta in one read: a buffer is read only once the version it holds (or a
-    newer one) is committed, and a position of the ring holds ever newer versions, so the headers
-    read again after it (``recheck``) show any rewrite that began under it."""
+    newer one) is committed, and a position of the ring holds ever newer versions, so a rewrite
+    that began under the read shows in the delta's digest (``heads``), or, where this process
+    cannot compute the publisher's digest, in its headers read again (``recheck``)."""
     extents, k = rec.deltas[rank] if rank < len(rec.deltas) else (), len(g.descs)
     if not g.whole or len(extents) != k:
         return None
@@ -245,11 +251,19 @@ def whole_deltas(g: SourceGeometry, rec: Any, rank: int, us: np.ndarray) -> np.n
 
 
 def read_heads(
-    t: Any, src: Source, session: Session, rec: Any, base: int, deadline: Deadline, sizes: np.ndarray | None
+    t: Any,
+    src: Source,
+    session: Session,
+    rec: Any,
+    base: int,
+    deadline: Deadline,
+    sizes: np.ndarray | None,
+    stamp: Stamp | None = None,
 ) -> HeadsRead:
     """Reads the headers of the deltas ``base + 1 .. rec.v`` of ``src`` and the table entries of
     the runs of chunks its reads cover (one batched read); with ``sizes`` (``whole_deltas``) the
-    deltas whole instead, so ``recheck`` can follow at once."""
+    deltas whole instead, and with ``stamp`` the slot's stamp in that same read
+    (``StaleVersionError`` where it does not say ``stamp``)."""
     g = session.delta[src.rank]
     k = len(g.descs)
     us = np.arange(base + 1, rec.v + 1, dtype=np.int64)
@@ -259,8 +273,15 @@ def read_heads(
     if sizes is not None:  # one row per delta: its header, tables (contiguous: every run) and streams
         held_at = np.cumsum(sizes) - sizes
         g.head.ensure(t, int(sizes.sum()))
-        b = ReadBatch(np.arange(m), np.zeros(m, np.int64), np.zeros(m, np.int64), held_at, sizes)
-        read(t, src, tuple(g.descs[u] for u in (us % k).tolist()), g.head.region, b, deadline)
+        descs, local = [g.descs[u] for u in (us % k).tolist()], [g.head.region]
+        rows = [np.arange(m), np.zeros(m, np.int64), np.zeros(m, np.int64), held_at, sizes]
+        if stamp is not None:  # (remote region m, local region 1: the source's stamp buffer)
+            descs.append(src.regions[stamp.slot][-1])
+            local.append(src.stamp_region)
+            rows = [np.append(x, y) for x, y in zip(rows, (m, 0, 1, 0, STAMP_BYTES))]
+        read(t, src, descs, local, ReadBatch(*rows), deadline)
+        if stamp is not None:
+            stamp_read(src, stamp)
         held = g.head.buf.numpy()[: int(sizes.sum())]  # (the scratch is read into again by the next pull only)
         raw = np.stack([held[a : a + per] for a in held_at.tolist()])
         return HeadsRead(us, raw, int(sizes.sum()), held, held_at, sizes)
@@ -279,7 +300,8 @@ def read_heads(
 
 def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | str:
     """What ``src``'s delta headers and tables as read say; a reason (``DELTA_REASONS``) where they
-    cannot be used."""
+    cannot be used, or "torn" where read whole a delta does not match its digest (rewritten under
+    the read, or bad bytes: the caller reads the headers again to tell)."""
     g = session.delta[src.rank]
     nchunks = g.geo.nchunks
     us, raw, m = got.us, got.raw, len(got.us)
@@ -295,6 +317,12 @@ def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | st
         return "header-changed"
     if any(h[5] != gen for h in rows):
         return "new-layout"  # a delta in between is in another packing generation's byte order
+    intact = None
+    if got.sizes is not None:  # read whole: each delta's digest, before its tables are parsed
+        seen = [_format.intact(got.held[a : a + n]) for a, n in zip(got.held_at.tolist(), got.sizes.tolist())]
+        if False in seen:
+            return "torn"
+        intact = None if None in seen else True
     parsed = tuple(
         _format.parse(raw[i, :HEADER_BYTES], raw[i, HEADER_BYTES:], g.run_lo, g.run_hi, nchunks, g.geo.pairs)
         for i in range(m)
@@ -308,7 +336,7 @@ def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | st
     pairs = sum(int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum()) for p in parsed)
     # (where the record's sizes fell short of the streams, ``fetch`` reads them)
     whole = got.sizes is not None and not np.any(offsets + lengths > got.sizes[:, None, None])
-    return Heads(got, parsed, offsets, lengths, pairs, whole)
+    return Heads(got, parsed, offsets, lengths, pairs, whole, intact and whole)
 
 
 @dataclass(frozen=True)
@@ -323,11 +351,12 @@ class Fetched:
 
 def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -> Fetched:
     """Reads the stream bytes of the runs of chunks ``src``'s reads cover (one row per delta, run
-    and stream); ``recheck`` then reads the headers again."""
+    and stream); ``recheck`` then reads the headers again (not where every delta was read whole
+    and matched its digest: its bytes and reads count none)."""
     g = session.delta[src.rank]
     k, m = len(g.descs), len(h.us)
     n = h.lengths.reshape(-1)
-    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
+    nbytes, ops = (h.nbytes, m) if h.intact else (h.nbytes + m * HEADER_BYTES, 2 * m)
     if h.whole:  # read with the headers
         held = h.read.held
         offsets = (h.offsets + h.read.held_at[:, None, None]).reshape(h.offsets.shape[0], -1)
@@ -346,7 +375,7 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -
         # (the versions' buffers alone: ``us`` are consecutive, so at most one per ring position)
         batch = ReadBatch(which[rows], h.offsets.reshape(-1)[rows], np.zeros(int(rows.sum()), dtype=np.int64),
                           at[:-1][rows], n[rows])  # fmt: skip
-        read(t, src, tuple(g.descs[u] for u in (h.us % k).tolist()), g.streams.region, batch, deadline)
+        read(t, src, [g.descs[u] for u in (h.us % k).tolist()], [g.streams.region], batch, deadline)
         nbytes, ops = nbytes + total, ops + len(batch)
     got = g.streams.buf.numpy()[:total].copy() if total else np.zeros(0, np.uint8)
     shape = h.lengths.shape
@@ -385,8 +414,8 @@ def recheck(
     return True
 
 
-def read(t: Any, src: Source, descs: tuple[bytes, ...], local: Any, batch: ReadBatch, deadline: Deadline) -> None:
-    prep = t.prepare(src.peer, list(descs), [local], batch)
+def read(t: Any, src: Source, descs: list[bytes], local: list[Any], batch: ReadBatch, deadline: Deadline) -> None:
+    prep = t.prepare(src.peer, descs, local, batch)
     try:
         t.read(prep, timeout=deadline.left(0.1))
     finally:
