@@ -108,7 +108,7 @@ def check_stamps(
 
 def stamp_read(src: Source, want: Stamp) -> None:
     """Checks the stamp just read into ``src.stamp``: ``StaleVersionError`` unless it says ``want``."""
-    got = tuple(int(x) for x in src.stamp.numpy().view(np.uint64))
+    got = tuple(src.stamp_words.tolist())
     if got != want.words:
         raise StaleVersionError(
             f"publisher rank {src.rank}: slot {want.slot} holds version {got[1]} (state {got[2]}), not version {want.v}"

@@ -37,6 +37,7 @@ class Source:
     peer: Any = None
     prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared read
     stamp: Any = None  # where the slot's stamp is read to
+    stamp_words: Any = None  # ``stamp`` as numpy uint64 words (``reads.stamp_read``)
     stamp_region: Any = None
     stamp_prepared: dict[int, Any] = field(default_factory=dict)  # slot -> prepared stamp read
     checks: dict = field(default_factory=dict)  # what ``batch`` covers of the checksum chunks (``verify_reads``)
@@ -139,6 +140,7 @@ def connect_source(
             t = transport(name)
             src.peer = t.connect(src.endpoint, timeout=deadline.left(0.1))
             src.stamp = alloc_bytes(STAMP_BYTES, "cpu")
+            src.stamp_words = src.stamp.numpy().view(np.uint64)
             src.stamp_region = t.register(address(src.stamp), STAMP_BYTES)
         except TransportError as e:
             if isinstance(e, AuthError) or i == len(options) - 1:
