@@ -311,7 +311,7 @@ def test_malformed_tables_and_streams_are_refused() -> None:
     bad[F.HEADER_BYTES + 4 : F.HEADER_BYTES + 8] = 0xFF  # the second chunk's first pair: past the total
     assert F.parse_buffer(bad, geo.nchunks, geo.pairs) is None
     bad = buf.copy()
-    bad[F.HEADER_BYTES - 16 - 8 * 8] = 14  # low width 14: beyond what any delta uses
+    bad[8 * F.LOW_BITS] = 14  # low width 14: beyond what any delta uses
     assert F.parse_buffer(bad, geo.nchunks, geo.pairs) is None
     # a run's own table entries are enough, and a run's entries that decrease are refused
     lo, hi = np.array([1]), np.array([1])
@@ -437,6 +437,66 @@ def test_a_delta_read_whole_is_checked_by_its_digest() -> None:
     mine = checksum.ALGOS.index(checksum.ALGO) + 1
     other[: F.HEADER_BYTES].view(np.uint64)[F.DIGEST_ALGO] = 3 - mine
     assert F.intact(other) is None
+
+
+def _decoded_in_steps(held: np.ndarray, nchunks: int, pairs: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A delta read whole decoded as a reader of some chunks decodes it (``parse``, ``ranges``, the
+    streams checked to lie within what was read, ``decode``); None where that refuses it."""
+    lo, hi = np.array([0]), np.array([nchunks - 1])
+    if len(held) < F.table_bytes(nchunks):
+        return None
+    p = F.parse(held[: F.HEADER_BYTES], held[F.HEADER_BYTES : F.HEADER_BYTES + 12 * (nchunks + 1)], lo, hi, nchunks,
+                pairs)  # fmt: skip
+    if p is None:
+        return None
+    offsets, lengths = F.ranges(p, lo, hi)
+    if np.any(offsets < 0) or np.any(lengths < 0) or np.any(offsets + lengths > len(held)):
+        return None
+    got = F.decode(p, 0, nchunks - 1, [held[o : o + n] for o, n in zip(offsets[0], lengths[0])])
+    return None if got is None else (got[0].copy(), got[1].reshape(-1).view(np.uint32).copy())
+
+
+def test_a_delta_read_whole_decodes_in_one_call_as_in_steps() -> None:
+    """``decode_whole`` (what a reader of whole slots calls) takes what the reader of some chunks'
+    steps take and refuses what they refuse: deltas of Elias-Fano positions and of a bitmap, a
+    short last pair, no change at all; then each with a byte spoiled at 400 places (header fields,
+    dictionary, tables, streams) or cut short."""
+    rng = np.random.default_rng(21)
+    cases = [(5 * F.CHUNK_BYTES + 3, 0.02, True), (3 * F.CHUNK_BYTES, 0.4, False), (70_001, 0.0, True)]
+    refused = 0
+    for i, (size, frac, ulp) in enumerate(cases):
+        a, b = changed(size, frac, 30 + i, ulp)
+        geo = F.geometry(size)
+        e = F.encode_slots(a, b, geo, 1 << 40, dirty())
+        buf = np.zeros(F.table_bytes(geo.nchunks) + e.nbytes, np.uint8)
+        extent = F.write(buf, e)
+        want_at, want_diffs = truth(a, b)
+        variants = [buf[:extent].copy()]
+        for _ in range(400):
+            v = buf[:extent].copy()
+            at = int(rng.integers(0, F.table_bytes(geo.nchunks) if rng.random() < 0.5 else extent))
+            v[at] ^= np.uint8(1 << int(rng.integers(0, 8)))
+            variants.append(v)
+        variants += [buf[: extent - 8].copy(), buf[: F.table_bytes(geo.nchunks) - 8].copy()]
+        variants.append(buf[:extent].copy())
+        variants[-1][F.DICT_AT + 3] = F.SAME  # (a symbol for the pairs that did not change)
+        for j, held in enumerate(variants):
+            steps = _decoded_in_steps(held, geo.nchunks, geo.pairs)
+            n = F.pairs_of(held) if len(held) >= F.HEADER_BYTES else 0
+            if not 0 <= n <= geo.pairs:
+                assert steps is None, j
+                refused += 1
+                continue
+            at, diffs = np.zeros(n, np.int64), np.zeros(n, np.uint32)
+            ok = F.decode_whole(held, geo.nchunks, geo.pairs, at, diffs, dirty())
+            assert ok == (steps is not None), (i, j)
+            refused += not ok
+            if ok:
+                assert np.array_equal(at, steps[0]) and np.array_equal(diffs, steps[1]), (i, j)
+            if j == 0:
+                assert ok and np.array_equal(at, want_at)
+                assert np.array_equal(diffs.view(np.uint8).reshape(-1, 4), want_diffs)
+    assert refused > 100  # (the spoiled bytes in the streams' payload decode, as they do in steps)
 
 
 def test_pairs_are_added_where_each_read_lands() -> None:

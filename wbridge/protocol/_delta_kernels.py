@@ -705,6 +705,44 @@ def stream_ranges(t, lo, hi, lb, pairs, offsets, chunk_pairs, group, first, leng
             length[r, k] = s1[k] - s0[k]
 
 
+@_jit
+def decode_whole(delta, head, entries, fields, nchunks, pairs, chunk_pairs, group, max_lb, dict_at, escape, same,
+                 kdiff, t, at, diffs):  # fmt: skip
+    """``tables``, ``stream_ranges`` and ``decode`` of a delta read whole, over all its ``nchunks``
+    chunks, in one call: ``delta`` its bytes up to its extent, ``head`` its header words, ``entries``
+    its tables' entries (uint32); ``fields`` the header's low width, three totals and first stream
+    offset (their word indices); ``t`` receives the tables (int64 ``[3, nchunks + 1]``), ``at`` and
+    ``diffs`` the pairs (exactly as many as the tables say). False where any of it does not make
+    sense: a low width past ``max_lb``, a dictionary symbol naming ``same``, the tables (``tables``),
+    a stream outside ``delta``, or the streams (``decode``)."""
+    lb = np.int64(head[fields[0]])
+    if lb < 0 or lb > max_lb:
+        return False
+    dictionary = delta[dict_at : dict_at + 16]
+    for s in range(escape):  # (the symbols in use: no changed pair's ``k`` is ``same``)
+        if dictionary[s] == same:
+            return False
+    totals = np.empty(3, np.int64)
+    for j in range(3):
+        totals[j] = np.int64(head[fields[1 + j]])
+    lo, hi = np.zeros(1, np.int64), np.full(1, nchunks - 1, np.int64)
+    if not tables(entries, lo, hi, nchunks, totals, t) or t[0, nchunks] != len(at) or len(diffs) != len(at):
+        return False
+    offsets = np.empty(5, np.int64)
+    for k in range(5):
+        offsets[k] = np.int64(head[fields[4] + k])
+    first, length = np.empty((1, 5), np.int64), np.empty((1, 5), np.int64)
+    stream_ranges(t, lo, hi, lb, pairs, offsets, chunk_pairs, group, first, length)
+    size = len(delta)
+    for k in range(5):  # (overflow-safe: an offset is any 64 bits the header says)
+        if first[0, k] < 0 or first[0, k] > size or length[0, k] < 0 or length[0, k] > size - first[0, k]:
+            return False
+    f, n = first[0], length[0]
+    return decode(delta[f[0] : f[0] + n[0]], delta[f[1] : f[1] + n[1]], delta[f[2] : f[2] + n[2]],
+                  delta[f[3] : f[3] + n[3]], delta[f[4] : f[4] + n[4]], lb, 0, 0, pairs, dictionary, escape, same,
+                  kdiff, at, diffs)  # fmt: skip
+
+
 @intrinsic
 def _bytes_at(typingctx, address):
     """A ``uint8*`` at ``address`` (an int64): memory the caller checked to be its own."""

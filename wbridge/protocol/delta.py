@@ -49,7 +49,8 @@ pairs found elsewhere): one streaming pass over the slots that finds and codes t
 (their indices, ``k`` and raw bytes), then passes over their ``k`` alone; the dictionary counts
 the ``k`` of up to 65536 of the changed pairs. The reader: ``parse`` and ``ranges`` (compiled, a
 call per delta), then ``decode`` (a run's pairs) or ``changes`` (its changed bytes), one pass over
-the run's streams each. The tests hold an independent numpy codec to compare with
+the run's streams each; a delta read whole and checked by its digest, all three in one call
+(``decode_whole``). The tests hold an independent numpy codec to compare with
 (``tests/delta_reference.py``).
 """
 
@@ -389,6 +390,33 @@ def decode_into(p: Parsed, lo: int, hi: int, pieces: list[np.ndarray], at: np.nd
     return not n or _decoded(kernels, p, lo, hi, pieces, at, diffs)
 
 
+_WHOLE_FIELDS = np.array([LOW_BITS, PAIRS, ESCAPES, RAWS, OFFSETS], dtype=np.int64)  # (``decode_whole``'s)
+
+
+def decode_whole(delta: np.ndarray, nchunks: int, pairs: int, at: np.ndarray, diffs: np.ndarray, ws: Workspace) -> bool:
+    """``parse``, ``ranges`` and ``decode`` of a delta read whole (``delta``: its bytes up to its
+    extent, uint8; of a slot of ``pairs`` pairs in ``nchunks`` chunks) in one compiled call: its
+    changed pairs into ``at`` (int64) and ``diffs`` (uint32), which hold exactly as many as its
+    header says (``pairs_of``); False where it is malformed (what ``parse``, ``ranges`` and
+    ``decode`` refuse). The tables go to ``ws``."""
+    from . import _delta_kernels as kernels
+
+    if len(delta) < table_bytes(nchunks):
+        return False
+    head = delta[:HEADER_BYTES].view(np.uint64)
+    entries = delta[HEADER_BYTES : HEADER_BYTES + 12 * (nchunks + 1)].view(np.uint32)
+    t = ws.get("whole.t", 3 * (nchunks + 1), np.int64).reshape(3, nchunks + 1)
+    return kernels.decode_whole(
+        delta, head, entries, _WHOLE_FIELDS, nchunks, pairs, CHUNK_PAIRS, GROUP, MAX_LOW_BITS, DICT_AT, ESCAPE, SAME,
+        _KDIFF, t, at, diffs,
+    )  # fmt: skip
+
+
+def pairs_of(delta: np.ndarray) -> int:
+    """The changed pairs a delta's header says it holds (``delta``: at least its header)."""
+    return int(delta[8 * PAIRS : 8 * PAIRS + 8].view(np.uint64)[0])
+
+
 def add_pairs(at: np.ndarray, diffs: np.ndarray, soff: np.ndarray, end: np.ndarray, addr: np.ndarray) -> None:
     """Adds the byte differences ``diffs`` (uint32) of the changed pairs ``at`` (int64, ascending)
     into host memory, compiled: the reads ``soff[r] .. end[r] - 1`` of the slot (int64, ascending,
@@ -466,6 +494,7 @@ def load_decoder() -> None:
     kernels.changed_bytes(pairs, diffs, offsets, none)
     kernels.add_at(np.zeros(1, np.uint8), offsets, none)
     kernels.add_pairs(pairs, diffs, offsets, offsets, offsets)
+    decode_whole(np.zeros(HEADER_BYTES + 24, np.uint8), 1, 1, pairs, diffs, Workspace())
     two = np.zeros((3, 2), np.int64)
     kernels.tables(np.zeros(6, np.uint32), np.zeros(1, np.int64), np.zeros(1, np.int64), 1, np.zeros(3, np.int64), two)
     p = Parsed(1, 1, np.zeros(16, np.uint8), two, np.zeros(5, np.int64))
@@ -492,6 +521,7 @@ __all__ = [
     "changes",
     "decode",
     "decode_into",
+    "decode_whole",
     "digest",
     "encode",
     "encode_slots",
@@ -500,6 +530,7 @@ __all__ = [
     "load_decoder",
     "load_encoder",
     "parse",
+    "pairs_of",
     "parse_buffer",
     "ranges",
     "table_rows",

@@ -12,9 +12,9 @@ runs (a reader of a slice reads its slice of the tables), one of the stream byte
 of chunks the reads cover (``fetch``), and then the headers again, with the slot's stamp where
 asked: a buffer rewritten meanwhile is not used (``recheck``); the table and header reads of a
 shape are prepared once and replayed (``Scratch.prepared``). Each delta and run is decoded into its
-changed pairs (``decode``, compiled) and added: on the host one compiled call per delta over every
-read (``apply``), on a device its changed bytes cut at the reads and scattered per destination
-region (``writes``).
+changed pairs (``decode``, compiled; a delta read whole and intact, in one call) and added: on the
+host one compiled call per delta over every read (``apply``), on a device its changed bytes cut at
+the reads and scattered per destination region (``writes``).
 """
 
 from __future__ import annotations
@@ -212,13 +212,15 @@ class Heads:
     tables, and per delta, run and stream the byte range to read (``offsets``, ``lengths``:
     ``[versions, runs, 5]``); ``whole``: the read holds those ranges already; ``intact``: read
     whole, whether every delta's digest matched (None: not read whole, or a digest this process
-    cannot compute; the headers are read again instead)."""
+    cannot compute; the headers are read again instead). Where ``intact``, nothing is parsed here
+    (no ``parsed``, ``offsets``, ``lengths``): ``decode`` decodes each delta whole in one call."""
 
     read: HeadsRead
     parsed: tuple[_format.Parsed, ...]
-    offsets: np.ndarray
-    lengths: np.ndarray
+    offsets: np.ndarray | None
+    lengths: np.ndarray | None
     pairs: int  # changed pairs the reads' runs cover, over every delta
+    stream_bytes: int  # the bytes of those runs' streams, over every delta
     whole: bool
     intact: bool | None = None
 
@@ -229,10 +231,6 @@ class Heads:
     @property
     def nbytes(self) -> int:  # bytes read for the headers and tables (and the streams, where ``whole``)
         return self.read.nbytes
-
-    @property
-    def stream_bytes(self) -> int:
-        return int(self.lengths.sum())
 
 
 def whole_deltas(g: SourceGeometry, rec: Any, rank: int, us: np.ndarray) -> np.ndarray | None:
@@ -305,7 +303,7 @@ def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | st
     g = session.delta[src.rank]
     nchunks = g.geo.nchunks
     us, raw, m = got.us, got.raw, len(got.us)
-    rows = raw[:, :HEADER_BYTES].view(np.uint64)[:, :7].tolist()  # (a step per version: k at most)
+    rows = raw[:, :HEADER_BYTES].view(np.uint64)[:, :8].tolist()  # (a step per version: k at most)
     gen = session.gens[src.rank] if session.gens else 0
     if any(
         (h[0], h[1], h[2], h[4], h[6]) != (DELTA_MAGIC, u, u - 1, rec.epoch, nchunks) for u, h in zip(us.tolist(), rows)
@@ -323,6 +321,11 @@ def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | st
         if False in seen:
             return "torn"
         intact = None if None in seen else True
+    if intact:  # each as its publisher wrote it: decoded whole, parsed there (``decode``)
+        if any(h[7] > g.geo.pairs for h in rows):
+            return "malformed"
+        streams = int(got.sizes.sum()) - m * _format.table_bytes(nchunks)
+        return Heads(got, (), None, None, sum(h[7] for h in rows), streams, True, True)
     parsed = tuple(
         _format.parse(raw[i, :HEADER_BYTES], raw[i, HEADER_BYTES:], g.run_lo, g.run_hi, nchunks, g.geo.pairs)
         for i in range(m)
@@ -336,7 +339,7 @@ def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | st
     pairs = sum(int((p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).sum()) for p in parsed)
     # (where the record's sizes fell short of the streams, ``fetch`` reads them)
     whole = got.sizes is not None and not np.any(offsets + lengths > got.sizes[:, None, None])
-    return Heads(got, parsed, offsets, lengths, pairs, whole, intact and whole)
+    return Heads(got, parsed, offsets, lengths, pairs, int(lengths.sum()), whole)
 
 
 @dataclass(frozen=True)
@@ -355,8 +358,10 @@ def fetch(t: Any, src: Source, session: Session, h: Heads, deadline: Deadline) -
     and matched its digest: its bytes and reads count none)."""
     g = session.delta[src.rank]
     k, m = len(g.descs), len(h.us)
+    if h.intact:  # read whole with the headers, each delta decoded whole (``decode``)
+        return Fetched((), h.nbytes, m)
     n = h.lengths.reshape(-1)
-    nbytes, ops = (h.nbytes, m) if h.intact else (h.nbytes + m * HEADER_BYTES, 2 * m)
+    nbytes, ops = h.nbytes + m * HEADER_BYTES, 2 * m
     if h.whole:  # read with the headers
         held = h.read.held
         offsets = (h.offsets + h.read.held_at[:, None, None]).reshape(h.offsets.shape[0], -1)
@@ -431,10 +436,20 @@ class Decoded:
 
 
 def decode(src: Source, session: Session, h: Heads, got: Fetched) -> Decoded | None:
-    """``src``'s fetched deltas decoded (a compiled call per delta and run); None where one is
-    malformed. Writes nothing to the destination."""
+    """``src``'s fetched deltas decoded (a compiled call per delta and run; read whole and intact:
+    per delta, ``decode_whole``); None where one is malformed. Writes nothing to the destination."""
     g = session.delta[src.rank]
     out = []
+    if h.intact:
+        held, nchunks, pairs = h.read.held, g.geo.nchunks, g.geo.pairs
+        for i, (a, n) in enumerate(zip(h.read.held_at.tolist(), h.read.sizes.tolist())):
+            delta = held[a : a + n]
+            k = _format.pairs_of(delta)
+            at, diffs = g.work.get(f"d.at.{i}", k, np.int64), g.work.get(f"d.diffs.{i}", k, np.uint32)
+            if not _format.decode_whole(delta, nchunks, pairs, at, diffs, g.work):
+                return None
+            out.append((at, diffs))
+        return Decoded(tuple(out))
     for i, p in enumerate(h.parsed):  # (a delta's arrays are its own: the deltas are applied together)
         counts = (p.tables[0, g.run_hi + 1] - p.tables[0, g.run_lo]).tolist()
         at = g.work.get(f"d.at.{i}", sum(counts), np.int64)
