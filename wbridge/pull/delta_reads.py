@@ -210,10 +210,11 @@ class HeadsRead:
 class Heads:
     """What one source's delta headers and tables said (``heads``): the read, each delta's parsed
     tables, and per delta, run and stream the byte range to read (``offsets``, ``lengths``:
-    ``[versions, runs, 5]``); ``whole``: the read holds those ranges already; ``intact``: read
-    whole, whether every delta's digest matched (None: not read whole, or a digest this process
-    cannot compute; the headers are read again instead). Where ``intact``, nothing is parsed here
-    (no ``parsed``, ``offsets``, ``lengths``): ``decode`` decodes each delta whole in one call."""
+    ``[versions, runs, 5]``); ``whole``: the read holds those ranges already; ``intact``: True
+    where read whole and every delta's digest matched (None: not read whole, or a digest this
+    process cannot compute; the headers are read again instead). Where ``intact``, nothing is
+    parsed here (no ``parsed``, ``offsets``, ``lengths``): ``decode`` decodes each delta whole in
+    one call."""
 
     read: HeadsRead
     parsed: tuple[_format.Parsed, ...]
