@@ -277,9 +277,9 @@ def test_the_subscriber_chooses_delta_or_full_by_what_each_costs(link_gbps: floa
     link the deltas of 2 % win by far and every pull takes them (a reader of whole slots: one read
     each). Over a link where every read waits 0.3 s (a round trip), a reader of TP rank 0 of 2 (a
     slice of each tensor: it reads its chunks' deltas in three reads, the headers and tables, their
-    streams, the headers again) finds a delta pull about 2.5x slower than a full read's one (and
-    the stamps): after ``PROBES`` probes each pull is full by ``cost``, declined on the guess alone
-    (no delta read)."""
+    streams, the headers again) finds a delta pull about 2.5x slower than a full pull's one data
+    read (its stamp read is not counted in it): after ``PROBES`` probes each pull is full by
+    ``cost``, declined on the guess alone (no delta read)."""
     url = f"tcp://127.0.0.1:{free_port()}"
     pub = Worker("pub", DeltaPub, url, staging=Staging(delta=Delta()), transport="local")
     sub = Worker("sub", DeltaSub, url, transport="local", link_gbps=link_gbps, latency=latency, tp=tp)
