@@ -405,9 +405,10 @@ def test_a_delta_read_whole_is_the_bytes_write_returns() -> None:
 
 def test_a_delta_read_whole_is_checked_by_its_digest() -> None:
     """What a reader of whole slots reads in one read stands for the delta its publisher wrote only
-    where the digest matches: any byte of it that differs (a rewrite for a newer version under the
-    read, torn anywhere, or a bit flipped) fails it, the header's ``v`` included; the state word is
-    not in it (it changes after the digest is written)."""
+    where the digest matches: a byte that differs from header word 4 on, or in ``v`` (its seed), fails
+    it (a rewrite for a newer version under the read, torn anywhere, or a bit flipped). The magic,
+    ``v - 1`` and the state are not in it: the reader checks them as they are, and the state changes
+    after the digest is written."""
     from wbridge.protocol import checksum
 
     a, b = changed(5 * F.CHUNK_BYTES + 3, 0.02, 13)
