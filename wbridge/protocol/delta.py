@@ -276,9 +276,12 @@ def write(buf: np.ndarray, e: Encoded) -> int:
         at += (len(s) + 7) // 8 * 8
     head[PAIRS], head[LOW_BITS] = e.pairs, e.low_bits
     head[ESCAPES], head[RAWS] = int(e.tables[1, -1]), int(e.tables[2, -1])
-    head[DIGEST_ALGO] = _checksum.ALGOS.index(_checksum.ALGO) + 1
+    head[DIGEST_ALGO] = _DIGEST_ALGO
     head[DIGEST] = digest(buf[:at])  # (last: over every byte above)
     return at
+
+
+_DIGEST_ALGO = _checksum.ALGOS.index(_checksum.ALGO) + 1  # (this process's algorithm, as a header names it)
 
 
 def digest(delta: np.ndarray) -> int:
@@ -296,7 +299,7 @@ def intact(delta: np.ndarray) -> bool | None:
     publisher wrote: its digest matches; None where the publisher's algorithm is not this process's
     (the reader checks the headers again instead)."""
     head = delta[:HEADER_BYTES].view(np.uint64)
-    if int(head[DIGEST_ALGO]) != _checksum.ALGOS.index(_checksum.ALGO) + 1:
+    if int(head[DIGEST_ALGO]) != _DIGEST_ALGO:
         return None
     return int(head[DIGEST]) == digest(delta)
 

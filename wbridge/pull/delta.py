@@ -153,10 +153,10 @@ def _pull(
         if reason is not None:
             return Choice(None, reason)
     sums = _sums_ahead(ctx, session.sources, rec, deadline)  # (from the store, while the headers are read)
+    at_once = rec.stamp if stamp and whole else None  # (the stamps in the one read of whole deltas)
     try:
         for src in session.sources:
             t = ctx.endpoints[src.transport]
-            at_once = rec.stamp if stamp and whole else None  # (the stamps in the one read of whole deltas)
             read[src.rank] = _reads.read_heads(t, src, session, rec, base, deadline, sizes[src.rank], at_once)
         for src in session.sources:
             h = _reads.heads(src, session, rec, read[src.rank])

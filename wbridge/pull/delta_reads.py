@@ -316,17 +316,15 @@ def heads(src: Source, session: Session, rec: Any, got: HeadsRead) -> Heads | st
         return "header-changed"
     if any(h[5] != gen for h in rows):
         return "new-layout"  # a delta in between is in another packing generation's byte order
-    intact = None
     if got.sizes is not None:  # read whole: each delta's digest, before its tables are parsed
         seen = [_format.intact(got.held[a : a + n]) for a, n in zip(got.held_at.tolist(), got.sizes.tolist())]
         if False in seen:
             return "torn"
-        intact = None if None in seen else True
-    if intact:  # each as its publisher wrote it: decoded whole, parsed there (``decode``)
-        if any(h[7] > g.geo.pairs for h in rows):
-            return "malformed"
-        streams = int(got.sizes.sum()) - m * _format.table_bytes(nchunks)
-        return Heads(got, (), None, None, sum(h[7] for h in rows), streams, True, True)
+        if None not in seen:  # each as its publisher wrote it: decoded whole, parsed there (``decode``)
+            if any(h[7] > g.geo.pairs for h in rows):
+                return "malformed"
+            streams = int(got.sizes.sum()) - m * _format.table_bytes(nchunks)
+            return Heads(got, (), None, None, sum(h[7] for h in rows), streams, True, True)
     parsed = tuple(
         _format.parse(raw[i, :HEADER_BYTES], raw[i, HEADER_BYTES:], g.run_lo, g.run_hi, nchunks, g.geo.pairs)
         for i in range(m)
