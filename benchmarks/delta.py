@@ -51,6 +51,14 @@ The plot (``delta.png`` in ``--out``, default the current directory) shows per s
 fraction and the read ratio for each learning rate; ``delta.json`` there holds every pull (per
 step: the changed fraction, each subscriber's bytes, seconds, whether it read a delta and why).
 
+The trainer's threads: this script sets ``OMP_WAIT_POLICY=PASSIVE`` (unless it is set already)
+for itself and the subscriber processes, so torch's idle OpenMP threads sleep. By default each
+spins for some 10 ms after every parallel op (the baseline publisher's cast into bf16, say), and
+here, where trainer and subscribers share two cores, that spin took one of them from the delta
+subscriber whenever its pull came right after the baseline's publish: in half the steps, 7-10 ms
+of the trainer's CPU during a 12 ms call of a 4 ms pull (0.6-1.1 ms with the threads asleep). With
+``--link`` the two sides stand for hosts in two clusters, whose CPUs such a spin would not share.
+
 Target (a ratio, measured here and not asserted by the tests): over ``--link 1gbit`` at lr 1e-6 the
 delta subscriber takes deltas on every pull and ``pull_speedup`` is above 2 (a full version takes
 about 80 ms over the link, its deltas a few).
@@ -69,11 +77,15 @@ import sys
 import time
 from typing import Any
 
-from _common import TOKEN, free_port, start_actors, stop_all
-from zones import Link as NetnsLink
-from zones import enter
+# Idle OpenMP threads sleep (before torch loads: ``_common`` imports it; the actors inherit it):
+# see "The trainer's threads" above.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from wbridge import Delta, Staging
+from _common import TOKEN, free_port, start_actors, stop_all  # noqa: E402
+from zones import Link as NetnsLink  # noqa: E402
+from zones import enter  # noqa: E402
+
+from wbridge import Delta, Staging  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB = 256, 4, 4096
 
