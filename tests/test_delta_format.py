@@ -148,9 +148,9 @@ import numpy as np
 
 
 def kernel_run(kernels, a, b, chunk_pairs):
-    """What ``kernels.scan`` and ``kernels.symbols`` (the two steps ``kernels.COMPRESS`` changes)
-    write for slots ``a`` and ``b``, by name (the symbols with a dictionary of the 15 most
-    frequent ``k``)."""
+    """What ``kernels.scan`` and ``kernels.symbols`` (the steps ``kernels.COMPRESS`` and
+    ``kernels.PERMUTE`` change) write for slots ``a`` and ``b``, by name (the symbols with a
+    dictionary of the 15 most frequent ``k``)."""
     size = len(a)
     pairs, whole = -(-size // 4), size // 4 * 4
     tails = [np.uint64(int.from_bytes(x[whole:].tobytes(), "little")) for x in (a, b)]
@@ -158,8 +158,8 @@ def kernel_run(kernels, a, b, chunk_pairs):
     at, ks = np.zeros(pairs, np.uint32), np.zeros(pairs, np.uint8)
     raw, bitmap = np.zeros(4 * pairs + 64, np.uint8), np.zeros(-(-pairs // 64), np.uint64)
     ptab, rtab = np.zeros(nchunks + 1, np.uint32), np.zeros(nchunks + 1, np.uint32)
-    x, y = a[:whole].view(np.uint32), b[:whole].view(np.uint32)
-    n = kernels.scan(x, y, *tails, int(whole < size), pairs, chunk_pairs // 64, bitmap, at, ks, raw, ptab, rtab)
+    x, y, diffs = a[:whole].view(np.uint32), b[:whole].view(np.uint32), np.zeros(pairs + 8, np.uint32)
+    n = kernels.scan(x, y, *tails, int(whole < size), pairs, chunk_pairs // 64, bitmap, at, ks, diffs, raw, ptab, rtab)
     counts = np.bincount(ks[:n], minlength=256)
     lut = np.full(256, 15, np.uint8)
     lut[np.argsort(-counts, kind="stable")[:15]] = np.arange(15)
@@ -169,14 +169,14 @@ def kernel_run(kernels, a, b, chunk_pairs):
             "sym": sym, "esc": esc[:ne], "etab": etab}
 '''
 
-_WALKING = '''
+_OTHER_CPU = '''
 import importlib.util
 import sys
 
-spec = importlib.util.spec_from_file_location("walking_kernels", sys.argv[1])
+spec = importlib.util.spec_from_file_location("other_cpu_kernels", sys.argv[1])
 kernels = importlib.util.module_from_spec(spec)  # (alone: no wbridge, no torch to import)
 spec.loader.exec_module(kernels)
-assert not kernels.COMPRESS
+assert not kernels.COMPRESS and kernels.PERMUTE == (sys.argv[5] == "permute"), sys.argv[5]
 cases = np.load(sys.argv[2])
 out = {}
 for i in range(len(cases.files) // 2):
@@ -186,16 +186,32 @@ np.savez(sys.argv[3], **out)
 '''
 
 
-def test_the_walking_scan_codes_what_the_compacting_scan_codes(tmp_path) -> None:
+#: What the child processes compile the kernels for: a CPU without vector extensions (the scan
+#: walks mask words' set bits) and, where this one has AVX2, an AVX2 one without AVX-512 (the scan
+#: packs eight pairs at a time with ``vpermd``). ``NUMBA_CPU_FEATURES`` is what the kernels test.
+_CPUS = {
+    "walk": ("generic", ""),
+    "permute": ("haswell", "+avx,+avx2,+bmi,+bmi2,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse4.1,+sse4.2,+ssse3"),
+}
+
+
+@pytest.mark.parametrize("cpu", sorted(_CPUS))
+def test_the_scans_of_every_cpu_code_alike(tmp_path, cpu: str) -> None:
     """``scan`` compacts vectors of changed pairs and ``symbols`` looks up 64 at a time where the
-    CPU has AVX-512 VBMI2 (``kernels.COMPRESS``); elsewhere they walk mask words' set bits and look
-    up one ``k`` at a time. The kernels compiled for a CPU without it (numba's ``NUMBA_CPU_NAME`` /
-    ``NUMBA_CPU_FEATURES``, in a second process: they compile there, the x86 intrinsics left out)
-    write what this process's write, array for array."""
+    CPU has AVX-512 VBMI2 (``kernels.COMPRESS``); with AVX2 alone ``scan`` packs eight at a time
+    (``kernels.PERMUTE``); elsewhere they walk mask words' set bits and look up one ``k`` at a
+    time. The kernels compiled for another CPU than this one (numba's ``NUMBA_CPU_NAME`` /
+    ``NUMBA_CPU_FEATURES``, in a second process: they compile there, the x86 intrinsics left out
+    where that CPU lacks them) write what this process's write, array for array."""
     import os
     import subprocess
     import sys
 
+    from numba.core.codegen import get_host_cpu_features
+
+    name, features = _CPUS[cpu]
+    if features and not set(features.split(",")) <= set(get_host_cpu_features().split(",")):
+        pytest.skip(f"this CPU cannot run code compiled for {name}")
     namespace: dict = {}
     exec(_KERNEL_RUN, namespace)  # (the same code in both processes)
     cases = {}
@@ -206,15 +222,38 @@ def test_the_walking_scan_codes_what_the_compacting_scan_codes(tmp_path) -> None
         cases[f"a{i}"], cases[f"b{i}"] = changed(size, frac, 40 + i, ulp)
     np.savez(tmp_path / "cases.npz", **cases)
     # (a cache of its own: one the child wrote in an earlier run names a module numba cannot import)
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path / "numba"))
-    argv = [kernels.__file__, str(tmp_path / "cases.npz"), str(tmp_path / "out.npz"), str(F.CHUNK_PAIRS)]
-    subprocess.run([sys.executable, "-c", _KERNEL_RUN + _WALKING, *argv], env=env, check=True, timeout=120)
-    walked = np.load(tmp_path / "out.npz")
+    env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    argv = [kernels.__file__, str(tmp_path / "cases.npz"), str(tmp_path / "out.npz"), str(F.CHUNK_PAIRS), cpu]
+    subprocess.run([sys.executable, "-c", _KERNEL_RUN + _OTHER_CPU, *argv], env=env, check=True, timeout=120)
+    other = np.load(tmp_path / "out.npz")
     for i in range(len(cases) // 2):
         got = namespace["kernel_run"](kernels, cases[f"a{i}"], cases[f"b{i}"], F.CHUNK_PAIRS)
         for name, v in got.items():
-            assert np.array_equal(v, walked[f"{name}{i}"]), (i, name)
+            assert np.array_equal(v, other[f"{name}{i}"]), (i, name)
         assert np.array_equal(got["at"], truth(cases[f"a{i}"], cases[f"b{i}"])[0])
+
+
+def test_the_scan_stores_64_bit_indices_as_it_stores_32_bit_ones() -> None:
+    """A slot of more than ``2**32`` pairs has its indices held in int64 (``delta._index_dtype``):
+    ``scan`` compiled for them (the vector paths widen their lanes) finds what it finds in
+    uint32."""
+    for i, (size, frac, ulp) in enumerate([(300_003, 0.015, True), (300_001, 0.3, False), (4096, 1.0, True)]):
+        a, b = changed(size, frac, 60 + i, ulp)
+        pairs, whole = -(-size // 4), size // 4 * 4
+        tails = [np.uint64(int.from_bytes(x[whole:].tobytes(), "little")) for x in (a, b)]
+        got = []
+        for dtype in (np.uint32, np.int64):
+            at, ks = np.zeros(pairs, dtype), np.zeros(pairs, np.uint8)
+            raw, bitmap = np.zeros(4 * pairs + 64, np.uint8), np.zeros(-(-pairs // 64), np.uint64)
+            nchunks = -(-pairs // F.CHUNK_PAIRS)
+            ptab, rtab = np.zeros(nchunks + 1, np.uint32), np.zeros(nchunks + 1, np.uint32)
+            x, y, diffs = a[:whole].view(np.uint32), b[:whole].view(np.uint32), np.zeros(pairs + 8, np.uint32)
+            tail = int(whole < size)
+            n = kernels.scan(x, y, *tails, tail, pairs, F.CHUNK_PAIRS // 64, bitmap, at, ks, diffs, raw, ptab, rtab)
+            got.append((at[:n].astype(np.int64), ks[:n].copy(), raw[: rtab[-1]].copy(), bitmap.copy()))
+        for u, v in zip(*got):
+            assert np.array_equal(u, v)
+        assert np.array_equal(got[1][0], truth(a, b)[0])
 
 
 def test_more_changed_pairs_than_allowed_make_no_delta() -> None:

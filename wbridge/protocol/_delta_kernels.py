@@ -8,8 +8,10 @@ Encoding:
   pairs a mask word (the positions bitmap's word), and each changed pair's index, ``k`` and raw
   bytes appended; the pair and raw tables noted at each chunk start. With AVX-512 (``COMPRESS``)
   16 pairs at a time are compared and coded as vectors and the changed ones compacted into place
-  (``_compact``); elsewhere the word's differences are computed alongside its compares and only
-  its set bits walked.
+  (``_compact``); with AVX2 (``PERMUTE``) 8 at a time are compared and the changed ones' indices
+  and differences moved into place by a permute (``_pack8``), and the codes and raw bytes (8 pairs
+  at a time, ``_raw8``) come after the pass, from the changed pairs alone; elsewhere the word's
+  differences are computed alongside its compares and only its set bits walked.
 - ``finish``: passes over the changed pairs' ``k`` alone: ``count`` (a sample's ``k``, for the
   dictionary), ``symbols`` (4-bit symbols, escapes, the escape table) and ``positions``
   (Elias-Fano ``high`` and ``low``, or a bitmap where the scan made none).
@@ -133,6 +135,142 @@ def _compresses() -> bool:
 COMPRESS = _compresses()
 
 
+def _permutes() -> bool:
+    """Whether the CPU numba compiles for permutes 32-bit lanes by a vector of indices (AVX2:
+    ``vpermd``) and bytes by one (``pshufb``), where ``COMPRESS`` does not hold: ``scan`` then packs
+    the changed pairs eight at a time (``_pack8``), and their raw bytes eight pairs at a time
+    (``_raw8``)."""
+    from numba.core.codegen import get_host_cpu_features
+
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return not COMPRESS and "+avx2" in features.split(",")
+
+
+PERMUTE = _permutes()
+# per 8-bit mask, the indices that move its set lanes to the front, in order (``vpermd``, ``pshufb``)
+_PACK_LANES = np.array(
+    [[j for j in range(8) if m >> j & 1] + [0] * (8 - bin(m).count("1")) for m in range(256)], dtype=np.int32
+)
+_PACK_BYTES = _PACK_LANES.astype(np.uint8)
+
+
+def _v8(builder, array, index):
+    """A pointer to ``<8 x element>`` at ``array[index]`` (``array``: a numba array's data pointer)."""
+    return builder.bitcast(builder.gep(array, [index]), ir.VectorType(array.type.pointee, 8).as_pointer())
+
+
+def _vector_diff(builder, x, y):
+    """``_diff`` of vectors of pairs (32-bit lanes)."""
+    h, l7 = (ir.Constant(x.type, [int(v)] * x.type.count) for v in (_H, _L7))
+    return builder.xor(
+        builder.sub(builder.or_(y, h), builder.and_(x, l7)), builder.and_(builder.xor(y, builder.not_(x)), h)
+    )
+
+
+def _vector_raws(builder, d):
+    """Of a vector of pairs' byte differences (32-bit lanes), the top bit of each byte coded 3
+    (``_code``'s ``r`` before its shift)."""
+    h, l7, ones, seven_d = (ir.Constant(d.type, [int(v)] * d.type.count) for v in (_H, _L7, _ONES, _SEVEN_D))
+    e = builder.xor(builder.add(builder.and_(d, l7), ones), builder.and_(d, h))  # byte-wise d + 1
+    return builder.and_(builder.or_(builder.add(builder.and_(e, l7), seven_d), e), h)
+
+
+@intrinsic
+def _pack8(typingctx, a, b, base, lanes, at, diffs, n):
+    """Compares pairs ``base .. base + 7`` of ``a`` and ``b`` (uint32 arrays) as one vector each
+    and stores, for the changed ones in order, their indices at ``at[n]`` on and their byte
+    differences at ``diffs[n]`` on, each moved to the front by one ``vpermd`` (``lanes``:
+    ``_PACK_LANES``); eight of each are stored, whatever changed. Returns the mask of changed
+    pairs (bit ``j``: pair ``base + j``)."""
+    width = at.dtype.bitwidth
+
+    def codegen(context, builder, signature, args):
+        def data(i):
+            return context.make_array(signature.args[i])(context, builder, args[i]).data
+
+        i32, i64, iat = ir.IntType(32), ir.IntType(64), ir.IntType(width)
+        v32, vat = ir.VectorType(i32, 8), ir.VectorType(iat, 8)
+        x, y = (
+            builder.load(_v8(builder, data(0), args[2]), align=4),
+            builder.load(_v8(builder, data(1), args[2]), align=4),
+        )
+        mask = builder.zext(builder.bitcast(builder.icmp_unsigned("!=", x, y), ir.IntType(8)), i64)
+        order = builder.load(_v8(builder, data(3), builder.mul(mask, i64(8))), align=4)
+        permd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.permd")
+        picked = builder.call(permd, [ir.Constant(v32, list(range(8))), order])
+        picked = builder.zext(picked, vat) if width > 32 else picked
+        start = builder.trunc(args[2], iat) if width < 64 else args[2]
+        first = builder.insert_element(ir.Constant(vat, ir.Undefined), start, i32(0))
+        first = builder.shuffle_vector(first, ir.Constant(vat, ir.Undefined), ir.Constant(v32, [0] * 8))
+        builder.store(builder.add(picked, first), _v8(builder, data(4), args[6]), align=1)
+        builder.store(
+            builder.call(permd, [_vector_diff(builder, x, y), order]), _v8(builder, data(5), args[6]), align=1
+        )
+        return mask
+
+    return types.uint64(a, b, base, lanes, at, diffs, n), codegen
+
+
+@intrinsic
+def _raw8(typingctx, diffs, i, table, raw, o, keep):
+    """Stores the raw bytes of the pairs ``diffs[i .. i + 7]`` (their byte differences, uint32:
+    the bytes coded 3, in pair then byte order) at ``raw[o]`` on, the bytes of each two pairs
+    moved to the front by one ``pshufb`` (``table``: ``_PACK_BYTES``); only the bytes of ``keep``
+    count (a mask: bit ``4 j + b`` for byte ``b`` of pair ``i + j``), and 32 bytes are stored
+    whatever. Returns how many count."""
+
+    def codegen(context, builder, signature, args):
+        def data(j):
+            return context.make_array(signature.args[j])(context, builder, args[j]).data
+
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        v16, bytes32, i64x2 = ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i64, 2)
+        d = builder.load(_v8(builder, data(0), args[1]), align=4)
+        top = builder.icmp_signed(
+            "<", builder.bitcast(_vector_raws(builder, d), bytes32), ir.Constant(bytes32, [0] * 32)
+        )
+        raws = builder.and_(builder.zext(builder.bitcast(top, i32), i64), args[5])
+        fnty = ir.FunctionType(v16, [v16, v16])
+        pshufb = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
+        stored = i64(0)
+        for h in range(2):  # 16 bytes (four pairs) at a time: each 8 moved by their own row
+            src = builder.shuffle_vector(
+                builder.bitcast(d, bytes32),
+                ir.Constant(bytes32, ir.Undefined),
+                ir.Constant(ir.VectorType(i32, 16), list(range(16 * h, 16 * h + 16))),
+            )
+            masks = [builder.and_(builder.lshr(raws, i64(16 * h + 8 * q)), i64(0xFF)) for q in (0, 1)]
+            rows = [
+                builder.load(builder.bitcast(builder.gep(data(2), [builder.mul(m, i64(8))]), i64.as_pointer()), align=1)
+                for m in masks
+            ]
+            idx = builder.insert_element(ir.Constant(i64x2, ir.Undefined), rows[0], i32(0))
+            idx = builder.insert_element(idx, builder.add(rows[1], i64(0x0808080808080808)), i32(1))  # (bytes 8-15)
+            out = builder.bitcast(builder.call(pshufb, [src, builder.bitcast(idx, v16)]), i64x2)
+            for q, m in enumerate(masks):
+                at = builder.bitcast(builder.gep(data(3), [builder.add(args[4], stored)]), i64.as_pointer())
+                builder.store(builder.extract_element(out, i32(q)), at, align=1)
+                stored = builder.add(stored, _ctpop(builder, m))
+        return stored
+
+    return types.int64(diffs, i, table, raw, o, keep), codegen
+
+
+@njit(inline="always")
+def _raws_packed(diffs, ptab, raw, rtab):
+    """``raws`` from the changed pairs' byte differences ``diffs`` alone (as many as ``ptab``'s
+    total, and room for eight more), eight pairs at a time (``_raw8``), chunk by chunk."""
+    o = 0
+    for c in range(len(ptab) - 1):
+        rtab[c] = o
+        i, end = np.int64(ptab[c]), np.int64(ptab[c + 1])
+        while i < end:
+            keep = (np.int64(1) << (4 * min(end - i, 8))) - 1
+            o += _raw8(diffs, i, _PACK_BYTES, raw, o, keep)
+            i += 8
+    rtab[len(rtab) - 1] = o
+
+
 @intrinsic
 def _compact(typingctx, a, b, base, at, ks, raw, n, o):
     """Compares pairs ``base .. base + LANES - 1`` of ``a`` and ``b`` (uint32 arrays) as one vector
@@ -224,7 +362,7 @@ def _append(at, ks, raw, n, o, p, d):
 
 
 @_jit
-def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, raw, ptab, rtab):
+def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, diffs, raw, ptab, rtab):
     """Compares the slots ``a`` and ``b`` (uint32 pairs), and a short last pair (``tail_a``,
     ``tail_b``: uint64, padded; ``has_tail``) after them, and codes what changed as it goes:
     writes the bitmap of changed pairs (``bitmap``, uint64 words, zero past the last pair), each
@@ -232,10 +370,14 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, raw,
     each chunk start (every ``chunk_words`` words) the changed pairs and raw bytes before it
     (``ptab``, ``rtab``: one entry per chunk, then the totals). 64 pairs make a mask word: where
     the CPU compacts vectors (``COMPRESS``), ``LANES`` pairs at a time are compared, coded and the
-    changed ones stored (``_compact``, no branch); elsewhere the 64 are compared into the word,
-    their differences computed alongside (vectorised), then only its set bits are walked. Returns
-    the changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and ``ks``
-    hold room for every pair, ``raw`` for 4 bytes a pair and 64 more."""
+    changed ones stored (``_compact``, no branch); where it permutes them (``PERMUTE``), 8 at a
+    time are compared and the changed ones' indices and byte differences stored (``_pack8``, no
+    branch; ``diffs``), and after the pass their ``k`` (``codes``) and raw bytes and table
+    (``_raws_packed``) come from those; elsewhere the 64 are compared into the word, their
+    differences computed alongside (vectorised), then only its set bits are walked. Returns the
+    changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and ``ks`` hold
+    room for every pair, ``diffs`` (uint32; used only with ``PERMUTE``) for every pair and 8 more,
+    ``raw`` for 4 bytes a pair and 64 more."""
     full = a.shape[0]
     pairs = full + has_tail
     n = 0
@@ -263,6 +405,13 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, raw,
                 m |= changed << np.uint64(q)
             bitmap[w] = m
             continue
+        if PERMUTE:
+            for q in range(0, 64, 8):
+                changed = _pack8(a, b, base + q, _PACK_LANES, at, diffs, n)
+                n += _popcount(changed)
+                m |= changed << np.uint64(q)
+            bitmap[w] = m
+            continue
         for j in range(64):  # (no branch: vectorised)
             x, y = np.uint64(a[base + j]), np.uint64(b[base + j])
             word[j] = _diff(x, y)
@@ -286,13 +435,20 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, raw,
                 x, y = tail_a, tail_b
             if x != y:
                 m |= _U1 << np.uint64(p - base)
-                o = _append(at, ks, raw, n, o, p, _diff(x, y))
+                if PERMUTE:  # (its code and raw bytes come with the others', below)
+                    at[n], diffs[n] = p, _diff(x, y)
+                else:
+                    o = _append(at, ks, raw, n, o, p, _diff(x, y))
                 n += 1
         bitmap[whole] = m
     if n > most:
         return -1
     ptab[len(ptab) - 1] = n
-    rtab[len(rtab) - 1] = o
+    if PERMUTE:  # the codes and raw bytes, from the changed pairs' differences alone
+        codes(diffs[:n], ks[:n])
+        _raws_packed(diffs, ptab, raw, rtab)
+    else:
+        rtab[len(rtab) - 1] = o
     return n
 
 

@@ -182,8 +182,9 @@ def encode_slots(
 ) -> Encoded | None:
     """Codes what changed from slot ``prev`` to slot ``cur`` (uint8, ``geo.slot_bytes`` each; a
     short last pair compared padded with zeros): one compiled pass over the two slots finds the
-    changed pairs and codes them as it goes (their bitmap, indices, ``k`` and raw bytes), then the
-    symbols and positions are coded from those pairs alone (``_delta_kernels``). None where more
+    changed pairs and codes them (their bitmap, indices, ``k`` and raw bytes: as it goes, or with
+    AVX2 alone from the changed pairs after it), then the symbols and positions are coded from
+    those pairs alone (``_delta_kernels``). None where more
     than ``most`` pairs changed. Its streams may be views of ``ws``: write them (``write``) before
     ``ws`` is used again."""
     from . import _delta_kernels as kernels
@@ -196,12 +197,12 @@ def encode_slots(
     at = ws.get("enc.at", pairs, _index_dtype(pairs))
     ks = ws.get("enc.k", pairs, np.uint8)
     raw = ws.get("enc.raw", PAIR * pairs + 64, np.uint8)
+    diffs = ws.get("enc.diffs", pairs + 8 if kernels.PERMUTE else 0, np.uint32)
     bitmap = ws.get("enc.bitmap", -(-pairs // 64), np.uint64)
     tables = np.zeros((3, geo.nchunks + 1), np.uint32)
-    a, b = prev[:whole].view(np.uint32), cur[:whole].view(np.uint32)
-    n = kernels.scan(
-        a, b, tail_a, tail_b, int(whole < size), most, CHUNK_PAIRS // 64, bitmap, at, ks, raw, tables[0], tables[2]
-    )
+    a, b, tail = prev[:whole].view(np.uint32), cur[:whole].view(np.uint32), int(whole < size)
+    ptab, rtab = tables[0], tables[2]
+    n = kernels.scan(a, b, tail_a, tail_b, tail, most, CHUNK_PAIRS // 64, bitmap, at, ks, diffs, raw, ptab, rtab)
     if n < 0:
         return None
     lb, dictionary, high, low, sym, esc = _streams(n, geo, ws, bitmap.view(np.uint8)[: -(-pairs // 8)])
