@@ -224,10 +224,11 @@ class Fetcher:
         return Own(a, n, time.monotonic() - t0, None)
 
     def rest(self, a: Attempt, missing: Ranges) -> tuple[Attempt, PullResult | None, int]:
-        """What peers did not bring: as deltas too where they can be used (deltas hold the new words,
-        so bytes a peer brought already stay right; bytes a failed peer read left wrong fail the
-        check and are read again), else in full. Returns the attempt, the delta pull's result (None:
-        read in full) and the bytes read in full."""
+        """What peers did not bring: as deltas too where they can be used, else in full. The deltas
+        are read for ``missing`` widened to whole checksum chunks, and they are byte differences: a
+        byte a peer brought inside such a chunk gets its difference again, and like a byte a failed
+        peer's read left wrong it fails the check and its chunk is read again. Returns the attempt,
+        the delta pull's result (None: read in full) and the bytes read in full."""
         plan = self.plan(a, missing)
         done = self.deltas(plan, a) if plan is not None else None
         if done is not None:
