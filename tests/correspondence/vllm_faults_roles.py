@@ -151,6 +151,7 @@ def engine(ckpt: str, out: str) -> None:
         res["start_version"] = up.version
         (res["digests_1"],) = llm.collective_rpc("wbridge_digests")
         res["verify_1"] = up.verify()
+        res["plan"] = llm.collective_rpc("wbridge_commit_plan")[0]  # (which layers run repacked kernels here)
         # an engine held back one version: v2 staged by the watcher, not committed
         v = trainer.publish()
         deadline = time.monotonic() + 60
