@@ -151,7 +151,7 @@ class DeltaSub:
             registered[name + ".again"] = (t.clone(), decl)
         self.sub.register(registered)
 
-    def pull(self, min_version: int | None = None, timeout: float = 30.0) -> dict:
+    def pull(self, min_version: int | None = None, timeout: float = 60.0) -> dict:
         before = sum(link.reads for link in self.links)
         v = self.sub.pull(min_version=min_version, timeout=timeout)
         last = self.sub.stats.last

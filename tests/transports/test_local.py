@@ -143,10 +143,11 @@ def test_adjacent_reads_are_coalesced(pair):
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux) to drop CAP_SYS_PTRACE")
 @pytest.mark.parametrize("method, match", [("vm", "EPERM"), ("auto", "ptrace access check failed")])
+@pytest.mark.timeout(150)  # (two processes that import torch: 20-35 s each on a loaded 2-core host)
 def test_kernel_refusal_is_a_clear_error(method, match):
     """A reader without ptrace rights over the publisher gets a TransportError that says to use tcp."""
     regions = [{"size": 4096, "seed": 1}]
-    with Peer("local", regions, token="t", dumpable=False, timeout=20) as p:
+    with Peer("local", regions, token="t", dumpable=False, timeout=60) as p:
         denied = run_client(
             "local",
             p.endpoint,
@@ -154,7 +155,7 @@ def test_kernel_refusal_is_a_clear_error(method, match):
             regions,
             token="t",
             options={"method": method},
-            timeout=20,
+            timeout=60,
             wrap=["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"],
         )
         if "setpriv" in denied.stderr and "TransportError" not in denied.stderr:
