@@ -55,7 +55,7 @@ The trainer's threads: this script sets ``OMP_WAIT_POLICY=PASSIVE`` (unless it i
 for itself and the subscriber processes, so torch's idle OpenMP threads sleep. By default each
 spins for some 10 ms after every parallel op (the baseline publisher's cast into bf16, say), and
 here, where trainer and subscribers share two cores, that spin took one of them from the delta
-subscriber whenever its pull came right after the baseline's publish: in half the steps, 7-10 ms
+subscriber whenever its pull came right after the baseline's publish: in half the steps, 2.4-9.6 ms
 of the trainer's CPU during a 12 ms call of a 4 ms pull (0.6-1.1 ms with the threads asleep). With
 ``--link`` the two sides stand for hosts in two clusters, whose CPUs such a spin would not share.
 
