@@ -16,8 +16,8 @@ Encoding:
   dictionary), ``symbols`` (4-bit symbols, escapes, the escape table) and ``positions``
   (Elias-Fano ``high`` and ``low``, or a bitmap where the scan made none).
 - ``code``: the changed pairs a GPU's scan found (indices and byte differences): ``codes`` (each
-  pair's ``k``) and ``raws`` (the raw stream and table: only the pairs with a raw byte visited),
-  then ``finish``.
+  pair's ``k``) and ``raws`` (the raw stream and table: 8 pairs at a time with AVX2, else only
+  the pairs with a raw byte visited), then ``finish``.
 
 Decoding (a run of chunks, from its stream pieces):
 
@@ -257,18 +257,25 @@ def _raw8(typingctx, diffs, i, table, raw, o, keep):
 
 
 @njit(inline="always")
-def _raws_packed(diffs, ptab, raw, rtab):
-    """``raws`` from the changed pairs' byte differences ``diffs`` alone (as many as ``ptab``'s
-    total, and room for eight more), eight pairs at a time (``_raw8``), chunk by chunk."""
+def _raws_packed(ks, diffs, ptab, raw, rtab):
+    """``raws`` eight pairs at a time (``_raw8``), chunk by chunk; the last pairs of ``diffs``
+    that are fewer than eight, one by one."""
+    n = len(diffs)
     o = 0
     for c in range(len(ptab) - 1):
         rtab[c] = o
         i, end = np.int64(ptab[c]), np.int64(ptab[c + 1])
-        while i < end:
+        while i < end and i + 8 <= n:
             keep = (np.int64(1) << (4 * min(end - i, 8))) - 1
             o += _raw8(diffs, i, _PACK_BYTES, raw, o, keep)
             i += 8
+        for p in range(i, end):  # (the last few pairs: ``_raw8`` would read past them)
+            d, k = np.uint64(diffs[p]), ks[p]
+            for j in range(4):
+                raw[o] = (d >> np.uint64(8 * j)) & _FF
+                o += np.int64((k >> (2 * j)) & (k >> (2 * j + 1)) & 1)
     rtab[len(rtab) - 1] = o
+    return o
 
 
 @intrinsic
@@ -373,11 +380,11 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, diff
     changed ones stored (``_compact``, no branch); where it permutes them (``PERMUTE``), 8 at a
     time are compared and the changed ones' indices and byte differences stored (``_pack8``, no
     branch; ``diffs``), and after the pass their ``k`` (``codes``) and raw bytes and table
-    (``_raws_packed``) come from those; elsewhere the 64 are compared into the word, their
+    (``raws``) come from those; elsewhere the 64 are compared into the word, their
     differences computed alongside (vectorised), then only its set bits are walked. Returns the
     changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and ``ks`` hold
-    room for every pair, ``diffs`` (uint32; used only with ``PERMUTE``) for every pair and 8 more,
-    ``raw`` for 4 bytes a pair and 64 more."""
+    room for every pair, ``diffs`` (uint32; used only with ``PERMUTE``) for every pair too, ``raw``
+    for 4 bytes a pair and 64 more."""
     full = a.shape[0]
     pairs = full + has_tail
     n = 0
@@ -446,7 +453,7 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, diff
     ptab[len(ptab) - 1] = n
     if PERMUTE:  # the codes and raw bytes, from the changed pairs' differences alone
         codes(diffs[:n], ks[:n])
-        _raws_packed(diffs, ptab, raw, rtab)
+        raws(ks[:n], diffs[:n], ptab, raw, rtab)
     else:
         rtab[len(rtab) - 1] = o
     return n
@@ -570,9 +577,12 @@ def symbols(ks, lut, escape, ptab, sym, esc, etab):
 @_inner
 def raws(ks, diffs, ptab, raw, rtab):
     """The raw stream (the byte differences of bytes coded 3, pair then byte order) and table
-    (``rtab``: raw bytes before each chunk's first pair, ``ptab``): 64 pairs' ``k`` tested into a
-    mask word, then only the pairs with a raw byte visited. Returns the raw bytes; ``raw`` holds
-    room for four more than that."""
+    (``rtab``: raw bytes before each chunk's first pair, ``ptab``): where the CPU permutes bytes
+    (``PERMUTE``), eight pairs at a time (``_raws_packed``); elsewhere 64 pairs' ``k`` tested into
+    a mask word, then only the pairs with a raw byte visited. Returns the raw bytes; ``raw`` holds
+    room for 32 more than that."""
+    if PERMUTE:
+        return _raws_packed(ks, diffs, ptab, raw, rtab)
     n = len(ks)
     o = 0
     c = 0

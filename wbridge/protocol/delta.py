@@ -184,9 +184,8 @@ def encode_slots(
     short last pair compared padded with zeros): one compiled pass over the two slots finds the
     changed pairs and codes them (their bitmap, indices, ``k`` and raw bytes: as it goes, or with
     AVX2 alone from the changed pairs after it), then the symbols and positions are coded from
-    those pairs alone (``_delta_kernels``). None where more
-    than ``most`` pairs changed. Its streams may be views of ``ws``: write them (``write``) before
-    ``ws`` is used again."""
+    those pairs alone (``_delta_kernels``). None where more than ``most`` pairs changed. Its
+    streams may be views of ``ws``: write them (``write``) before ``ws`` is used again."""
     from . import _delta_kernels as kernels
 
     ws = ws or Workspace()
@@ -197,7 +196,7 @@ def encode_slots(
     at = ws.get("enc.at", pairs, _index_dtype(pairs))
     ks = ws.get("enc.k", pairs, np.uint8)
     raw = ws.get("enc.raw", PAIR * pairs + 64, np.uint8)
-    diffs = ws.get("enc.diffs", pairs + 8 if kernels.PERMUTE else 0, np.uint32)
+    diffs = ws.get("enc.diffs", pairs if kernels.PERMUTE else 0, np.uint32)
     bitmap = ws.get("enc.bitmap", -(-pairs // 64), np.uint64)
     tables = np.zeros((3, geo.nchunks + 1), np.uint32)
     a, b, tail = prev[:whole].view(np.uint32), cur[:whole].view(np.uint32), int(whole < size)
@@ -237,7 +236,7 @@ def encode(pairs_at: np.ndarray, diffs: np.ndarray, geo: Geometry, ws: Workspace
     values = np.ascontiguousarray(diffs, dtype=np.uint8).reshape(-1).view(np.uint32)
     n = len(at)
     lb, dictionary, high, low, sym, esc = _streams(n, geo, ws, None)
-    ks, raw = ws.get("enc.k", n, np.uint8), ws.get("enc.raw", PAIR * n + PAIR, np.uint8)
+    ks, raw = ws.get("enc.k", n, np.uint8), ws.get("enc.raw", PAIR * n + 32, np.uint8)
     step = max(1, n // 65536)
     ne, nraw = kernels.code(at, values, lb, step, SAME, ESCAPE, ks, dictionary, tables, sym, esc, raw, high, low)
     return Encoded(lb, dictionary, tables, (high, low, sym, esc[:ne], raw[:nraw]))
