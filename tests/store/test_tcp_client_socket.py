@@ -5,13 +5,16 @@ probe), are never taken for it."""
 
 from __future__ import annotations
 
+import datetime
 import socket
 import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from wbridge.store import TcpStore
+from wbridge.store.tcp import _bounded_tcpstore
 
 
 @pytest.mark.timeout(240)
@@ -56,4 +59,33 @@ def test_clients_connecting_beside_other_connections_to_the_port_wait_on_their_o
         stop.set()
         for t in probes:  # before the store closes: a probe connecting after that is refused
             t.join(10)
+        host.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_opened_during_the_handshake_is_not_taken_for_the_client() -> None:
+    # The overlap made certain rather than left to timing: the probe connects inside the client's
+    # connect, and is still open when the client's socket is looked for.
+    host = TcpStore("127.0.0.1", 0, is_host=True, connect_timeout=30)
+    probes: list[socket.socket] = []
+
+    def make() -> object:
+        store = dist.TCPStore("127.0.0.1", host.port, None, False, timeout=datetime.timedelta(seconds=10))
+        probes.append(socket.create_connection(("127.0.0.1", host.port), timeout=5))
+        return store
+
+    try:
+        store, socks = _bounded_tcpstore(make, host.port, 10.0)
+        try:
+            assert len(socks) == 1
+            assert socks[0].getsockname()[1] != probes[0].getsockname()[1], "the probe's socket was taken"
+            store.set("k", b"v")  # through the client whose socket was found
+            assert host.get("k") == b"v"
+        finally:
+            for s in socks:
+                s.close()
+            del store
+    finally:
+        for p in probes:
+            p.close()
         host.close()

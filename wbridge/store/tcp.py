@@ -63,8 +63,8 @@ def _probe(host: str, port: int, timeout: float, settle: float = 0.0) -> None:
 
 
 class _Ambiguous(RuntimeError):
-    """A new TCPStore client whose socket could not be told apart from another new one (the connect
-    is made again)."""
+    """A new TCPStore client whose socket could not be told apart from another new one that also
+    received data (the connect is made again)."""
 
 
 def _socket_inodes() -> dict[str, int]:
@@ -88,7 +88,8 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
     timeout it is given: a hung server (stopped, its kernel still accepting) held a reconnect for
     minutes, so ``make()`` runs on a thread of its own and, past ``timeout``, its new sockets are
     shut down under it (the handshake then fails at once). Sockets are matched by inode, not fd
-    number, because fd numbers are reused.
+    number, because fd numbers are reused. Where another part of the process opened a connection to
+    the port meanwhile (a health probe), the client's socket is the new one that has received data.
     """
     if not _CONNECT_LOCK.acquire(timeout=max(timeout, 0.01)):
         raise StoreError(f"store port {port}: another connect held this process for {timeout:.1f}s")
@@ -116,6 +117,8 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
             raise box["error"]
         store = box["store"]
         socks = _new_sockets(before, port)
+        if len(socks) > 1:  # others opened beside it: the client's is the one its handshake spoke on
+            socks = _keep(socks, _answered)
     finally:
         _CONNECT_LOCK.release()
     if len(socks) != 1:
@@ -124,7 +127,7 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
         del store  # its own socket closes with it
         raise _Ambiguous(
             f"cannot tell the TCPStore client socket to port {port} apart: {len(socks)} new sockets to that "
-            f"port (another part of this process connected to the store at the same moment)"
+            f"port that received data (another part of this process spoke to the store at the same moment)"
         )
     for s in socks:
         _set_timeouts(s, timeout)
@@ -153,6 +156,34 @@ def _new_sockets(before: dict[str, int], port: int) -> list[socket.socket]:
             pass
         s.close()
     return socks
+
+
+# ``struct tcp_info`` (linux/tcp.h): ``tcpi_bytes_received``, a u64 at this offset (Linux 4.1 and later).
+_TCPI_BYTES_RECEIVED = 128
+
+
+def _answered(s: socket.socket) -> bool:
+    """Whether ``s`` has received any data, or the kernel cannot say. A TCPStore client has: its
+    constructor's last step is a ping the server answers. A connection that was only opened (a health
+    probe) has not."""
+    try:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_BYTES_RECEIVED + 8)
+    except OSError:
+        return True
+    if len(info) < _TCPI_BYTES_RECEIVED + 8:
+        return True
+    return struct.unpack_from("Q", info, _TCPI_BYTES_RECEIVED)[0] > 0
+
+
+def _keep(socks: list[socket.socket], test: Callable[[socket.socket], bool]) -> list[socket.socket]:
+    """The sockets of ``socks`` that pass ``test``; the others are closed (they are duplicates)."""
+    kept = []
+    for s in socks:
+        if test(s):
+            kept.append(s)
+        else:
+            s.close()
+    return kept
 
 
 @contextlib.contextmanager
