@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import secrets
 import socket
 import time
 from collections.abc import Iterator
@@ -98,10 +99,39 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.n
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for tests, demos and benchmarks that start servers)."""
+    """A TCP port free on ``host`` right now (for tests, demos and benchmarks that start servers).
+
+    Picked at random below the kernel's ephemeral range where that range leaves room: a port the
+    kernel handed out (``bind`` to port 0) stays in the range it hands out to every outgoing
+    connection and port-0 listener on the machine, and one of those took such a port before its
+    server bound it (``EADDRINUSE``) while a loaded test suite connected all around. Random per
+    call, not per process: forked processes share ``random``'s state."""
+    low = _ephemeral_low()
+    if low >= 2 * _LOWEST_PICKED:
+        for _ in range(64):
+            port = _LOWEST_PICKED + secrets.randbelow(low - _LOWEST_PICKED)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# The lowest port ``free_port`` picks (services' well-known and registered ports lie mostly below).
+_LOWEST_PICKED = 10000
+
+
+def _ephemeral_low() -> int:
+    """The low end of the kernel's ephemeral port range (0 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def time_left(deadline: float, kind: str, label: str, what: str) -> float:
