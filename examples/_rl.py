@@ -1,7 +1,8 @@
-"""What the plain-vLLM RL examples share (not an example itself): their command line, their
-processes and their ``result.json``.
+"""What the RL examples share (not an example itself): the plain-vLLM examples' command line,
+processes and ``result.json``; every example's wait for its processes' results.
 
-``examples/vllm_async_rl.py`` and ``examples/lora_async_rl.py`` import it: ``python examples/X.py``
+``examples/vllm_async_rl.py`` and ``examples/lora_async_rl.py`` import it, and
+``examples/sglang_async_rl.py`` its ``free_port`` and ``next_result``: ``python examples/X.py``
 puts ``examples/`` first on ``sys.path``, and the processes it starts inherit that path.
 """
 
@@ -11,9 +12,14 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import secrets
-import socket
-from collections.abc import Callable
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+from wbridge.testing.demo import free_port  # a port below the range the kernel hands out
 
 
 def command_line(
@@ -38,11 +44,21 @@ def write_result(out_dir: str | None, result: dict) -> None:
             json.dump(result, f)
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def next_result(results, procs: Sequence, timeout: float) -> tuple:
+    """The next item put on ``results`` within ``timeout`` s. A process of ``procs`` that exits with
+    an error ends the wait at once (``RuntimeError`` naming it; its traceback is in the output): the
+    others would wait for it until their own timeouts (gloo's rendezvous, 30 minutes)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+        failed = [f"{p.name} (exit code {p.exitcode})" for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"{', '.join(failed)} ended with an error; its traceback is above")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no result within {timeout:.0f}s")
 
 
 def run_procs(trainer: Callable, rollout: Callable, args, timeout: float, train_timeout: float) -> tuple[dict, list]:
@@ -50,33 +66,40 @@ def run_procs(trainer: Callable, rollout: Callable, args, timeout: float, train_
     from one server process that imported torch, wbridge and vLLM once (``forkserver``): a process
     spawned afresh imports them itself, about 8 CPU-seconds for a rollout.
 
-    ``trainer(rank, args, ports, token, started, results, done)``: ``ports`` is (the store's, the
-    gloo rendezvous'); it puts ``("trainer", rank, {"published": [versions], ...})`` on ``results``,
-    then stays until ``done`` is set (rank 0 hosts the store).
-    ``rollout(i, args, store_port, token, started, stop, last, results)``: generates until ``stop``
+    ``trainer(rank, args, where, token, started, results, done)``: ``where`` is (the store's URL,
+    the gloo rendezvous' ``init_method``: a file, no port to race for); it puts ``("trainer", rank,
+    {"published": [versions], ...})`` on ``results``, then stays until ``done`` is set (rank 0
+    hosts the store).
+    ``rollout(i, args, store, token, started, stop, last, results)``: generates until ``stop``
     is set, then updates to version ``last.value`` and puts ``("rollout", i, result)``.
     ``started`` is a barrier of all four. ``train_timeout`` bounds the wait for the trainers'
-    results, ``timeout`` every other wait. Returns trainer rank 0's result and the rollouts' results.
+    results, ``timeout`` every other wait; a process that fails ends the run (``next_result``).
+    Returns trainer rank 0's result and the rollouts' results.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "wbridge", "vllm.entrypoints.llm", "vllm.v1.engine.async_llm"])
-    ports, token = (free_port(), free_port()), secrets.token_hex(16)
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="wbridge-example-"), "gloo")
+    where, token = (f"tcp://127.0.0.1:{free_port()}", f"file://{rendezvous}"), secrets.token_hex(16)
     started, stop, done, last, results = ctx.Barrier(4), ctx.Event(), ctx.Event(), ctx.Value("i", 0), ctx.Queue()
-    procs = [ctx.Process(target=trainer, args=(r, args, ports, token, started, results, done)) for r in range(2)]
+    procs = [
+        ctx.Process(target=trainer, args=(r, args, where, token, started, results, done), name=f"trainer {r}")
+        for r in range(2)
+    ]
     procs += [
-        ctx.Process(target=rollout, args=(i, args, ports[0], token, started, stop, last, results)) for i in range(2)
+        ctx.Process(target=rollout, args=(i, args, where[0], token, started, stop, last, results), name=f"rollout {i}")
+        for i in range(2)
     ]
     for p in procs:
         p.start()
     try:
         got: dict = {}
         while len(got) < 2:
-            kind, i, value = results.get(timeout=train_timeout)
+            kind, i, value = next_result(results, procs, train_timeout)
             got[(kind, i)] = value
         last.value = got[("trainer", 0)]["published"][-1]
         stop.set()
         while len(got) < 4:
-            kind, i, value = results.get(timeout=timeout)
+            kind, i, value = next_result(results, procs, timeout)
             got[(kind, i)] = value
         done.set()
         for p in procs:
@@ -85,4 +108,5 @@ def run_procs(trainer: Callable, rollout: Callable, args, timeout: float, train_
         for p in procs:
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(os.path.dirname(rendezvous), ignore_errors=True)
     return got[("trainer", 0)], [got[("rollout", i)] for i in range(2)]

@@ -38,14 +38,14 @@ TIMEOUT = 300.0
 CHANNEL = "policy-lora"
 
 
-def trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int], token: str, started, results, done) -> None:
+def trainer(rank: int, args: argparse.Namespace, where: tuple[str, str], token: str, started, results, done) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from wbridge.testing.lora import Trainer, full_adapter, peft_model
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=where[1], rank=rank, world_size=2)
     model = peft_model(args.base, seed=0)  # the frozen base from its checkpoint, a rank-8 adapter
     mesh = init_device_mesh("cpu", (2,))
     for layer in model.base_model.model.model.layers:
@@ -53,7 +53,7 @@ def trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int], token: 
     fully_shard(model, mesh=mesh)  # adapter (and base) parameters are now DTensor row shards
     step = Trainer(model, lr=args.lr, seed=1000 + rank)  # AdamW on the adapter
     lora = from_peft(model)  # wbridge: this rank's A/B shards, the adapter config as metadata
-    pub = Publisher(CHANNEL, f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2, host_store=rank == 0,  # wbridge
+    pub = Publisher(CHANNEL, where[0], rank=rank, world_size=2, host_store=rank == 0,  # wbridge
                     token=token, mode=Async(max_staleness=2), staging=Staging())  # wbridge  # fmt: skip
     lora.register(pub)  # wbridge
     published = [pub.publish(timeout=TIMEOUT)]  # wbridge: v1, the initial adapter
@@ -106,12 +106,12 @@ async def greedy(llm, lora_request) -> list[dict]:
     return out
 
 
-async def serve(i: int, args: argparse.Namespace, store_port: int, token: str, started, stop, last) -> dict:
+async def serve(i: int, args: argparse.Namespace, store: str, token: str, started, stop, last) -> dict:
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     llm = engine(args.base)
-    lora = AsyncVLLMLoRAUpdater(llm, CHANNEL, f"tcp://127.0.0.1:{store_port}", token=token, timeout=TIMEOUT)  # wbridge
+    lora = AsyncVLLMLoRAUpdater(llm, CHANNEL, store, token=token, timeout=TIMEOUT)  # wbridge
     await lora.start()  # wbridge: subscribes the workers and installs the first version
     await asyncio.to_thread(started.wait, TIMEOUT)
     completions: list = []
@@ -144,8 +144,8 @@ def wait_path(path: str) -> None:
         time.sleep(0.05)
 
 
-def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, started, stop, last, results) -> None:
-    results.put(("rollout", i, asyncio.run(serve(i, args, store_port, token, started, stop, last))))
+def rollout(i: int, args: argparse.Namespace, store: str, token: str, started, stop, last, results) -> None:
+    results.put(("rollout", i, asyncio.run(serve(i, args, store, token, started, stop, last))))
 
 
 def main() -> None:

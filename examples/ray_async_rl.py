@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -56,7 +55,7 @@ def greedy(llm) -> list[int]:
 
 
 class Trainer:
-    def __init__(self, ch, rank: int, world: int, ckpt: str, dist_port: int) -> None:
+    def __init__(self, ch, rank: int, world: int, ckpt: str, rendezvous: str) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -65,7 +64,7 @@ class Trainer:
 
         from wbridge.integrations.dtensor import from_module  # wbridge
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
         self.rank, self.model = rank, Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
         mesh = init_device_mesh("cpu", (world,))
         for layer in self.model.model.layers:
@@ -217,11 +216,10 @@ def run(args: argparse.Namespace, work: str) -> None:
     trainers, rollouts, ch = [], [], None
     try:
         ch = host_channel("policy")  # wbridge: the store, in an actor of its own
-        with socket.socket() as s:  # the trainers' gloo rendezvous (all nodes are this machine)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        # the trainers' gloo rendezvous: a file (all nodes are this machine), no port to race for
+        gloo = f"file://{os.path.join(tempfile.mkdtemp(prefix='gloo-', dir=work), 'rendezvous')}"
         on = lambda i: {"resources": {f"node{i}": 1}}  # one trainer and one rollout per node
-        trainers = [ray.remote(Trainer).options(num_cpus=1, **on(r)).remote(ch, r, 2, ckpt, port) for r in range(2)]
+        trainers = [ray.remote(Trainer).options(num_cpus=1, **on(r)).remote(ch, r, 2, ckpt, gloo) for r in range(2)]
         ray.get([t.__ray_ready__.remote() for t in trainers])
         rollouts = [
             ray.remote(Rollout)

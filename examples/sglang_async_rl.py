@@ -22,21 +22,16 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
+
+from _rl import free_port, next_result  # examples/_rl.py: what the examples share
 
 CHANNEL, TOKEN = "policy", "example-token"
 PROMPT = [11, 42, 7, 99, 3, 58, 21, 5]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def trainer(rank: int, world: int, ckpt: str, store: str, dist_port: int, args: dict, go, done, results) -> None:
+def trainer(rank: int, world: int, ckpt: str, store: str, rendezvous: str, args: dict, go, done, results) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -46,7 +41,7 @@ def trainer(rank: int, world: int, ckpt: str, store: str, dist_port: int, args: 
     from wbridge import Async, Publisher  # wbridge
     from wbridge.integrations.dtensor import from_module  # wbridge
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     model = Qwen2ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
@@ -158,38 +153,40 @@ def run(args: argparse.Namespace, work: str) -> dict:
     go, done, stop = ctx.Event(), ctx.Event(), ctx.Event()
     up, results = ctx.Queue(), ctx.Queue()
     final_version = ctx.Value("i", 0)
-    store, dist_port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    store, rendezvous = f"tcp://127.0.0.1:{free_port()}", f"file://{os.path.join(work, 'gloo')}"
     targs = {"steps": args.steps, "interval": args.interval, "work": work}
     procs = [
-        ctx.Process(target=trainer, args=(r, 2, ckpt, store, dist_port, targs, go, done, results)) for r in range(2)
+        ctx.Process(target=trainer, args=(r, 2, ckpt, store, rendezvous, targs, go, done, results), name=f"trainer {r}")
+        for r in range(2)
     ]
     rargs = (ckpt, store, args.pause, up, stop, final_version, results)
-    procs += [ctx.Process(target=rollout, args=(i, *rargs)) for i in range(2)]
+    procs += [ctx.Process(target=rollout, args=(i, *rargs), name=f"rollout {i}") for i in range(2)]
     for p in procs:
         p.start()
     try:
         for _ in range(2):
-            up.get(timeout=300)
+            next_result(up, procs, 300)
         t0 = time.time()
         go.set()
         got = {}
         for _ in range(2):
-            kind, idx, value = results.get(timeout=300 + args.steps * args.interval)
+            kind, idx, value = next_result(results, procs, 300 + args.steps * args.interval)
             got[(kind, idx)] = value
         train_s = time.time() - t0
         final_version.value = got[("trainer", 0)][-1][0]
         stop.set()
         for _ in range(2):
-            kind, idx, value = results.get(timeout=300)
+            kind, idx, value = next_result(results, procs, 300)
             got[(kind, idx)] = value
         done.set()
         for p in procs:
             p.join(60)
         reference = None
         if args.check:
-            procs.append(ctx.Process(target=reference_engine, args=(os.path.join(work, "final"), results)))
+            final = os.path.join(work, "final")
+            procs.append(ctx.Process(target=reference_engine, args=(final, results), name="reference engine"))
             procs[-1].start()
-            reference = results.get(timeout=300)[2]
+            reference = next_result(results, procs, 300)[2]
             procs[-1].join(60)
     finally:
         done.set()

@@ -51,21 +51,21 @@ def greedy(llm) -> list[int]:
     return list(llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int], token: str, started, results, done) -> None:
+def trainer(rank: int, args: argparse.Namespace, where: tuple[str, str], token: str, started, results, done) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen2ForCausalLM
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=where[1], rank=rank, world_size=2)
     model = Qwen2ForCausalLM.from_pretrained(args.ckpt, torch_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (2,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)  # parameters are now DTensor row shards (fp32 masters)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    store = f"tcp://127.0.0.1:{ports[0]}"
+    store = where[0]
     pub = Publisher("policy", store, rank=rank, world_size=2, host_store=rank == 0, token=token,  # wbridge
                     mode=Async(max_staleness=1), staging=Staging(delta=Delta()))  # wbridge  # fmt: skip
     pub.register(from_module(model), dtype=torch.bfloat16)  # wbridge: fp32 shards -> bf16
@@ -93,11 +93,11 @@ def trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int], token: 
     dist.destroy_process_group()
 
 
-def rollout(i: int, args: argparse.Namespace, store_port: int, token: str, started, stop, last, results) -> None:
+def rollout(i: int, args: argparse.Namespace, store: str, token: str, started, stop, last, results) -> None:
     from vllm import SamplingParams
 
     llm = engine(args.ckpt)
-    updater = VLLMUpdater(llm, "policy", f"tcp://127.0.0.1:{store_port}", token=token, timeout=TIMEOUT)  # wbridge
+    updater = VLLMUpdater(llm, "policy", store, token=token, timeout=TIMEOUT)  # wbridge
     started.wait(TIMEOUT)
     sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": PROMPT[: 4 + k]} for k in range(2)]
