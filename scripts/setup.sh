@@ -92,3 +92,26 @@ if [ "${WBRIDGE_SKIP_SGLANG:-0}" != 1 ] && stale .venv-sglang; then
   .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23 torchvision==0.28.0
   stamp .venv-sglang
 fi
+
+# The delta codec's kernels (numba), compiled once here into the checkout's cache, per numba
+# version (wbridge/protocol/__pycache__/numba-<version>): else, in a fresh checkout, every test
+# process that starts a delta before the first one has written the cache compiles them itself
+# (about 10 CPU-seconds each; a clean-clone suite wrote them 50 s into its run). Done again when
+# the kernels' source changed (its hash in a stamp beside the cache).
+warm_kernels() {
+  local info ver stamp want_k
+  info=$(ls -d "$1"/lib/python3*/site-packages/numba-*.dist-info 2>/dev/null | head -1)
+  [ -n "$info" ] || return 0
+  ver=${info##*/numba-}
+  ver=${ver%.dist-info}
+  stamp="wbridge/protocol/__pycache__/numba-$ver/.wbridge-warm"
+  want_k=$(cat wbridge/protocol/_delta_kernels.py wbridge/protocol/delta.py | sha256sum | cut -c1-16)
+  [ "$(cat "$stamp" 2>/dev/null)" != "$want_k" ] || return 0
+  echo "setup: compiling the delta kernels for $1" >&2
+  PYTHONPATH=. "$1/bin/python" -c \
+    "from wbridge.protocol.delta import load_decoder, load_encoder; load_encoder(); load_decoder()"
+  echo "$want_k" 2>/dev/null > "$stamp" || true  # (no stamp where numba wrote no cache)
+}
+for v in .venv .venv-vllm .venv-sglang; do
+  if [ -x "$v/bin/python" ]; then warm_kernels "$v"; fi
+done
