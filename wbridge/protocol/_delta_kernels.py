@@ -9,15 +9,16 @@ Encoding:
   bytes appended; the pair and raw tables noted at each chunk start. With AVX-512 (``COMPRESS``)
   16 pairs at a time are compared and coded as vectors and the changed ones compacted into place
   (``_compact``); with AVX2 (``PERMUTE``) 8 at a time are compared and the changed ones' indices
-  and differences moved into place by a permute (``_pack8``), and the codes and raw bytes (8 pairs
-  at a time, ``_raw8``) come after the pass, from the changed pairs alone; elsewhere the word's
+  and differences moved into place by a permute (``_pack8``), and the codes and raw bytes come
+  after the pass, from the changed pairs alone (``coded``); elsewhere the word's
   differences are computed alongside its compares and only its set bits walked.
 - ``finish``: passes over the changed pairs' ``k`` alone: ``count`` (a sample's ``k``, for the
   dictionary), ``symbols`` (4-bit symbols, escapes, the escape table) and ``positions``
   (Elias-Fano ``high`` and ``low``, or a bitmap where the scan made none).
-- ``code``: the changed pairs a GPU's scan found (indices and byte differences): ``codes`` (each
-  pair's ``k``) and ``raws`` (the raw stream and table: 8 pairs at a time with AVX2, else only
-  the pairs with a raw byte visited), then ``finish``.
+- ``code``: the changed pairs a GPU's scan found (indices and byte differences): ``coded`` (each
+  pair's ``k``, and the raw stream and table: in one pass 8 pairs at a time with AVX2,
+  ``_raw8``; else ``codes``, then ``raws``, which visits only the pairs with a raw byte), then
+  ``finish``.
 
 Decoding (a run of chunks, from its stream pieces):
 
@@ -167,12 +168,18 @@ def _vector_diff(builder, x, y):
     )
 
 
-def _vector_raws(builder, d):
-    """Of a vector of pairs' byte differences (32-bit lanes), the top bit of each byte coded 3
-    (``_code``'s ``r`` before its shift)."""
-    h, l7, ones, seven_d = (ir.Constant(d.type, [int(v)] * d.type.count) for v in (_H, _L7, _ONES, _SEVEN_D))
+def _vector_code(builder, d):
+    """``_code`` of a vector of pairs' byte differences (32-bit lanes): each pair's ``k`` (in the
+    low byte of its lane) and the top bit of each byte coded 3 (``r`` before its shift)."""
+    h, l7, ones, seven_d, low2, spread = (
+        ir.Constant(d.type, [int(v)] * d.type.count) for v in (_H, _L7, _ONES, _SEVEN_D, _LOW2, _SPREAD)
+    )
     e = builder.xor(builder.add(builder.and_(d, l7), ones), builder.and_(d, h))  # byte-wise d + 1
-    return builder.and_(builder.or_(builder.add(builder.and_(e, l7), seven_d), e), h)
+    top = builder.and_(builder.or_(builder.add(builder.and_(e, l7), seven_d), e), h)
+    r = builder.lshr(top, ir.Constant(d.type, [7] * d.type.count))
+    c = builder.or_(builder.and_(e, low2), builder.or_(r, builder.shl(r, ir.Constant(d.type, [1] * d.type.count))))
+    # (the product's bits 18-25, k, are the same in 32 bits as in 64)
+    return builder.lshr(builder.mul(c, spread), ir.Constant(d.type, [18] * d.type.count)), top
 
 
 @intrinsic
@@ -212,12 +219,12 @@ def _pack8(typingctx, a, b, base, lanes, at, diffs, n):
 
 
 @intrinsic
-def _raw8(typingctx, diffs, i, table, raw, o, keep):
-    """Stores the raw bytes of the pairs ``diffs[i .. i + 7]`` (their byte differences, uint32:
-    the bytes coded 3, in pair then byte order) at ``raw[o]`` on, the bytes of each two pairs
-    moved to the front by one ``pshufb`` (``table``: ``_PACK_BYTES``); only the bytes of ``keep``
-    count (a mask: bit ``4 j + b`` for byte ``b`` of pair ``i + j``), and 32 bytes are stored
-    whatever. Returns how many count."""
+def _raw8(typingctx, diffs, i, table, raw, o, keep, ks):
+    """Codes the pairs ``diffs[i .. i + 7]`` (their byte differences, uint32): stores their ``k``
+    at ``ks[i]`` on, and their raw bytes (the bytes coded 3, in pair then byte order) at ``raw[o]``
+    on, the bytes of each two pairs moved to the front by one ``pshufb`` (``table``:
+    ``_PACK_BYTES``); only the raw bytes of ``keep`` count (a mask: bit ``4 j + b`` for byte ``b``
+    of pair ``i + j``), and 32 bytes are stored whatever. Returns how many count."""
 
     def codegen(context, builder, signature, args):
         def data(j):
@@ -226,9 +233,9 @@ def _raw8(typingctx, diffs, i, table, raw, o, keep):
         i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
         v16, bytes32, i64x2 = ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i64, 2)
         d = builder.load(_v8(builder, data(0), args[1]), align=4)
-        top = builder.icmp_signed(
-            "<", builder.bitcast(_vector_raws(builder, d), bytes32), ir.Constant(bytes32, [0] * 32)
-        )
+        k, top = _vector_code(builder, d)
+        builder.store(builder.trunc(k, ir.VectorType(i8, 8)), _v8(builder, data(6), args[1]), align=1)
+        top = builder.icmp_signed("<", builder.bitcast(top, bytes32), ir.Constant(bytes32, [0] * 32))
         raws = builder.and_(builder.zext(builder.bitcast(top, i32), i64), args[5])
         fnty = ir.FunctionType(v16, [v16, v16])
         pshufb = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
@@ -253,12 +260,12 @@ def _raw8(typingctx, diffs, i, table, raw, o, keep):
                 stored = builder.add(stored, _ctpop(builder, m))
         return stored
 
-    return types.int64(diffs, i, table, raw, o, keep), codegen
+    return types.int64(diffs, i, table, raw, o, keep, ks), codegen
 
 
 @njit(inline="always")
-def _raws_packed(ks, diffs, ptab, raw, rtab):
-    """``raws`` eight pairs at a time (``_raw8``), chunk by chunk; the last pairs of ``diffs``
+def _coded_packed(diffs, ks, ptab, raw, rtab):
+    """``coded`` eight pairs at a time (``_raw8``), chunk by chunk; the last pairs of ``diffs``
     that are fewer than eight, one by one."""
     n = len(diffs)
     o = 0
@@ -267,10 +274,12 @@ def _raws_packed(ks, diffs, ptab, raw, rtab):
         i, end = np.int64(ptab[c]), np.int64(ptab[c + 1])
         while i < end and i + 8 <= n:
             keep = (np.int64(1) << (4 * min(end - i, 8))) - 1
-            o += _raw8(diffs, i, _PACK_BYTES, raw, o, keep)
+            o += _raw8(diffs, i, _PACK_BYTES, raw, o, keep, ks)
             i += 8
         for p in range(i, end):  # (the last few pairs: ``_raw8`` would read past them)
-            d, k = np.uint64(diffs[p]), ks[p]
+            d = np.uint64(diffs[p])
+            k = _code(d)[0]
+            ks[p] = k
             for j in range(4):
                 raw[o] = (d >> np.uint64(8 * j)) & _FF
                 o += np.int64((k >> (2 * j)) & (k >> (2 * j + 1)) & 1)
@@ -379,8 +388,8 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, diff
     the CPU compacts vectors (``COMPRESS``), ``LANES`` pairs at a time are compared, coded and the
     changed ones stored (``_compact``, no branch); where it permutes them (``PERMUTE``), 8 at a
     time are compared and the changed ones' indices and byte differences stored (``_pack8``, no
-    branch; ``diffs``), and after the pass their ``k`` (``codes``) and raw bytes and table
-    (``raws``) come from those; elsewhere the 64 are compared into the word, their
+    branch; ``diffs``), and after the pass their ``k`` and raw bytes and table come from those
+    (``coded``); elsewhere the 64 are compared into the word, their
     differences computed alongside (vectorised), then only its set bits are walked. Returns the
     changed pairs, or -1 as soon as a chunk start finds more than ``most``. ``at`` and ``ks`` hold
     room for every pair, ``diffs`` (uint32; used only with ``PERMUTE``) for every pair too, ``raw``
@@ -452,8 +461,7 @@ def scan(a, b, tail_a, tail_b, has_tail, most, chunk_words, bitmap, at, ks, diff
         return -1
     ptab[len(ptab) - 1] = n
     if PERMUTE:  # the codes and raw bytes, from the changed pairs' differences alone
-        codes(diffs[:n], ks[:n])
-        raws(ks[:n], diffs[:n], ptab, raw, rtab)
+        coded(diffs[:n], ks[:n], ptab, raw, rtab)
     else:
         rtab[len(rtab) - 1] = o
     return n
@@ -575,14 +583,22 @@ def symbols(ks, lut, escape, ptab, sym, esc, etab):
 
 
 @_inner
+def coded(diffs, ks, ptab, raw, rtab):
+    """The changed pairs' ``k`` (``ks``) and raw stream and table (``raws``) from their byte
+    differences ``diffs``: where the CPU permutes bytes (``PERMUTE``), both in one pass, eight pairs
+    at a time (``_coded_packed``); elsewhere ``codes``, then ``raws``. Returns the raw bytes; ``raw``
+    holds room for 32 more than that."""
+    if PERMUTE:
+        return _coded_packed(diffs, ks, ptab, raw, rtab)
+    codes(diffs, ks)
+    return raws(ks, diffs, ptab, raw, rtab)
+
+
+@_inner
 def raws(ks, diffs, ptab, raw, rtab):
     """The raw stream (the byte differences of bytes coded 3, pair then byte order) and table
-    (``rtab``: raw bytes before each chunk's first pair, ``ptab``): where the CPU permutes bytes
-    (``PERMUTE``), eight pairs at a time (``_raws_packed``); elsewhere 64 pairs' ``k`` tested into
-    a mask word, then only the pairs with a raw byte visited. Returns the raw bytes; ``raw`` holds
-    room for 32 more than that."""
-    if PERMUTE:
-        return _raws_packed(ks, diffs, ptab, raw, rtab)
+    (``rtab``: raw bytes before each chunk's first pair, ``ptab``): 64 pairs' ``k`` tested into a
+    mask word, then only the pairs with a raw byte visited. Returns the raw bytes."""
     n = len(ks)
     o = 0
     c = 0
@@ -649,8 +665,7 @@ def code(at, diffs, lb, step, same, escape, ks, dictionary, tables, sym, esc, ra
     table (``tables[0]``), found elsewhere (a GPU's scan): their ``k`` (``ks``), raw bytes
     (``raw``) and raw table (``tables[2]``), then the rest as ``finish`` (``high`` made, a bitmap
     too). Returns ``(escapes, raw bytes)``."""
-    codes(diffs, ks)
-    nraw = raws(ks, diffs, tables[0], raw, tables[2])
+    nraw = coded(diffs, ks, tables[0], raw, tables[2])
     bitmap = lb == 0  # (a bool, not the constant True: the signature ``encode_slots`` compiled ``finish`` for)
     return finish(at, ks, lb, step, same, escape, dictionary, tables, sym, esc, high, low, bitmap), nraw
 
