@@ -98,6 +98,10 @@ def coalesce(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> tuple[np.n
     return dst[starts], src[starts], np.add.reduceat(nbytes, starts)
 
 
+# The lowest port ``free_port`` picks (services' well-known and registered ports lie mostly below).
+_LOWEST_PICKED = 10000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now (for tests, demos and benchmarks that start servers).
 
@@ -119,10 +123,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-# The lowest port ``free_port`` picks (services' well-known and registered ports lie mostly below).
-_LOWEST_PICKED = 10000
 
 
 def _ephemeral_low() -> int:
