@@ -118,7 +118,10 @@ def _bounded_tcpstore(make: Callable[[], object], port: int, timeout: float) -> 
         store = box["store"]
         socks = _new_sockets(before, port)
         if len(socks) > 1:  # others opened beside it: the client's is the one its handshake spoke on
-            socks = _keep(socks, _answered)
+            quiet = [s for s in socks if not _answered(s)]
+            socks = [s for s in socks if s not in quiet]
+            for s in quiet:
+                s.close()  # (duplicates)
     finally:
         _CONNECT_LOCK.release()
     if len(socks) != 1:
@@ -173,17 +176,6 @@ def _answered(s: socket.socket) -> bool:
     if len(info) < _TCPI_BYTES_RECEIVED + 8:
         return True
     return struct.unpack_from("Q", info, _TCPI_BYTES_RECEIVED)[0] > 0
-
-
-def _keep(socks: list[socket.socket], test: Callable[[socket.socket], bool]) -> list[socket.socket]:
-    """The sockets of ``socks`` that pass ``test``; the others are closed (they are duplicates)."""
-    kept = []
-    for s in socks:
-        if test(s):
-            kept.append(s)
-        else:
-            s.close()
-    return kept
 
 
 @contextlib.contextmanager
